@@ -1,0 +1,72 @@
+"""The composition root: ``create_app`` builds and wires every collaborator.
+
+Resources with a lifetime (the upstream ``ClientSession``, the prober task, drain tasks) live
+in ``cleanup_ctx``. At start-up every backend is probed once before the first request is
+served, then the prober runs in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from proxy.config import Settings
+from proxy.core.fleet import Fleet
+from proxy.handlers import ProxyHandlers
+from proxy.health import Prober
+from proxy.metrics import ProxyMetrics
+from proxy.middleware import make_middleware
+from proxy.scheduler import Scheduler
+from proxy.upstream import ROUTES, LlamaServerClient
+
+HANDLERS = web.AppKey("handlers", ProxyHandlers)
+PROBER = web.AppKey("prober", Prober)
+METRICS = web.AppKey("metrics", ProxyMetrics)
+SCHEDULER = web.AppKey("scheduler", Scheduler)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    registry: CollectorRegistry | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    probe_loop: bool = True,
+) -> web.Application:
+    metrics = ProxyMetrics(registry or CollectorRegistry())
+    fleet = Fleet([b.label for b in settings.backends])
+    scheduler = Scheduler(fleet, settings.queue, metrics, clock)
+    handlers = ProxyHandlers(settings, scheduler, metrics, clock)
+
+    app = web.Application(
+        client_max_size=settings.max_body_bytes, middlewares=[make_middleware(metrics, clock)]
+    )
+    app[HANDLERS], app[METRICS], app[SCHEDULER] = handlers, metrics, scheduler
+    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/readyz", handlers.readyz)
+    app.router.add_get("/metrics", handlers.metrics)
+    for path, route in ROUTES.items():
+        app.router.add_route(route.method, path, handlers.forward)
+
+    async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            client = LlamaServerClient(session, settings.timeouts)
+            prober = Prober(settings, client, scheduler, metrics, clock)
+            handlers.client, handlers.prober, app[PROBER] = client, prober, prober
+            await prober.probe_all()
+            task = asyncio.create_task(prober.run()) if probe_loop else None
+            yield
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await prober.close()
+
+    app.cleanup_ctx.append(upstream_ctx)
+    return app

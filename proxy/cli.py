@@ -1,0 +1,79 @@
+"""Command line: ``llama-cache-proxy serve`` (and ``bench``).
+
+Flags, ``LLAMA_CACHE_PROXY_*`` environment variables and a YAML/TOML config file all feed the
+one settings tree (``proxy.config``); a bad value prints one line naming the field and the
+process exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from proxy import __version__
+from proxy.app import create_app
+from proxy.config import ConfigError, Settings, load_settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llama-cache-proxy")
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the proxy")
+    serve.add_argument("--backend", action="append", dest="backends", metavar="URL",
+                       help="llama-server base URL; repeat for several")  # fmt: skip
+    serve.add_argument("--listen", help="host:port (default 127.0.0.1:8000)")
+    serve.add_argument("--redis-url", help="shared state in Redis; omit for embedded state")
+    serve.add_argument("--config", type=Path, help="YAML or TOML config file")
+    serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Settings:
+    cli: dict[str, Any] = {
+        "backends": args.backends,
+        "listen": args.listen,
+        "redis_url": args.redis_url,
+        "log_level": args.log_level,
+    }
+    return load_settings(cli=cli, environ=environ, config_file=args.config)
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args, dict(os.environ))
+    except ConfigError as exc:
+        print(f"llama-cache-proxy: {exc}", file=sys.stderr)
+        return 2
+    _configure_logging(settings.log_level)
+    logging.getLogger(__name__).info(
+        "listening on %s, backends=%s, state=%s",
+        settings.listen,
+        ",".join(b.base_url for b in settings.backends),
+        "redis" if settings.redis_url else "embedded",
+    )
+    web.run_app(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        handler_cancellation=True,
+        access_log=None,
+        print=None,
+    )
+    return 0

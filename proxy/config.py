@@ -1,0 +1,212 @@
+"""The one settings tree: typed, validated, immutable.
+
+Settings come from three sources, merged in this order (later wins):
+
+1. a YAML or TOML config file (``--config FILE`` or ``LLAMA_CACHE_PROXY_CONFIG``),
+2. environment variables ``LLAMA_CACHE_PROXY_<FIELD>``; nested fields use ``__``
+   (``LLAMA_CACHE_PROXY_QUEUE__MAX_WAITING=64``); ``BACKENDS`` is a comma-separated URL list,
+3. command-line flags.
+
+All three are validated by the same pydantic model, so a bad value fails the same way
+wherever it came from: ``ConfigError`` carries one line naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
+
+ENV_PREFIX = "LLAMA_CACHE_PROXY_"
+
+
+class ConfigError(Exception):
+    """Invalid configuration; ``str()`` is one line naming the offending field."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BackendSettings(_Frozen):
+    """One llama-server instance."""
+
+    url: AnyHttpUrl
+    name: str | None = Field(default=None, description="label in metrics and logs; default host:port")
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        return f"{self.url.host}:{self.url.port}"
+
+    @property
+    def base_url(self) -> str:
+        return str(self.url).rstrip("/")
+
+
+class QueueSettings(_Frozen):
+    """Requests wait here when every slot is busy."""
+
+    max_waiting: int = Field(default=256, ge=0, description="queued requests before 503")
+    max_wait_seconds: float = Field(default=30.0, gt=0, description="wait before 503")
+    retry_after_seconds: int = Field(default=2, ge=1, description="Retry-After on a 503")
+
+
+class TimeoutSettings(_Frozen):
+    connect_seconds: float = Field(default=5.0, gt=0)
+    read_seconds: float = Field(
+        default=600.0, gt=0, description="max silence from a backend before 504 / stream error"
+    )
+    probe_seconds: float = Field(default=2.0, gt=0, description="timeout of one health probe")
+
+
+class HealthSettings(_Frozen):
+    interval_seconds: float = Field(default=2.0, gt=0, description="backend probe period")
+    drain_poll_seconds: float = Field(
+        default=0.1, gt=0, description="poll period while an aborted slot finishes"
+    )
+    drain_max_seconds: float = Field(
+        default=10.0, gt=0, description="give up waiting for an aborted slot after this"
+    )
+
+
+class RoutingSettings(_Frozen):
+    honor_client_id_slot: bool = Field(
+        default=False, description="pin to the id_slot a client sends instead of choosing"
+    )
+    route_headers: bool = Field(default=True, description="add X-Cache-Backend / X-Cache-Slot")
+
+
+class Settings(_Frozen):
+    """Root of the settings tree."""
+
+    backends: tuple[BackendSettings, ...] = Field(min_length=1)
+    listen: str = Field(default="127.0.0.1:8000", description="host:port to listen on")
+    redis_url: str | None = Field(default=None, description="shared state; none = embedded")
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
+    admin_token: SecretStr | None = None
+    queue: QueueSettings = QueueSettings()
+    timeouts: TimeoutSettings = TimeoutSettings()
+    health: HealthSettings = HealthSettings()
+    routing: RoutingSettings = RoutingSettings()
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _urls_to_backends(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part for part in value.split(",") if part.strip()]
+        if isinstance(value, list | tuple):
+            return [{"url": item.strip()} if isinstance(item, str) else item for item in value]
+        return value
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("must be host:port, e.g. 127.0.0.1:8000")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value or None
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse a YAML (``.yaml``/``.yml``), TOML (``.toml``) or JSON file into a dict."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"config: {path} is not valid: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path} must hold a mapping at the top level")
+    return data
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``LLAMA_CACHE_PROXY_A__B=v`` -> ``{"a": {"b": "v"}}`` (the CONFIG variable excluded)."""
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+            continue
+        path = key[len(ENV_PREFIX) :].lower().split("__")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "settings"
+    return f"config: {field}: {first['msg']}"
+
+
+def load_settings(
+    *,
+    cli: Mapping[str, Any],
+    environ: Mapping[str, str],
+    config_file: Path | None = None,
+) -> Settings:
+    """Merge file < env < cli and validate; raises ``ConfigError`` with one line."""
+    path = config_file
+    if path is None and environ.get(ENV_PREFIX + "CONFIG"):
+        path = Path(environ[ENV_PREFIX + "CONFIG"])
+    merged: dict[str, Any] = read_config_file(path) if path else {}
+    merged = deep_merge(merged, env_overrides(environ))
+    merged = deep_merge(merged, {k: v for k, v in cli.items() if v is not None})
+    if "backends" not in merged:
+        raise ConfigError("config: backends: at least one --backend URL is required")
+    try:
+        return Settings.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None

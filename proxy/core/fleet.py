@@ -1,0 +1,252 @@
+"""The proxy's view of every backend and slot, and where the next request may run.
+
+State per backend: a phase (UNKNOWN until probed, READY, LOADING while llama-server loads
+its model, DOWN when unreachable), an ``epoch`` that increases whenever the backend's slot
+contents can no longer be trusted (it came back, restarted, or changed its slot count), and
+its slots. Each slot is in one phase:
+
+- IDLE: nothing of ours or anyone's runs on it; it may be pinned.
+- BUSY: a request of ours runs on it.
+- DRAINING: a request of ours was aborted; llama-server notices a closed connection only by
+  polling (about 1 s), so the slot stays unpinnable until ``/slots`` shows it idle.
+- EXTERNAL: ``/slots`` shows it processing but we sent nothing: someone else uses the server.
+
+The one safety rule, from llama-server's busy-slot pinning bug (a request pinned with
+``id_slot`` to a slot that is generating can overwrite that slot's KV with another
+conversation's): only an IDLE slot is ever placed. Every other phase blocks it.
+
+Placement (``place``) for an ordinary request: among READY backends (minus ``avoid``) that
+have an IDLE slot, pick the least busy (busy slots / total, then fewer busy, then index)
+and, on it, the least recently used IDLE slot (then lowest id). A request that makes the
+server choose slots itself (``n > 1`` children, endpoints that ignore ``id_slot``) needs an
+exclusive placement: a READY backend whose slots are all IDLE, and it claims them all.
+When nothing fits, the reason says whether any backend is READY (wait for a slot), only
+LOADING (wait for the model), or none is up at all (fail now).
+
+Restart detection from probes: llama-server gives no boot id, so a restart is inferred
+when a backend returns to READY from any other phase, when its slot count changes, or
+when the highest ``id_task`` it reports goes down (task ids grow for a process's life).
+All functions take ``now`` from the caller; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class BackendPhase(str, Enum):
+    UNKNOWN = "unknown"
+    READY = "ready"
+    LOADING = "loading"
+    DOWN = "down"
+
+
+class SlotPhase(str, Enum):
+    IDLE = "idle"
+    BUSY = "busy"
+    DRAINING = "draining"
+    EXTERNAL = "external"
+
+
+@dataclass(frozen=True)
+class SlotProbe:
+    id: int
+    processing: bool
+    n_tokens: int
+    task_id: int
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one round of ``/health`` + ``/props`` + ``/slots`` said about a backend."""
+
+    phase: BackendPhase
+    slots: tuple[SlotProbe, ...] = ()
+
+
+@dataclass
+class SlotState:
+    id: int
+    phase: SlotPhase = SlotPhase.IDLE
+    last_used: float = 0.0
+    n_tokens: int = 0
+
+
+@dataclass
+class BackendState:
+    index: int
+    label: str
+    phase: BackendPhase = BackendPhase.UNKNOWN
+    epoch: int = 0
+    max_task_id: int = -1
+    slots: list[SlotState] = field(default_factory=list)
+
+    def idle_slots(self) -> list[SlotState]:
+        return [s for s in self.slots if s.phase is SlotPhase.IDLE]
+
+    def busy_count(self) -> int:
+        return sum(1 for s in self.slots if s.phase is not SlotPhase.IDLE)
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a request needs: one slot (maybe a given id), or a whole backend."""
+
+    exclusive: bool = False
+    slot: int | None = None
+    avoid: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Placement:
+    backend: int
+    slots: tuple[int, ...]
+    pin: int | None  # the id_slot to send; None when the server must choose
+
+
+class NoPlacement(str, Enum):
+    BUSY = "busy"  # a READY backend exists; wait for a slot
+    LOADING = "loading"  # none READY, some LOADING or not yet probed; wait for the model
+    DOWN = "down"  # nothing is up: fail now
+
+
+def _fits(backend: BackendState, need: Need) -> bool:
+    if backend.phase is not BackendPhase.READY or backend.index in need.avoid:
+        return False
+    if not backend.slots:
+        return False
+    if need.exclusive:
+        return all(s.phase is SlotPhase.IDLE for s in backend.slots)
+    if need.slot is not None:
+        return need.slot < len(backend.slots) and backend.slots[need.slot].phase is SlotPhase.IDLE
+    return bool(backend.idle_slots())
+
+
+def _load_key(backend: BackendState) -> tuple[float, int, int]:
+    busy = backend.busy_count()
+    return (busy / len(backend.slots), busy, backend.index)
+
+
+def place(backends: Sequence[BackendState], need: Need) -> Placement | NoPlacement:
+    candidates = [b for b in backends if _fits(b, need)]
+    if not candidates:
+        return _why_not(backends, need)
+    backend = min(candidates, key=_load_key)
+    if need.exclusive:
+        return Placement(backend.index, tuple(s.id for s in backend.slots), None)
+    if need.slot is not None:
+        return Placement(backend.index, (need.slot,), need.slot)
+    slot = min(backend.idle_slots(), key=lambda s: (s.last_used, s.id))
+    return Placement(backend.index, (slot.id,), slot.id)
+
+
+def pick_backend(backends: Sequence[BackendState], avoid: frozenset[int]) -> int | NoPlacement:
+    """A READY backend for a request that uses no slot: the least busy one."""
+    ready = [b for b in backends if b.phase is BackendPhase.READY and b.index not in avoid]
+    if not ready:
+        return _why_not(backends, Need(avoid=avoid))
+    return min(ready, key=lambda b: (b.busy_count(), b.index)).index
+
+
+def _why_not(backends: Sequence[BackendState], need: Need) -> NoPlacement:
+    usable = [b for b in backends if b.index not in need.avoid]
+    if any(b.phase is BackendPhase.READY for b in usable):
+        return NoPlacement.BUSY
+    waiting = (BackendPhase.LOADING, BackendPhase.UNKNOWN)
+    if any(b.phase in waiting for b in usable):
+        return NoPlacement.LOADING
+    return NoPlacement.DOWN
+
+
+class Fleet:
+    """Mutable table of backends and slots; every change is a method taking ``now``."""
+
+    def __init__(self, labels: Sequence[str]) -> None:
+        self.backends = [BackendState(i, label) for i, label in enumerate(labels)]
+
+    def claim(self, placement: Placement, now: float) -> None:
+        backend = self.backends[placement.backend]
+        for slot_id in placement.slots:
+            slot = backend.slots[slot_id]
+            if slot.phase is not SlotPhase.IDLE:
+                raise ValueError(f"slot {slot_id} of {backend.label} is {slot.phase.value}")
+            slot.phase = SlotPhase.BUSY
+            slot.last_used = now
+
+    def release(self, placement: Placement, now: float, *, clean: bool) -> None:
+        """End a claim. ``clean=False`` (aborted upstream) drains instead of freeing."""
+        backend = self.backends[placement.backend]
+        for slot_id in placement.slots:
+            if slot_id >= len(backend.slots):
+                continue  # the backend came back with fewer slots
+            slot = backend.slots[slot_id]
+            if slot.phase is SlotPhase.BUSY:
+                slot.phase = SlotPhase.IDLE if clean else SlotPhase.DRAINING
+                slot.last_used = now
+
+    def record_tokens(self, backend: int, slot: int, n_tokens: int) -> None:
+        slots = self.backends[backend].slots
+        if slot < len(slots):
+            slots[slot].n_tokens = n_tokens
+
+    def is_draining(self, index: int) -> bool:
+        backend = self.backends[index]
+        return backend.phase is BackendPhase.READY and any(
+            s.phase is SlotPhase.DRAINING for s in backend.slots
+        )
+
+    def stop_draining(self, index: int) -> None:
+        """Give up waiting: treat still-draining slots as used by someone else until a probe
+        shows them idle."""
+        for slot in self.backends[index].slots:
+            if slot.phase is SlotPhase.DRAINING:
+                slot.phase = SlotPhase.EXTERNAL
+
+    def mark_down(self, index: int) -> None:
+        self.apply_probe(index, Probe(BackendPhase.DOWN), now=0.0)
+
+    def apply_probe(self, index: int, probe: Probe, now: float) -> bool:
+        """Fold a probe in; returns True when the backend's slot contents were invalidated.
+
+        ``now`` is when the probe was sent, so a release after it is not undone by it.
+        """
+        backend = self.backends[index]
+        if probe.phase is not BackendPhase.READY:
+            backend.phase = probe.phase
+            return False
+        restarted = backend.phase is not BackendPhase.READY or self._restarted(backend, probe)
+        backend.phase = BackendPhase.READY
+        if restarted:
+            backend.epoch += 1
+            backend.max_task_id = -1
+            self._reset_slots(backend, len(probe.slots))
+        for seen in probe.slots:
+            self._fold_slot(backend.slots[seen.id], seen, now)
+            backend.max_task_id = max(backend.max_task_id, seen.task_id)
+        return restarted
+
+    @staticmethod
+    def _restarted(backend: BackendState, probe: Probe) -> bool:
+        if len(probe.slots) != len(backend.slots):
+            return True
+        highest = max((s.task_id for s in probe.slots), default=-1)
+        return highest < backend.max_task_id
+
+    @staticmethod
+    def _reset_slots(backend: BackendState, count: int) -> None:
+        kept = {s.id: s.phase for s in backend.slots if s.phase is SlotPhase.BUSY}
+        backend.slots = [SlotState(i, kept.get(i, SlotPhase.IDLE)) for i in range(count)]
+
+    @staticmethod
+    def _fold_slot(slot: SlotState, seen: SlotProbe, started: float) -> None:
+        if slot.phase is SlotPhase.BUSY:
+            return  # ours; its own request ends the claim
+        if seen.processing:
+            # A probe that started before our last release may still see our own request.
+            if slot.phase is SlotPhase.IDLE and slot.last_used < started:
+                slot.phase = SlotPhase.EXTERNAL
+            return
+        slot.phase = SlotPhase.IDLE
+        slot.n_tokens = seen.n_tokens

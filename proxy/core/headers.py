@@ -1,0 +1,58 @@
+"""Which headers cross the proxy.
+
+Hop-by-hop headers (RFC 9110 §7.6.1) never cross. Headers that would change llama-server's
+behaviour in ways the proxy must control are dropped too: ``X-Conversation-Id`` makes a
+generation survive client disconnect (it would keep a slot busy that the proxy believes
+free), and ``Accept-Encoding`` is dropped so the proxy can read usage from the bytes it
+relays. Framing headers (``Content-Length``, ``Transfer-Encoding``) are recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-conversation-id"}
+_RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date"}
+
+
+def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
+    tokens: set[str] = set()
+    for name, value in headers:
+        if name.lower() == "connection":
+            tokens |= {part.strip().lower() for part in value.split(",")}
+    return tokens
+
+
+def _filter(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
+    pairs = list(headers)
+    named = _connection_tokens(pairs)
+    return [(k, v) for k, v in pairs if k.lower() not in drop and k.lower() not in named]
+
+
+def upstream_request_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    return _filter(headers, _REQUEST_DROP)
+
+
+def client_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    return _filter(headers, _RESPONSE_DROP)
+
+
+def header_value(headers: Mapping[str, str], name: str) -> str | None:
+    lowered = name.lower()
+    for key, value in headers.items():
+        if key.lower() == lowered:
+            return value
+    return None

@@ -1,0 +1,100 @@
+"""Parse and validate a client's JSON body; rewrite the fields the proxy owns.
+
+The proxy is transparent: it checks only the types of the fields it must understand to
+route the request (``stream``, ``n``/``n_cmpl``, ``id_slot``, ``messages``, ``prompt``,
+token limits, ``model``) and leaves every other field, known or not, to llama-server.
+It owns exactly two fields, ``id_slot`` and ``cache_prompt``: ``pin_body`` sets them and
+nothing else, so the forwarded body is the client's body plus those two keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.errors import InvalidRequest
+
+_INT_FIELDS = ("n", "n_cmpl", "max_tokens", "max_completion_tokens", "n_predict", "id_slot")
+
+
+@dataclass(frozen=True)
+class ParsedBody:
+    """A validated request body. ``data`` is the client's JSON object, unchanged."""
+
+    data: dict[str, Any]
+    stream: bool
+    completions: int
+    client_id_slot: int | None
+
+
+def _type_error(field: str, expected: str) -> InvalidRequest:
+    return InvalidRequest(f"'{field}' must be {expected}", param=field, code="invalid_type")
+
+
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """Bytes -> JSON object, or ``InvalidRequest`` naming what is wrong."""
+    if not raw.strip():
+        raise InvalidRequest("request body is empty; a JSON object is required", code="empty_body")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("request body is not valid UTF-8", code="invalid_encoding") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _check_types(data: dict[str, Any], *, chat: bool) -> None:
+    for field in _INT_FIELDS:
+        value = data.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise _type_error(field, "an integer")
+    if "stream" in data and not isinstance(data["stream"], bool):
+        raise _type_error("stream", "a boolean")
+    if "model" in data and data["model"] is not None and not isinstance(data["model"], str):
+        raise _type_error("model", "a string")
+    if chat:
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _type_error("messages", "a non-empty array")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise _type_error(f"messages[{index}]", "an object with a string 'role'")
+    prompt = data.get("prompt")
+    if prompt is not None and not isinstance(prompt, str | list):
+        raise _type_error("prompt", "a string or an array")
+
+
+def parse_body(raw: bytes, *, chat: bool) -> ParsedBody:
+    """Validate ``raw`` for an endpoint (``chat``: one that takes ``messages``)."""
+    data = decode_json_object(raw)
+    _check_types(data, chat=chat)
+    completions = data.get("n_cmpl", data.get("n"))
+    if completions is not None and completions < 1:
+        raise InvalidRequest("'n' must be at least 1", param="n", code="invalid_value")
+    return ParsedBody(
+        data=data,
+        stream=bool(data.get("stream", False)),
+        completions=completions or 1,
+        client_id_slot=data.get("id_slot"),
+    )
+
+
+def pin_body(data: dict[str, Any], slot: int | None) -> bytes:
+    """The forwarded body: the client's, with ``id_slot`` and ``cache_prompt`` set by us.
+
+    ``slot=None`` (the server picks, e.g. ``n>1``) removes any client ``id_slot``.
+    """
+    out = dict(data)
+    out.pop("id_slot", None)
+    if slot is not None:
+        out["id_slot"] = slot
+    out["cache_prompt"] = True
+    return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -1,0 +1,104 @@
+"""The proxy's one error vocabulary, rendered in OpenAI's error shape.
+
+    ProxyError                      (status, OpenAI type, code, message, headers)
+    ├── InvalidRequest              400  malformed JSON, wrong field types
+    ├── NotFound                    404  path the proxy does not serve
+    ├── MethodNotAllowed            405
+    ├── Unauthorized                401  admin endpoints without the bearer token
+    ├── PayloadTooLarge             413  body over ``max_body_bytes``
+    ├── ServiceUnavailable          503  no ready backend / queue full / wait too long (Retry-After)
+    ├── BadGateway                  502  backend failed before answering
+    └── GatewayTimeout              504  backend silent past the read timeout
+
+Upstream llama-server error bodies are already OpenAI-shaped and pass through unchanged;
+errors the proxy itself originates carry the header ``X-Proxy-Error: 1``.
+No aiohttp import here: the middleware does the rendering.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class ProxyError(Exception):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+class InvalidRequest(ProxyError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    type = "authentication_error"
+    code = "unauthorized"
+
+
+class NotFound(ProxyError):
+    status = 404
+    type = "not_found_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(ProxyError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(ProxyError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class ServiceUnavailable(ProxyError):
+    status = 503
+    type = "unavailable_error"
+    code = "service_unavailable"
+
+
+class BadGateway(ProxyError):
+    status = 502
+    type = "server_error"
+    code = "bad_gateway"
+
+
+class GatewayTimeout(ProxyError):
+    status = 504
+    type = "server_error"
+    code = "upstream_timeout"
+
+
+def error_body(
+    message: str, type_: str, code: str | int, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def sse_error_event(error: ProxyError) -> bytes:
+    """The event that ends a stream which failed after its first byte."""
+    return b"data: " + json.dumps(error.body()).encode() + b"\n\n"

@@ -1,0 +1,193 @@
+"""Route handlers: a recipe per request, no policy.
+
+parse (``core.request_body``) -> place (``scheduler`` over ``core.fleet``) -> forward and relay
+(``upstream``, ``streaming``) -> record (fleet, metrics, the request's log record).
+A connect failure before any byte was sent marks that backend down and retries once on
+another backend; every other failure is reported, and an unfinished request's slot drains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.config import Settings
+from proxy.core.fleet import BackendPhase, Need, NoPlacement, Placement, pick_backend
+from proxy.core.headers import upstream_request_headers
+from proxy.core.request_body import ParsedBody, decode_json_object, parse_body, pin_body
+from proxy.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
+from proxy.health import Prober
+from proxy.metrics import ProxyMetrics
+from proxy.middleware import RECORD
+from proxy.scheduler import Scheduler
+from proxy.streaming import Outcome, relay
+from proxy.upstream import ROUTES, LlamaServerClient, Route, SlotUse, UpstreamConnectError
+
+
+class ProxyHandlers:
+    def __init__(
+        self,
+        settings: Settings,
+        scheduler: Scheduler,
+        metrics: ProxyMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self._settings = settings
+        self._scheduler = scheduler
+        self._fleet = scheduler.fleet
+        self._metrics = metrics
+        self._clock = clock
+        self.client: LlamaServerClient | None = None  # attached at startup (app.py)
+        self.prober: Prober | None = None
+
+    # -- the proxy's own endpoints -------------------------------------------------------
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        ready = [b.label for b in self._fleet.backends if b.phase is BackendPhase.READY]
+        if not ready:
+            raise ServiceUnavailable("no backend is ready", code="not_ready")
+        return web.json_response({"status": "ready", "backends": ready})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self._metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # -- proxied endpoints ---------------------------------------------------------------
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        route = ROUTES[request.path]
+        raw = await self._read_body(request) if route.method == "POST" else None
+        if route.slot_use is SlotUse.NONE:
+            if raw is not None:
+                decode_json_object(raw)
+            return await self._unpinned(request, raw)
+        assert raw is not None
+        parsed = parse_body(raw, chat=route.chat)
+        return await self._pinned(request, parsed, self._need(route, parsed))
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self._settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
+
+    def _need(self, route: Route, parsed: ParsedBody) -> Need:
+        if route.slot_use is SlotUse.EXCLUSIVE or parsed.completions > 1:
+            return Need(exclusive=True)
+        wanted = parsed.client_id_slot if self._settings.routing.honor_client_id_slot else None
+        if wanted is not None:
+            most = max((len(b.slots) for b in self._fleet.backends), default=0)
+            if not 0 <= wanted < most:
+                raise InvalidRequest(f"id_slot must be in 0..{most - 1}", param="id_slot")
+        return Need(slot=wanted)
+
+    async def _pinned(
+        self, request: web.Request, parsed: ParsedBody, need: Need
+    ) -> web.StreamResponse:
+        for attempt in (1, 2):
+            placement = await self._scheduler.acquire(need)
+            body = pin_body(parsed.data, placement.pin)
+            try:
+                return await self._send(request, placement.backend, body, placement)
+            except UpstreamConnectError:
+                self._backend_failed(placement.backend, "connect")
+                self._scheduler.release(placement, clean=True)
+                if attempt == 2:
+                    raise
+                need = replace(need, avoid=need.avoid | {placement.backend})
+        raise AssertionError("unreachable")
+
+    async def _unpinned(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
+        avoid: frozenset[int] = frozenset()
+        for attempt in (1, 2):
+            index = pick_backend(self._fleet.backends, avoid)
+            if isinstance(index, NoPlacement):
+                raise ServiceUnavailable("no backend is ready", code="no_backend")
+            try:
+                return await self._send(request, index, body, None)
+            except UpstreamConnectError:
+                self._backend_failed(index, "connect")
+                if attempt == 2:
+                    raise
+                avoid = avoid | {index}
+        raise AssertionError("unreachable")
+
+    def _backend_failed(self, index: int, kind: str) -> None:
+        self._metrics.upstream_errors.labels(self._fleet.backends[index].label, kind).inc()
+        self._fleet.mark_down(index)
+
+    async def _send(
+        self,
+        request: web.Request,
+        index: int,
+        body: bytes | None,
+        placement: Placement | None,
+    ) -> web.StreamResponse:
+        assert self.client is not None and self.prober is not None
+        backend = self._settings.backends[index]
+        record = request[RECORD]
+        record.backend = backend.label
+        record.slot = placement.pin if placement else None
+        clean = False
+        released = placement is None
+        try:
+            async with self.client.send(
+                backend.base_url,
+                request.path,
+                method=request.method,
+                body=body,
+                headers=upstream_request_headers(request.headers.items()),
+            ) as upstream:
+                outcome = await relay(request, upstream, self._route_headers(request, placement,
+                                                                              backend.label),
+                                      self._clock)  # fmt: skip
+                clean = outcome.complete
+                self._record(index, placement, outcome, request)
+                return outcome.response
+        except UpstreamConnectError:
+            released = True  # nothing reached the backend; the caller retries and releases
+            raise
+        finally:
+            if not released:
+                assert placement is not None
+                self._finish(placement, clean)
+
+    def _finish(self, placement: Placement, clean: bool) -> None:
+        self._scheduler.release(placement, clean=clean)
+        if not clean:
+            assert self.prober is not None
+            self.prober.drain(placement.backend)
+
+    def _route_headers(
+        self, request: web.Request, placement: Placement | None, label: str
+    ) -> dict[str, str]:
+        headers = {"X-Request-Id": request[RECORD].request_id}
+        if self._settings.routing.route_headers:
+            headers["X-Cache-Backend"] = label
+            if placement is not None and placement.pin is not None:
+                headers["X-Cache-Slot"] = str(placement.pin)
+        return headers
+
+    def _record(
+        self, index: int, placement: Placement | None, outcome: Outcome, request: web.Request
+    ) -> None:
+        label = self._settings.backends[index].label
+        if outcome.first_byte_at is not None:
+            ttft = outcome.first_byte_at - request[RECORD].started
+            self._metrics.ttft.labels(request.path).observe(ttft)
+        usage = outcome.usage
+        if usage is None:
+            return
+        record = request[RECORD]
+        record.prompt_tokens, record.cached_tokens = usage.prompt_tokens, usage.cached_tokens
+        self._metrics.prompt_tokens.labels(label).inc(usage.prompt_tokens)
+        self._metrics.cached_tokens.labels(label).inc(usage.cached_tokens)
+        if placement is not None and placement.pin is not None and usage.slot_tokens is not None:
+            self._fleet.record_tokens(index, placement.pin, usage.slot_tokens)

@@ -1,0 +1,95 @@
+"""Background probing of backends and draining of aborted slots.
+
+Every ``health.interval_seconds`` each backend is probed (``/health``, then ``/slots``) and the
+result folded into the fleet (``Fleet.apply_probe``): readiness, restarts, slots busy with
+traffic that is not ours. After a request is aborted its slot is DRAINING; ``drain`` polls
+that backend's ``/slots`` quickly until llama-server shows the slot idle (it notices a
+closed connection about once a second), or gives up after ``drain_max_seconds`` and leaves
+the slot to the periodic probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from proxy.config import HealthSettings, Settings
+from proxy.core.fleet import BackendPhase, Probe, SlotPhase
+from proxy.metrics import ProxyMetrics
+from proxy.scheduler import Scheduler
+from proxy.upstream import LlamaServerClient
+
+log = logging.getLogger(__name__)
+
+
+class Prober:
+    def __init__(
+        self,
+        settings: Settings,
+        client: LlamaServerClient,
+        scheduler: Scheduler,
+        metrics: ProxyMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self._backends = settings.backends
+        self._health: HealthSettings = settings.health
+        self._client = client
+        self._scheduler = scheduler
+        self._fleet = scheduler.fleet
+        self._metrics = metrics
+        self._clock = clock
+        self._drains: dict[int, asyncio.Task[None]] = {}
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(i) for i in range(len(self._backends))))
+
+    async def probe(self, index: int) -> None:
+        started = self._clock()
+        probe = await self._client.probe(self._backends[index].base_url)
+        self.fold(index, probe, started)
+
+    def fold(self, index: int, probe: Probe, started: float) -> None:
+        backend = self._fleet.backends[index]
+        before = backend.phase
+        if self._fleet.apply_probe(index, probe, started) and before is not BackendPhase.UNKNOWN:
+            self._metrics.backend_restarts.labels(backend.label).inc()
+            log.warning("backend=%s slot state invalidated (restart or return)", backend.label)
+        if before is not backend.phase:
+            log.info("backend=%s phase=%s", backend.label, backend.phase.value)
+        self._export(index)
+        self._scheduler.wake()
+
+    def _export(self, index: int) -> None:
+        backend = self._fleet.backends[index]
+        self._metrics.backend_ready.labels(backend.label).set(
+            1 if backend.phase is BackendPhase.READY else 0
+        )
+        for phase in SlotPhase:
+            count = sum(1 for s in backend.slots if s.phase is phase)
+            self._metrics.slots.labels(backend.label, phase.value).set(count)
+
+    async def run(self) -> None:
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(self._health.interval_seconds)
+
+    def drain(self, index: int) -> None:
+        """Start (once per backend) polling until its DRAINING slots are idle."""
+        task = self._drains.get(index)
+        if task is None or task.done():
+            self._drains[index] = asyncio.create_task(self._drain(index))
+
+    async def _drain(self, index: int) -> None:
+        deadline = self._clock() + self._health.drain_max_seconds
+        while self._fleet.is_draining(index) and self._clock() < deadline:
+            await asyncio.sleep(self._health.drain_poll_seconds)
+            await self.probe(index)
+        if self._fleet.is_draining(index):
+            self._fleet.stop_draining(index)
+            log.warning("backend=%s aborted slot still busy after drain limit", index)
+
+    async def close(self) -> None:
+        for task in self._drains.values():
+            task.cancel()
+        await asyncio.gather(*self._drains.values(), return_exceptions=True)

@@ -1,0 +1,125 @@
+"""Request id, in-flight accounting, error rendering and the one log line per request.
+
+Every error leaves as OpenAI-shaped JSON: ``ProxyError`` as itself, aiohttp's own HTTP
+errors (405, 413 from the body limit) mapped onto the same vocabulary, and anything
+unexpected as a 500 that names the request id (the traceback goes to the log, never to the
+client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from proxy.errors import (
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    ProxyError,
+)
+from proxy.metrics import ProxyMetrics
+from proxy.upstream import ROUTES
+
+log = logging.getLogger("proxy.access")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    started: float
+    backend: str = "-"
+    slot: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+RECORD = web.RequestKey("record", RequestRecord)
+_OWN = {"/healthz", "/readyz", "/metrics"}
+
+
+def render(error: ProxyError, request_id: str) -> web.Response:
+    response = web.json_response(error.body(), status=error.status, headers=error.headers)
+    response.headers["X-Proxy-Error"] = "1"
+    response.headers["X-Request-Id"] = request_id
+    return response
+
+
+def _from_http(exc: web.HTTPException) -> ProxyError:
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return PayloadTooLarge("request body is larger than the proxy accepts")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return MethodNotAllowed(f"method not allowed; use {', '.join(sorted(exc.allowed_methods))}")
+    if isinstance(exc, web.HTTPNotFound):
+        return NotFound("no such endpoint")
+    error = ProxyError(exc.reason or "error", code=str(exc.status))
+    error.status = exc.status
+    return error
+
+
+def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Callable[..., object]:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = clock()
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+        record = RequestRecord(request_id[:64], started)
+        request[RECORD] = record
+        endpoint = request.path if request.path in ROUTES or request.path in _OWN else "other"
+        status = 499
+        metrics.in_flight.inc()
+        try:
+            response = await _respond(request, handler, record)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            raise
+        finally:
+            metrics.in_flight.dec()
+            elapsed = clock() - started
+            metrics.requests.labels(endpoint, str(status)).inc()
+            metrics.duration.labels(endpoint).observe(elapsed)
+            _log(request, record, status, elapsed)
+
+    return middleware
+
+
+async def _respond(
+    request: web.Request, handler: Handler, record: RequestRecord
+) -> web.StreamResponse:
+    try:
+        response = await handler(request)
+    except ProxyError as exc:
+        return render(exc, record.request_id)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return render(_from_http(exc), record.request_id)
+    except Exception:
+        log.exception("request_id=%s unexpected error", record.request_id)
+        error = ProxyError(f"internal proxy error (request id {record.request_id})")
+        return render(error, record.request_id)
+    if not response.prepared:
+        response.headers["X-Request-Id"] = record.request_id
+    return response
+
+
+def _log(request: web.Request, record: RequestRecord, status: int, elapsed: float) -> None:
+    log.info(
+        "request_id=%s method=%s path=%s backend=%s slot=%s status=%d "
+        "prompt_tokens=%s cached_tokens=%s ms=%.1f",
+        record.request_id,
+        request.method,
+        request.path,
+        record.backend,
+        "-" if record.slot is None else record.slot,
+        status,
+        "-" if record.prompt_tokens is None else record.prompt_tokens,
+        "-" if record.cached_tokens is None else record.cached_tokens,
+        elapsed * 1000,
+    )

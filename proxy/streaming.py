@@ -1,0 +1,86 @@
+"""Relay a backend response to the client, byte for byte, as it arrives.
+
+SSE and other chunked bodies are written to the client chunk by chunk (no buffering), while
+``SseScanner`` reads usage from the same bytes. Non-streamed bodies are read whole, which is
+how they arrive anyway, and usage is read from the JSON.
+
+Mid-stream policy: the status line is already sent, so an upstream failure after the first
+byte cannot change it. The proxy then writes one SSE event ``data: {"error": {...}}`` in
+OpenAI's error shape and ends the stream; the client sees a closed stream, never a hang.
+A client that goes away makes the write fail (or cancels the handler); the upstream
+connection is then closed so llama-server cancels the generation.
+
+``Outcome.complete`` is true only when the upstream body was read to its end: the caller
+frees the slot at once then, and otherwise lets it drain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from proxy.core.headers import client_response_headers
+from proxy.core.usage import SseScanner, Usage, usage_from_body
+from proxy.errors import sse_error_event
+from proxy.upstream import translate_stream_error
+
+
+@dataclass
+class Outcome:
+    response: web.StreamResponse
+    usage: Usage | None = None
+    complete: bool = False
+    first_byte_at: float | None = None
+
+
+def _is_stream(upstream: aiohttp.ClientResponse) -> bool:
+    return upstream.content_type == "text/event-stream"
+
+
+async def relay(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    extra_headers: dict[str, str],
+    clock: Callable[[], float],
+) -> Outcome:
+    headers = client_response_headers(upstream.headers.items())
+    if not _is_stream(upstream):
+        body = await upstream.read()
+        response = web.Response(status=upstream.status, body=body, headers=headers)
+        response.headers.update(extra_headers)
+        return Outcome(response, usage_from_body(body), complete=True)
+    return await _relay_stream(request, upstream, headers, extra_headers, clock)
+
+
+async def _relay_stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    headers: list[tuple[str, str]],
+    extra_headers: dict[str, str],
+    clock: Callable[[], float],
+) -> Outcome:
+    response = web.StreamResponse(status=upstream.status, headers=headers)
+    response.headers.update(extra_headers)
+    outcome = Outcome(response)
+    scanner = SseScanner()
+    await response.prepare(request)
+    try:
+        async for chunk in upstream.content.iter_any():
+            if outcome.first_byte_at is None:
+                outcome.first_byte_at = clock()
+            scanner.feed(chunk)
+            await response.write(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+        if request.transport is None or request.transport.is_closing():
+            raise  # the client left: nothing to tell it
+        await response.write(sse_error_event(translate_stream_error(exc)))
+        await response.write_eof()
+        return outcome
+    scanner.close()
+    outcome.usage = scanner.usage
+    outcome.complete = True
+    await response.write_eof()
+    return outcome

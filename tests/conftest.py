@@ -1,0 +1,80 @@
+"""Shared fixtures: fake llama-servers, a settings factory, and the proxy under test."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+from prometheus_client import CollectorRegistry
+
+from proxy.app import create_app
+from proxy.config import Settings
+from tests.fake_llama import FakeLlamaServer
+
+
+def make_settings(urls: list[str], **over: Any) -> Settings:
+    data: dict[str, Any] = {
+        "backends": urls,
+        "health": {"interval_seconds": 0.2, "drain_poll_seconds": 0.05},
+        "queue": {"max_wait_seconds": 5.0},
+        "timeouts": {"connect_seconds": 1.0, "read_seconds": 5.0, "probe_seconds": 1.0},
+    }
+    for key, value in over.items():
+        if isinstance(value, dict):
+            data[key] = {**data.get(key, {}), **value}
+        else:
+            data[key] = value
+    return Settings.model_validate(data)
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[Callable[..., Awaitable[FakeLlamaServer]]]:
+    started: list[FakeLlamaServer] = []
+
+    async def start(**kwargs: Any) -> FakeLlamaServer:
+        server = FakeLlamaServer(**kwargs)
+        await server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        await server.stop()
+
+
+ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+@pytest.fixture
+def proxy(aiohttp_client: Any) -> ProxyFactory:
+    """``await proxy([fake, ...], **settings_overrides)`` -> a client of a running proxy."""
+
+    async def start(backends: list[Any], **over: Any) -> TestClient[Any, Any]:
+        urls = [b if isinstance(b, str) else b.url for b in backends]
+        app = create_app(make_settings(urls, **over), registry=CollectorRegistry())
+        client: TestClient[Any, Any] = await aiohttp_client(
+            app, server_kwargs={"handler_cancellation": True}
+        )
+        return client
+
+    return start
+
+
+def chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}], **extra}
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total

@@ -1,0 +1,405 @@
+"""A deterministic fake llama-server for fast and fleet-scale tests.
+
+It follows the real server's semantics as ``../shared/reference/llama-server.md`` records
+them, at the level the proxy depends on:
+
+- slots: each holds the tokens of its last prompt plus reply minus the last sampled token;
+  a request reuses the longest common prefix (``cache_n``) and always re-evaluates at least
+  one token; ``cache_prompt: false`` reuses nothing;
+- slot choice without ``id_slot``: the idle, non-empty slot with the best LCP similarity
+  above 0.1, else the least recently used idle slot; ``id_slot`` wraps modulo the slot count;
+  a busy pinned slot defers the task (and is recorded in ``violations``, since the real
+  server can corrupt the running generation in that case);
+- ``n`` > slots is a 400; a prompt of ``n_ctx`` tokens or more is a 400;
+- ``/v1/messages`` ignores ``id_slot``; ``n_predict: 0`` still samples one token;
+- an aborted request keeps its slot busy for ``abort_release_s`` (the real server polls the
+  socket once a second);
+- responses carry ``timings`` (``prompt_n``, ``cache_n``) like the real ones, streamed
+  (last chunk) and not.
+
+Tokens are whitespace-led words. Service time is injectable (``prompt_s_per_token``,
+``gen_s_per_token``), and so are faults (``fail_next``, ``hang_next``, ``drop_next``,
+``loading``). No randomness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+_TOKEN = re.compile(r"\s*\S+|\s+")
+
+
+def tokenize(text: str) -> list[str]:
+    return _TOKEN.findall(text)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def render_chat(body: dict[str, Any]) -> str:
+    out = []
+    if body.get("tools"):
+        out.append("<|tools|> " + json.dumps(body["tools"], sort_keys=True) + "\n")
+    for message in body.get("messages", []):
+        calls = json.dumps(message["tool_calls"]) if message.get("tool_calls") else ""
+        out.append(f"<|im_start|>{message['role']}\n{_text(message.get('content'))}{calls}"
+                   "<|im_end|>\n")  # fmt: skip
+    out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+@dataclass
+class FakeSlot:
+    id: int
+    tokens: list[str] = field(default_factory=list)
+    busy: bool = False
+    last_used: int = 0
+    task_id: int | None = None
+
+
+def _lcp(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class FakeLlamaServer:
+    def __init__(
+        self,
+        n_slots: int = 2,
+        n_ctx: int = 8192,
+        *,
+        prompt_s_per_token: float = 0.0,
+        gen_s_per_token: float = 0.0,
+        abort_release_s: float = 0.2,
+        model: str = "fake-model",
+    ) -> None:
+        self.slots = [FakeSlot(i) for i in range(n_slots)]
+        self.n_ctx = n_ctx
+        self.prompt_s_per_token = prompt_s_per_token
+        self.gen_s_per_token = gen_s_per_token
+        self.abort_release_s = abort_release_s
+        self.model = model
+        self.loading = False
+        self.received: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+        self.violations: list[str] = []
+        self.faults: list[tuple[str, Any]] = []
+        self.tokens_processed = 0
+        self._clock = 0
+        self._task = 0
+        self._changed = asyncio.Condition()
+        self._vocab: dict[str, int] = {}
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/props", self.props)
+        r.add_get("/slots", self.slots_view)
+        for path in ("/v1/models", "/models"):
+            r.add_get(path, self.models)
+        for path in ("/completion", "/completions", "/v1/completions", "/infill",
+                     "/v1/chat/completions", "/chat/completions", "/v1/responses",
+                     "/v1/messages", "/v1/embeddings", "/embeddings"):  # fmt: skip
+            r.add_post(path, self.complete)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
+        r.add_post("/apply-template", self.apply_template)
+        return app
+
+    async def start(self, port: int = 0) -> str:
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self.url
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- faults ---------------------------------------------------------------------------
+    def fail_next(self, status: int = 500, count: int = 1) -> None:
+        self.faults += [("status", status)] * count
+
+    def hang_next(self, count: int = 1) -> None:
+        self.faults += [("hang", None)] * count
+
+    def drop_next(self, after_chunks: int = 2) -> None:
+        self.faults.append(("drop", after_chunks))
+
+    # -- metadata endpoints ---------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if self.loading:
+            error = {"message": "Loading model", "type": "unavailable_error", "code": 503}
+            return web.json_response({"error": error}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def props(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "total_slots": len(self.slots),
+            "default_generation_settings": {"n_ctx": self.n_ctx, "params": {}},
+            "model_path": f"/models/{self.model}.gguf",
+            "model_alias": self.model,
+            "build_info": "b0-fake",
+        })  # fmt: skip
+
+    async def slots_view(self, request: web.Request) -> web.Response:
+        if request.query.get("fail_on_no_slot") and all(s.busy for s in self.slots):
+            return web.json_response({"error": {"message": "no slot available"}}, status=503)
+        return web.json_response([
+            {"id": s.id, "n_ctx": self.n_ctx, "is_processing": s.busy,
+             "id_task": -1 if s.task_id is None else s.task_id, "n_prompt_tokens": len(s.tokens)}
+            for s in self.slots
+        ])  # fmt: skip
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        ids = [self._vocab.setdefault(t, len(self._vocab)) for t in tokenize(body["content"])]
+        return web.json_response({"tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        words = {v: k for k, v in self._vocab.items()}
+        return web.json_response({"content": "".join(words.get(i, "") for i in body["tokens"])})
+
+    async def apply_template(self, request: web.Request) -> web.Response:
+        return web.json_response({"prompt": render_chat(await request.json())})
+
+    # -- completion -----------------------------------------------------------------------
+    def _prompt(self, path: str, body: dict[str, Any]) -> str:
+        if "messages" in body:
+            return render_chat(body)
+        if path == "/v1/responses":
+            text = body.get("input")
+            return text if isinstance(text, str) else json.dumps(text)
+        prompt = body.get("prompt", "")
+        if path == "/infill":
+            prompt = body.get("input_prefix", "") + str(prompt) + body.get("input_suffix", "")
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+    def _error(self, status: int, message: str, type_: str) -> web.Response:
+        body = {"error": {"code": status, "message": message, "type": type_}}
+        return web.json_response(body, status=status)
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append((request.path, body, dict(request.headers)))
+        if self.faults:
+            kind, arg = self.faults.pop(0)
+            if kind == "status":
+                return self._error(arg, "injected failure", "server_error")
+            if kind == "hang":
+                await asyncio.sleep(3600)
+            drop_after = arg
+        else:
+            drop_after = None
+        prompt = tokenize(self._prompt(request.path, body))
+        n = int(body.get("n_cmpl", body.get("n", 1)))
+        if n > len(self.slots):
+            return self._error(400, "n_cmpl must be <= number of slots", "invalid_request_error")
+        if len(prompt) >= self.n_ctx:
+            return self._error(400, "the request exceeds the available context size",
+                               "exceed_context_size_error")  # fmt: skip
+        pinned = body.get("id_slot", -1) if request.path != "/v1/messages" else -1
+        slots = await self._take_slots(prompt, pinned, n)
+        try:
+            return await self._run(request, body, prompt, slots, drop_after)
+        except (asyncio.CancelledError, ConnectionResetError):
+            await asyncio.sleep(self.abort_release_s)
+            raise
+        finally:
+            await self._free(slots)
+
+    def _pick(self, prompt: list[str], pinned: int) -> FakeSlot | None:
+        if isinstance(pinned, int) and pinned >= 0:
+            return self.slots[pinned % len(self.slots)]
+        idle = [s for s in self.slots if not s.busy]
+        best, best_sim = None, 0.1
+        for slot in idle:
+            if slot.tokens and prompt:
+                sim = _lcp(slot.tokens, prompt) / len(prompt)
+                if sim > best_sim:
+                    best, best_sim = slot, sim
+        return best or min(idle, key=lambda s: s.last_used, default=None)
+
+    async def _take_slots(self, prompt: list[str], pinned: int, n: int) -> list[FakeSlot]:
+        async with self._changed:
+            while True:
+                slot = self._pick(prompt, pinned)
+                if slot is not None and slot.busy:
+                    self.violations.append(f"pinned busy slot {slot.id}")
+                others = [s for s in self.slots if not s.busy and s is not slot][: n - 1]
+                if slot is not None and not slot.busy and len(others) == n - 1:
+                    self._task += 1
+                    for s in [slot, *others]:
+                        s.busy, s.task_id = True, self._task
+                    return [slot, *others]
+                await self._changed.wait()
+
+    async def _free(self, slots: list[FakeSlot]) -> None:
+        async with self._changed:
+            if not slots[0].busy:
+                return  # already freed (a stream frees before its last bytes, as the real one)
+            self._clock += 1
+            for i, s in enumerate(slots):
+                s.busy, s.last_used = False, self._clock
+                if i > 0:
+                    s.tokens = []  # child slots are cleared on release
+            self._changed.notify_all()
+
+    def _reply(self, prompt: list[str], body: dict[str, Any]) -> list[str]:
+        limit = body.get("max_completion_tokens", body.get("max_tokens", body.get("n_predict")))
+        count = 8 if limit is None or limit < 0 else max(1, min(int(limit), 64))
+        seed = hashlib.sha256("".join(prompt).encode()).digest()
+        return [f" w{seed[i % 32] + i}" for i in range(count)]
+
+    async def _run(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        prompt: list[str],
+        slots: list[FakeSlot],
+        drop_after: int | None,
+    ) -> web.StreamResponse:
+        slot = slots[0]
+        reuse = body.get("cache_prompt", True) is not False
+        n_past = _lcp(slot.tokens, prompt) if reuse else 0
+        n_past = min(n_past, len(prompt) - 1) if prompt else 0
+        slot.tokens = prompt[:n_past]
+        processed = len(prompt) - n_past
+        self.tokens_processed += processed
+        if self.prompt_s_per_token:
+            await asyncio.sleep(processed * self.prompt_s_per_token)
+        slot.tokens = list(prompt)
+        reply = self._reply(prompt, body)
+        timings = {"prompt_n": processed, "cache_n": n_past, "prompt_ms": 0.0,
+                   "predicted_n": len(reply), "predicted_ms": 0.0}  # fmt: skip
+        final = {"slot": slot.id, "timings": timings, "prompt_tokens": len(prompt)}
+        if body.get("stream"):
+            return await self._stream(request, body, reply, final, slots, drop_after)
+        for word in reply:
+            await self._gen_step(slot, word)
+        slot.tokens = slot.tokens[:-1]
+        return web.json_response(_shape(request.path, body, "".join(reply), final, slot, self))
+
+    async def _gen_step(self, slot: FakeSlot, word: str) -> None:
+        if self.gen_s_per_token:
+            await asyncio.sleep(self.gen_s_per_token)
+        slot.tokens.append(word)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        reply: list[str],
+        final: dict[str, Any],
+        slots: list[FakeSlot],
+        drop_after: int | None,
+    ) -> web.StreamResponse:
+        slot = slots[0]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i, word in enumerate(reply):
+            if drop_after is not None and i == drop_after:
+                assert request.transport is not None
+                request.transport.close()
+                raise ConnectionResetError("injected drop")
+            await self._gen_step(slot, word)
+            await response.write(_sse(_chunk(request.path, word, None)))
+        slot.tokens = slot.tokens[:-1]
+        await self._free(slots)
+        for event in _final_chunks(request.path, body, "".join(reply), final, slot, self):
+            await response.write(_sse(event))
+        await response.write_eof()
+        return response
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+def _usage(final: dict[str, Any], reply: str) -> dict[str, Any]:
+    t = final["timings"]
+    return {"prompt_tokens": final["prompt_tokens"], "completion_tokens": t["predicted_n"],
+            "total_tokens": final["prompt_tokens"] + t["predicted_n"],
+            "prompt_tokens_details": {"cached_tokens": t["cache_n"]}}  # fmt: skip
+
+
+def _chunk(path: str, word: str, finish: str | None) -> dict[str, Any]:
+    if path in ("/completion", "/completions", "/infill"):
+        return {"content": word, "stop": False, "id_slot": -1}
+    if path == "/v1/completions":
+        return {"object": "text_completion", "choices": [{"index": 0, "text": word,
+                                                         "finish_reason": finish}]}  # fmt: skip
+    delta = {"content": word} if word else {}
+    return {"object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+
+
+def _final_chunks(path: str, body: dict[str, Any], text: str, final: dict[str, Any],
+                  slot: FakeSlot, server: FakeLlamaServer) -> list[Any]:  # fmt: skip
+    if path in ("/completion", "/completions", "/infill"):
+        return [_shape(path, body, "", final, slot, server)]
+    last = _chunk(path, "", "length")
+    last["timings"] = final["timings"]
+    out: list[Any] = [last]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        out.append({"object": "chat.completion.chunk", "choices": [],
+                    "usage": _usage(final, text)})  # fmt: skip
+    return [*out, b"[DONE]"]
+
+
+def _shape(path: str, body: dict[str, Any], text: str, final: dict[str, Any],
+           slot: FakeSlot, server: FakeLlamaServer) -> dict[str, Any]:  # fmt: skip
+    timings, usage = final["timings"], _usage(final, text)
+    if path in ("/completion", "/completions", "/infill"):
+        return {"content": text, "id_slot": slot.id, "stop": True, "model": server.model,
+                "tokens_predicted": timings["predicted_n"],
+                "tokens_evaluated": final["prompt_tokens"], "tokens_cached": len(slot.tokens),
+                "stop_type": "limit", "timings": timings}  # fmt: skip
+    if path == "/v1/completions":
+        return {"object": "text_completion", "model": server.model, "usage": usage,
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "timings": timings}  # fmt: skip
+    if path == "/v1/responses":
+        return {"object": "response", "status": "completed", "output_text": text,
+                "usage": {"input_tokens": final["prompt_tokens"], "output_tokens": 1,
+                          "input_tokens_details": {"cached_tokens": timings["cache_n"]}}}
+    if path == "/v1/messages":
+        return {"type": "message", "role": "assistant",
+                "content": [{"type": "text", "text": text}],
+                "usage": {"input_tokens": final["prompt_tokens"] - timings["cache_n"],
+                          "cache_read_input_tokens": timings["cache_n"], "output_tokens": 1}}
+    if path in ("/v1/embeddings", "/embeddings"):
+        return {"object": "list", "data": [{"object": "embedding", "index": 0,
+                                            "embedding": [0.0] * 8}]}  # fmt: skip
+    return {"object": "chat.completion", "model": server.model, "usage": usage,
+            "choices": [{"index": 0, "finish_reason": "length",
+                         "message": {"role": "assistant", "content": text}}],
+            "timings": timings}  # fmt: skip

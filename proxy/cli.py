@@ -27,8 +27,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the proxy")
-    serve.add_argument("--backend", action="append", dest="backends", metavar="URL",
-                       help="llama-server base URL; repeat for several")  # fmt: skip
+    serve.add_argument(
+        "--backend",
+        action="append",
+        dest="backends",
+        metavar="URL",
+        help="llama-server base URL; repeat for several",
+    )
     serve.add_argument("--listen", help="host:port (default 127.0.0.1:8000)")
     serve.add_argument("--redis-url", help="shared state in Redis; omit for embedded state")
     serve.add_argument("--config", type=Path, help="YAML or TOML config file")

@@ -45,7 +45,9 @@ class BackendSettings(_Frozen):
     """One llama-server instance."""
 
     url: AnyHttpUrl
-    name: str | None = Field(default=None, description="label in metrics and logs; default host:port")
+    name: str | None = Field(
+        default=None, description="label in metrics and logs; default host:port"
+    )
 
     @property
     def label(self) -> str:

@@ -130,7 +130,8 @@ class ProxyHandlers:
         body: bytes | None,
         placement: Placement | None,
     ) -> web.StreamResponse:
-        assert self.client is not None and self.prober is not None
+        assert self.client is not None
+        assert self.prober is not None
         backend = self._settings.backends[index]
         record = request[RECORD]
         record.backend = backend.label
@@ -145,9 +146,12 @@ class ProxyHandlers:
                 body=body,
                 headers=upstream_request_headers(request.headers.items()),
             ) as upstream:
-                outcome = await relay(request, upstream, self._route_headers(request, placement,
-                                                                              backend.label),
-                                      self._clock)  # fmt: skip
+                outcome = await relay(
+                    request,
+                    upstream,
+                    self._route_headers(request, placement, backend.label),
+                    self._clock,
+                )
                 clean = outcome.complete
                 self._record(index, placement, outcome, request)
                 return outcome.response

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from proxy.errors import (
     MethodNotAllowed,
@@ -63,7 +64,7 @@ def _from_http(exc: web.HTTPException) -> ProxyError:
     return error
 
 
-def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Callable[..., object]:
+def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         started = clock()

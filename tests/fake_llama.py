@@ -52,8 +52,9 @@ def render_chat(body: dict[str, Any]) -> str:
         out.append("<|tools|> " + json.dumps(body["tools"], sort_keys=True) + "\n")
     for message in body.get("messages", []):
         calls = json.dumps(message["tool_calls"]) if message.get("tool_calls") else ""
-        out.append(f"<|im_start|>{message['role']}\n{_text(message.get('content'))}{calls}"
-                   "<|im_end|>\n")  # fmt: skip
+        out.append(
+            f"<|im_start|>{message['role']}\n{_text(message.get('content'))}{calls}<|im_end|>\n"
+        )
     out.append("<|im_start|>assistant\n")
     return "".join(out)
 
@@ -114,9 +115,18 @@ class FakeLlamaServer:
         r.add_get("/slots", self.slots_view)
         for path in ("/v1/models", "/models"):
             r.add_get(path, self.models)
-        for path in ("/completion", "/completions", "/v1/completions", "/infill",
-                     "/v1/chat/completions", "/chat/completions", "/v1/responses",
-                     "/v1/messages", "/v1/embeddings", "/embeddings"):  # fmt: skip
+        for path in (
+            "/completion",
+            "/completions",
+            "/v1/completions",
+            "/infill",
+            "/v1/chat/completions",
+            "/chat/completions",
+            "/v1/responses",
+            "/v1/messages",
+            "/v1/embeddings",
+            "/embeddings",
+        ):
             r.add_post(path, self.complete)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
@@ -158,25 +168,36 @@ class FakeLlamaServer:
         return web.json_response({"status": "ok"})
 
     async def props(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "total_slots": len(self.slots),
-            "default_generation_settings": {"n_ctx": self.n_ctx, "params": {}},
-            "model_path": f"/models/{self.model}.gguf",
-            "model_alias": self.model,
-            "build_info": "b0-fake",
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "total_slots": len(self.slots),
+                "default_generation_settings": {"n_ctx": self.n_ctx, "params": {}},
+                "model_path": f"/models/{self.model}.gguf",
+                "model_alias": self.model,
+                "build_info": "b0-fake",
+            }
+        )
 
     async def slots_view(self, request: web.Request) -> web.Response:
         if request.query.get("fail_on_no_slot") and all(s.busy for s in self.slots):
             return web.json_response({"error": {"message": "no slot available"}}, status=503)
-        return web.json_response([
-            {"id": s.id, "n_ctx": self.n_ctx, "is_processing": s.busy,
-             "id_task": -1 if s.task_id is None else s.task_id, "n_prompt_tokens": len(s.tokens)}
-            for s in self.slots
-        ])  # fmt: skip
+        return web.json_response(
+            [
+                {
+                    "id": s.id,
+                    "n_ctx": self.n_ctx,
+                    "is_processing": s.busy,
+                    "id_task": -1 if s.task_id is None else s.task_id,
+                    "n_prompt_tokens": len(s.tokens),
+                }
+                for s in self.slots
+            ]
+        )
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+        )
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -224,8 +245,9 @@ class FakeLlamaServer:
         if n > len(self.slots):
             return self._error(400, "n_cmpl must be <= number of slots", "invalid_request_error")
         if len(prompt) >= self.n_ctx:
-            return self._error(400, "the request exceeds the available context size",
-                               "exceed_context_size_error")  # fmt: skip
+            return self._error(
+                400, "the request exceeds the available context size", "exceed_context_size_error"
+            )
         pinned = body.get("id_slot", -1) if request.path != "/v1/messages" else -1
         slots = await self._take_slots(prompt, pinned, n)
         try:
@@ -298,8 +320,13 @@ class FakeLlamaServer:
             await asyncio.sleep(processed * self.prompt_s_per_token)
         slot.tokens = list(prompt)
         reply = self._reply(prompt, body)
-        timings = {"prompt_n": processed, "cache_n": n_past, "prompt_ms": 0.0,
-                   "predicted_n": len(reply), "predicted_ms": 0.0}  # fmt: skip
+        timings = {
+            "prompt_n": processed,
+            "cache_n": n_past,
+            "prompt_ms": 0.0,
+            "predicted_n": len(reply),
+            "predicted_ms": 0.0,
+        }
         final = {"slot": slot.id, "timings": timings, "prompt_tokens": len(prompt)}
         if body.get("stream"):
             return await self._stream(request, body, reply, final, slots, drop_after)
@@ -346,60 +373,113 @@ def _sse(obj: Any) -> bytes:
 
 def _usage(final: dict[str, Any], reply: str) -> dict[str, Any]:
     t = final["timings"]
-    return {"prompt_tokens": final["prompt_tokens"], "completion_tokens": t["predicted_n"],
-            "total_tokens": final["prompt_tokens"] + t["predicted_n"],
-            "prompt_tokens_details": {"cached_tokens": t["cache_n"]}}  # fmt: skip
+    return {
+        "prompt_tokens": final["prompt_tokens"],
+        "completion_tokens": t["predicted_n"],
+        "total_tokens": final["prompt_tokens"] + t["predicted_n"],
+        "prompt_tokens_details": {"cached_tokens": t["cache_n"]},
+    }
 
 
 def _chunk(path: str, word: str, finish: str | None) -> dict[str, Any]:
     if path in ("/completion", "/completions", "/infill"):
         return {"content": word, "stop": False, "id_slot": -1}
     if path == "/v1/completions":
-        return {"object": "text_completion", "choices": [{"index": 0, "text": word,
-                                                         "finish_reason": finish}]}  # fmt: skip
+        return {
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": word, "finish_reason": finish}],
+        }
     delta = {"content": word} if word else {}
-    return {"object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+    return {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
 
 
-def _final_chunks(path: str, body: dict[str, Any], text: str, final: dict[str, Any],
-                  slot: FakeSlot, server: FakeLlamaServer) -> list[Any]:  # fmt: skip
+def _final_chunks(
+    path: str,
+    body: dict[str, Any],
+    text: str,
+    final: dict[str, Any],
+    slot: FakeSlot,
+    server: FakeLlamaServer,
+) -> list[Any]:
     if path in ("/completion", "/completions", "/infill"):
         return [_shape(path, body, "", final, slot, server)]
     last = _chunk(path, "", "length")
     last["timings"] = final["timings"]
     out: list[Any] = [last]
     if (body.get("stream_options") or {}).get("include_usage"):
-        out.append({"object": "chat.completion.chunk", "choices": [],
-                    "usage": _usage(final, text)})  # fmt: skip
+        out.append({"object": "chat.completion.chunk", "choices": [], "usage": _usage(final, text)})
     return [*out, b"[DONE]"]
 
 
-def _shape(path: str, body: dict[str, Any], text: str, final: dict[str, Any],
-           slot: FakeSlot, server: FakeLlamaServer) -> dict[str, Any]:  # fmt: skip
+def _shape(
+    path: str,
+    body: dict[str, Any],
+    text: str,
+    final: dict[str, Any],
+    slot: FakeSlot,
+    server: FakeLlamaServer,
+) -> dict[str, Any]:
     timings, usage = final["timings"], _usage(final, text)
     if path in ("/completion", "/completions", "/infill"):
-        return {"content": text, "id_slot": slot.id, "stop": True, "model": server.model,
-                "tokens_predicted": timings["predicted_n"],
-                "tokens_evaluated": final["prompt_tokens"], "tokens_cached": len(slot.tokens),
-                "stop_type": "limit", "timings": timings}  # fmt: skip
+        return {
+            "content": text,
+            "id_slot": slot.id,
+            "stop": True,
+            "model": server.model,
+            "tokens_predicted": timings["predicted_n"],
+            "tokens_evaluated": final["prompt_tokens"],
+            "tokens_cached": len(slot.tokens),
+            "stop_type": "limit",
+            "timings": timings,
+        }
     if path == "/v1/completions":
-        return {"object": "text_completion", "model": server.model, "usage": usage,
-                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-                "timings": timings}  # fmt: skip
+        return {
+            "object": "text_completion",
+            "model": server.model,
+            "usage": usage,
+            "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+            "timings": timings,
+        }
     if path == "/v1/responses":
-        return {"object": "response", "status": "completed", "output_text": text,
-                "usage": {"input_tokens": final["prompt_tokens"], "output_tokens": 1,
-                          "input_tokens_details": {"cached_tokens": timings["cache_n"]}}}
+        return {
+            "object": "response",
+            "status": "completed",
+            "output_text": text,
+            "usage": {
+                "input_tokens": final["prompt_tokens"],
+                "output_tokens": 1,
+                "input_tokens_details": {"cached_tokens": timings["cache_n"]},
+            },
+        }
     if path == "/v1/messages":
-        return {"type": "message", "role": "assistant",
-                "content": [{"type": "text", "text": text}],
-                "usage": {"input_tokens": final["prompt_tokens"] - timings["cache_n"],
-                          "cache_read_input_tokens": timings["cache_n"], "output_tokens": 1}}
+        return {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "text", "text": text}],
+            "usage": {
+                "input_tokens": final["prompt_tokens"] - timings["cache_n"],
+                "cache_read_input_tokens": timings["cache_n"],
+                "output_tokens": 1,
+            },
+        }
     if path in ("/v1/embeddings", "/embeddings"):
-        return {"object": "list", "data": [{"object": "embedding", "index": 0,
-                                            "embedding": [0.0] * 8}]}  # fmt: skip
-    return {"object": "chat.completion", "model": server.model, "usage": usage,
-            "choices": [{"index": 0, "finish_reason": "length",
-                         "message": {"role": "assistant", "content": text}}],
-            "timings": timings}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.0] * 8}],
+        }
+    return {
+        "object": "chat.completion",
+        "model": server.model,
+        "usage": usage,
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "length",
+                "message": {"role": "assistant", "content": text},
+            }
+        ],
+        "timings": timings,
+    }

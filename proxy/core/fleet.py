@@ -33,17 +33,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class BackendPhase(str, Enum):
+class BackendPhase(StrEnum):
     UNKNOWN = "unknown"
     READY = "ready"
     LOADING = "loading"
     DOWN = "down"
 
 
-class SlotPhase(str, Enum):
+class SlotPhase(StrEnum):
     IDLE = "idle"
     BUSY = "busy"
     DRAINING = "draining"
@@ -106,7 +106,7 @@ class Placement:
     pin: int | None  # the id_slot to send; None when the server must choose
 
 
-class NoPlacement(str, Enum):
+class NoPlacement(StrEnum):
     BUSY = "busy"  # a READY backend exists; wait for a slot
     LOADING = "loading"  # none READY, some LOADING or not yet probed; wait for the model
     DOWN = "down"  # nothing is up: fail now

@@ -9,7 +9,7 @@ relays. Framing headers (``Content-Length``, ``Transfer-Encoding``) are recomput
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 HOP_BY_HOP = frozenset(
     {
@@ -50,9 +50,3 @@ def client_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[st
     return _filter(headers, _RESPONSE_DROP)
 
 
-def header_value(headers: Mapping[str, str], name: str) -> str | None:
-    lowered = name.lower()
-    for key, value in headers.items():
-        if key.lower() == lowered:
-            return value
-    return None

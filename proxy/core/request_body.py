@@ -45,7 +45,9 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
     except ValueError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        raise InvalidRequest(
+            f"request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
     return data

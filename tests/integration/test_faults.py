@@ -29,7 +29,8 @@ async def test_more_requests_than_slots_all_complete_without_pinning_a_busy_slot
     texts = [await r.text() for r in responses]
     assert all("w" in t for t in texts)
     assert fake_a.violations == fake_b.violations == []
-    assert len(fake_a.received) > 0 and len(fake_b.received) > 0
+    assert fake_a.received
+    assert fake_b.received
 
 
 async def test_full_queue_answers_503_with_retry_after(fakes: Any, proxy: Any) -> None:
@@ -39,7 +40,7 @@ async def test_full_queue_answers_503_with_retry_after(fakes: Any, proxy: Any) -
     tasks = [asyncio.create_task(client.post("/v1/chat/completions", json=body)) for _ in range(4)]
     statuses = sorted([(await t).status for t in tasks])
     assert statuses == [200, 200, 503, 503]
-    rejected = [await t for t in tasks if (await t).status == 503][0]
+    rejected = next(t.result() for t in tasks if t.result().status == 503)
     assert rejected.headers["Retry-After"] == "3"
     assert _is_openai_error(await rejected.json())
 
@@ -146,19 +147,21 @@ BAD_INPUTS = [
     pytest.param(b"\xff\xfe{}", 400, id="invalid-utf8"),
     pytest.param(b'{"messages": "hi"}', 400, id="messages-not-array"),
     pytest.param(b'{"messages": [{"content": "x"}]}', 400, id="message-without-role"),
-    pytest.param(b'{"messages": [{"role":"user","content":"x"}], "stream": "yes"}', 400,
-                 id="stream-not-bool"),  # fmt: skip
-    pytest.param(b'{"messages": [{"role":"user","content":"x"}], "max_tokens": "9"}', 400,
-                 id="max-tokens-not-int"),  # fmt: skip
+    pytest.param(
+        b'{"messages": [{"role":"user","content":"x"}], "stream": "yes"}', 400, id="stream-not-bool"
+    ),
+    pytest.param(
+        b'{"messages": [{"role":"user","content":"x"}], "max_tokens": "9"}',
+        400,
+        id="max-tokens-not-int",
+    ),
     pytest.param(b'{"messages": [{"role":"user","content":"x"}], "n": 0}', 400, id="n-zero"),
     pytest.param(b"[" * 100000 + b"]" * 100000, 400, id="deep-nesting"),
 ]
 
 
 @pytest.mark.parametrize(("raw", "status"), BAD_INPUTS)
-async def test_bad_input_gets_openai_error(
-    fakes: Any, proxy: Any, raw: bytes, status: int
-) -> None:
+async def test_bad_input_gets_openai_error(fakes: Any, proxy: Any, raw: bytes, status: int) -> None:
     fake = await fakes()
     client = await proxy([fake])
     resp = await client.post(

@@ -81,9 +81,10 @@ async def test_slotless_endpoints_pass_through_unchanged(
 async def _direct(url: str, method: str, path: str, body: Any) -> Any:
     import aiohttp
 
-    async with aiohttp.ClientSession() as session, session.request(
-        method, url + path, json=body
-    ) as resp:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, url + path, json=body) as resp,
+    ):
         return await resp.json()
 
 
@@ -140,9 +141,7 @@ def _cache_n(stream: str) -> int:
     return int(json.loads(stream.split("data: ")[-3])["timings"]["cache_n"])
 
 
-async def test_conversation_id_and_hop_by_hop_headers_not_forwarded(
-    fakes: Any, proxy: Any
-) -> None:
+async def test_conversation_id_and_hop_by_hop_headers_not_forwarded(fakes: Any, proxy: Any) -> None:
     fake = await fakes()
     client = await proxy([fake])
     headers = {"X-Conversation-Id": "c1", "Authorization": "Bearer k", "Proxy-Authorization": "x"}

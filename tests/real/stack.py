@@ -75,11 +75,25 @@ class LlamaServer:
 
     def start(self) -> LlamaServer:
         args = [
-            str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
-            "--port", str(self.port), "-np", str(self.slots),
-            "-c", str(self.slots * self.ctx_per_slot), "-t", "2", "--no-repack",
-            "--slot-save-path", str(self.save_dir), "--metrics", *self.extra,
-        ]  # fmt: skip
+            str(self.binary),
+            "-m",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-np",
+            str(self.slots),
+            "-c",
+            str(self.slots * self.ctx_per_slot),
+            "-t",
+            "2",
+            "--no-repack",
+            "--slot-save-path",
+            str(self.save_dir),
+            "--metrics",
+            *self.extra,
+        ]
         self.log_path = self.save_dir / "server.log"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
@@ -108,8 +122,17 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no"]  # fmt: skip
+        args = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

@@ -27,6 +27,15 @@ async def _direct(server: LlamaServer, path: str, body: dict[str, Any]) -> Any:
             return await resp.text() if body.get("stream") else await resp.json()
 
 
+async def _until_ready(client: Any, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if (await client.get("/readyz")).status == 200:
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError("proxy not ready")
+
+
 def _stream_text(raw: str) -> str:
     out = []
     for event in raw.split("\n\n"):
@@ -73,8 +82,9 @@ async def test_more_concurrent_requests_than_slots_all_correct(
 ) -> None:
     server = llama_servers(slots=2)
     client = await proxy([server.url], queue={"max_wait_seconds": 60})
-    bodies = [chat(f"Write the number {i} as a word.", stream=i % 2 == 1, **GREEDY)
-              for i in range(6)]  # fmt: skip
+    bodies = [
+        chat(f"Write the number {i} as a word.", stream=i % 2 == 1, **GREEDY) for i in range(6)
+    ]
     responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
     assert [r.status for r in responses] == [200] * 6
     for body, resp in zip(bodies, responses, strict=True):
@@ -91,8 +101,9 @@ async def test_client_abort_drains_slot_then_next_request_is_clean(
 ) -> None:
     server = llama_servers(slots=1)
     client = await proxy([server.url])
-    long_body = chat("Count from 1 to 300, separated by commas.", stream=True,
-                     temperature=0, max_tokens=400)  # fmt: skip
+    long_body = chat(
+        "Count from 1 to 300, separated by commas.", stream=True, temperature=0, max_tokens=400
+    )
     async with aiohttp.ClientSession() as session:
         resp = await session.post(str(client.make_url("/v1/chat/completions")), json=long_body)
         await resp.content.readany()
@@ -113,9 +124,7 @@ async def test_killed_backend_gives_503_then_recovers(llama_servers: Any, proxy:
     assert resp.status == 503
     assert (await resp.json())["error"]["type"] == "unavailable_error"
     server.start()
-    deadline = time.monotonic() + 30
-    while (await client.get("/readyz")).status != 200 and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
+    await _until_ready(client)
     assert (await client.post("/v1/chat/completions", json=body)).status == 200
 
 
@@ -129,8 +138,9 @@ async def test_bad_inputs_against_real_backend(llama_servers: Any, proxy: Any) -
         (json.dumps(chat("hi", n=3)).encode(), 400),  # the server's own limit, passed through
     ]
     for raw, status in cases:
-        resp = await client.post("/v1/chat/completions", data=raw,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+        resp = await client.post(
+            "/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}
+        )
         assert resp.status == status, raw[:40]
         assert "error" in await resp.json()
     assert (await client.get("/nope")).status == 404
@@ -142,9 +152,18 @@ def test_cli_serves_the_readme_command(llama_servers: Any) -> None:
     port = free_port()
     env = {**os.environ, "LLAMA_CACHE_PROXY_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--backend", server.url,
-         "--listen", f"127.0.0.1:{port}"], env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "proxy",
+            "serve",
+            "--backend",
+            server.url,
+            "--listen",
+            f"127.0.0.1:{port}",
+        ],
+        env=env,
+    )
     try:
         _wait_http(f"http://127.0.0.1:{port}/readyz", 30, proc)
         import urllib.request

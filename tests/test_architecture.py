@@ -1,0 +1,54 @@
+"""Structural rules: the core is pure; only upstream.py knows llama-server endpoints."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+FORBIDDEN_IN_CORE = {"aiohttp", "redis", "prometheus_client", "asyncio", "time", "random",
+                     "logging", "os", "socket"}  # fmt: skip
+MODULES = sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts)
+    for p in (ROOT / "proxy").rglob("*.py")
+    if p.name != "__main__.py"
+)
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "proxy" / "core").glob("*.py")), ids=str)
+def test_core_is_pure(path: Path) -> None:
+    assert not (_imports(path) & FORBIDDEN_IN_CORE)
+    assert ast.get_docstring(ast.parse(path.read_text())), "core modules explain their algorithm"
+
+
+def test_only_upstream_knows_llama_server_endpoints() -> None:
+    for path in (ROOT / "proxy").rglob("*.py"):
+        if path.name == "upstream.py":
+            continue
+        text = path.read_text()
+        for endpoint in ('"/slots', '"/health"', '"/apply-template"', '"/completion"'):
+            assert endpoint not in text, f"{path} mentions {endpoint}"
+
+
+def test_modules_stay_small() -> None:
+    for path in (ROOT / "proxy").rglob("*.py"):
+        assert len(path.read_text().splitlines()) <= 320, path
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_module_imports_alone(module: str) -> None:
+    subprocess.run([sys.executable, "-c", f"import {module}"], check=True, cwd=ROOT)

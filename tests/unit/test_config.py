@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from proxy.cli import main
+from proxy.config import ConfigError, Settings, load_settings
+
+EXAMPLE = Path(__file__).parents[2] / "deploy" / "config.example.yaml"
+
+
+def _fields(model: type[Settings] | object, prefix: str = "") -> set[str]:
+    out = set()
+    for name, info in model.model_fields.items():  # type: ignore[union-attr]
+        annotation = info.annotation
+        if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+            out |= _fields(annotation, f"{prefix}{name}.")
+        else:
+            out.add(prefix + name)
+    return out
+
+
+def _keys(data: dict[str, object], prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "backends":
+            out |= _keys(value, f"{prefix}{key}.")
+        else:
+            out.add(prefix + key)
+    return out
+
+
+def test_example_config_is_valid_and_lists_every_field() -> None:
+    settings = load_settings(cli={}, environ={}, config_file=EXAMPLE)
+    assert [b.label for b in settings.backends] == ["gpu0", "gpu1"]
+    assert _keys(yaml.safe_load(EXAMPLE.read_text())) == _fields(Settings)
+
+
+def test_precedence_file_then_env_then_cli(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('backends = ["http://a:1"]\nlisten = "0.0.0.0:1"\n[queue]\nmax_waiting = 5\n')
+    env = {"LLAMA_CACHE_PROXY_LISTEN": "0.0.0.0:2", "LLAMA_CACHE_PROXY_QUEUE__MAX_WAITING": "7"}
+    settings = load_settings(cli={"listen": "0.0.0.0:3"}, environ=env, config_file=path)
+    assert settings.listen == "0.0.0.0:3"
+    assert settings.queue.max_waiting == 7
+    assert settings.backends[0].base_url == "http://a:1"
+
+
+def test_env_backends_comma_separated_and_config_path_from_env(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("log_level: DEBUG\n")
+    env = {"LLAMA_CACHE_PROXY_BACKENDS": "http://a:1,http://b:2",
+           "LLAMA_CACHE_PROXY_CONFIG": str(path)}  # fmt: skip
+    settings = load_settings(cli={}, environ=env)
+    assert [b.label for b in settings.backends] == ["a:1", "b:2"]
+    assert settings.log_level == "DEBUG"
+
+
+def test_settings_are_immutable() -> None:
+    settings = load_settings(cli={"backends": ["http://a:1"]}, environ={})
+    with pytest.raises(ValueError, match="frozen"):
+        settings.listen = "x:1"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("cli", "env", "field"),
+    [
+        ({}, {}, "backends"),
+        ({"backends": ["not a url"]}, {}, "backends.0.url"),
+        ({"backends": ["http://a:1"], "listen": "nope"}, {}, "listen"),
+        ({"backends": ["http://a:1"]}, {"LLAMA_CACHE_PROXY_QUEUE__MAX_WAITING": "-1"},
+         "queue.max_waiting"),
+        ({"backends": ["http://a:1"], "redis_url": "http://x"}, {}, "redis_url"),
+        ({"backends": ["http://a:1"]}, {"LLAMA_CACHE_PROXY_NOPE": "1"}, "nope"),
+    ],
+)  # fmt: skip
+def test_bad_config_is_one_line_naming_the_field(
+    cli: dict[str, object], env: dict[str, str], field: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(cli=cli, environ=env)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"config: {field}:")
+
+
+def test_cli_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--backend", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "backends.0.url" in err
+
+
+def test_unreadable_or_invalid_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(cli={}, environ={}, config_file=tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("= nope")
+    with pytest.raises(ConfigError, match="not valid"):
+        load_settings(cli={}, environ={}, config_file=bad)

@@ -1,0 +1,178 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.core.fleet import (
+    BackendPhase,
+    Fleet,
+    Need,
+    NoPlacement,
+    Placement,
+    Probe,
+    SlotPhase,
+    SlotProbe,
+    pick_backend,
+    place,
+)
+
+
+def ready_fleet(*slot_counts: int) -> Fleet:
+    fleet = Fleet([f"b{i}" for i in range(len(slot_counts))])
+    for index, count in enumerate(slot_counts):
+        slots = tuple(SlotProbe(i, False, 0, -1) for i in range(count))
+        fleet.apply_probe(index, Probe(BackendPhase.READY, slots), now=0.0)
+    return fleet
+
+
+def test_least_busy_backend_then_least_recently_used_slot() -> None:
+    fleet = ready_fleet(2, 2)
+    fleet.claim(Placement(0, (0,), 0), now=1.0)
+    fleet.backends[1].slots[0].last_used = 5.0
+    assert place(fleet.backends, Need()) == Placement(1, (1,), 1)
+
+
+def test_exclusive_needs_a_fully_idle_backend() -> None:
+    fleet = ready_fleet(2, 2)
+    fleet.claim(Placement(0, (1,), 1), now=1.0)
+    assert place(fleet.backends, Need(exclusive=True)) == Placement(1, (0, 1), None)
+    fleet.claim(Placement(1, (0,), 0), now=1.0)
+    assert place(fleet.backends, Need(exclusive=True)) is NoPlacement.BUSY
+
+
+def test_wanted_slot_only_when_idle() -> None:
+    fleet = ready_fleet(2)
+    assert place(fleet.backends, Need(slot=1)) == Placement(0, (1,), 1)
+    fleet.claim(Placement(0, (1,), 1), now=1.0)
+    assert place(fleet.backends, Need(slot=1)) is NoPlacement.BUSY
+
+
+def test_reasons_when_nothing_fits() -> None:
+    fleet = Fleet(["a", "b"])
+    assert place(fleet.backends, Need()) is NoPlacement.LOADING  # not probed yet
+    fleet.apply_probe(0, Probe(BackendPhase.DOWN), now=0.0)
+    fleet.apply_probe(1, Probe(BackendPhase.LOADING), now=0.0)
+    assert place(fleet.backends, Need()) is NoPlacement.LOADING
+    fleet.apply_probe(1, Probe(BackendPhase.DOWN), now=0.0)
+    assert place(fleet.backends, Need()) is NoPlacement.DOWN
+    assert pick_backend(fleet.backends, frozenset()) is NoPlacement.DOWN
+
+
+def test_avoided_backend_is_skipped() -> None:
+    fleet = ready_fleet(1, 1)
+    assert place(fleet.backends, Need(avoid=frozenset({0}))) == Placement(1, (0,), 0)
+    assert pick_backend(fleet.backends, frozenset({0})) == 1
+
+
+def test_claiming_a_busy_slot_is_refused() -> None:
+    fleet = ready_fleet(1)
+    fleet.claim(Placement(0, (0,), 0), now=1.0)
+    with pytest.raises(ValueError, match="busy"):
+        fleet.claim(Placement(0, (0,), 0), now=2.0)
+
+
+def test_aborted_slot_drains_until_a_probe_shows_it_idle() -> None:
+    fleet = ready_fleet(1)
+    placement = Placement(0, (0,), 0)
+    fleet.claim(placement, now=1.0)
+    fleet.release(placement, now=2.0, clean=False)
+    assert fleet.backends[0].slots[0].phase is SlotPhase.DRAINING
+    assert fleet.is_draining(0)
+    busy = Probe(BackendPhase.READY, (SlotProbe(0, True, 10, 3),))
+    fleet.apply_probe(0, busy, now=3.0)
+    assert place(fleet.backends, Need()) is NoPlacement.BUSY
+    idle = Probe(BackendPhase.READY, (SlotProbe(0, False, 10, 3),))
+    fleet.apply_probe(0, idle, now=4.0)
+    assert place(fleet.backends, Need()) == placement
+
+
+def test_stop_draining_leaves_slot_external_until_probed_idle() -> None:
+    fleet = ready_fleet(1)
+    placement = Placement(0, (0,), 0)
+    fleet.claim(placement, now=1.0)
+    fleet.release(placement, now=2.0, clean=False)
+    fleet.stop_draining(0)
+    assert fleet.backends[0].slots[0].phase is SlotPhase.EXTERNAL
+
+
+def test_foreign_traffic_blocks_a_slot_but_a_stale_probe_does_not() -> None:
+    fleet = ready_fleet(2)
+    placement = Placement(0, (0,), 0)
+    fleet.claim(placement, now=1.0)
+    fleet.release(placement, now=5.0, clean=True)
+    seen = (SlotProbe(0, True, 5, 1), SlotProbe(1, True, 5, 2))
+    fleet.apply_probe(0, Probe(BackendPhase.READY, seen), now=4.0)  # sent before release
+    assert fleet.backends[0].slots[0].phase is SlotPhase.IDLE
+    assert fleet.backends[0].slots[1].phase is SlotPhase.EXTERNAL
+
+
+@pytest.mark.parametrize(
+    "probe",
+    [
+        pytest.param(Probe(BackendPhase.READY, (SlotProbe(0, False, 0, 1),)), id="task-ids-reset"),
+        pytest.param(
+            Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, 9) for i in range(3))),
+            id="slot-count-changed",
+        ),
+    ],
+)
+def test_restart_detected(probe: Probe) -> None:
+    fleet = ready_fleet(2)
+    fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 9, 7),) * 2), now=1.0)
+    epoch = fleet.backends[0].epoch
+    assert fleet.apply_probe(0, probe, now=2.0)
+    assert fleet.backends[0].epoch == epoch + 1
+    assert len(fleet.backends[0].slots) == len(probe.slots)
+
+
+def test_return_from_down_invalidates_and_keeps_our_claims() -> None:
+    fleet = ready_fleet(2)
+    fleet.claim(Placement(0, (1,), 1), now=1.0)
+    fleet.mark_down(0)
+    assert fleet.apply_probe(0, Probe(BackendPhase.READY, ready_probe(2)), now=2.0)
+    assert [s.phase for s in fleet.backends[0].slots] == [SlotPhase.IDLE, SlotPhase.BUSY]
+
+
+def ready_probe(count: int) -> tuple[SlotProbe, ...]:
+    return tuple(SlotProbe(i, False, 0, -1) for i in range(count))
+
+
+@st.composite
+def fleets(draw: st.DrawFn) -> Fleet:
+    counts = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    fleet = ready_fleet(*counts)
+    for backend in fleet.backends:
+        if draw(st.booleans()):
+            backend.phase = draw(st.sampled_from(list(BackendPhase)))
+        for slot in backend.slots:
+            slot.phase = draw(st.sampled_from(list(SlotPhase)))
+            slot.last_used = draw(st.floats(0, 100))
+    return fleet
+
+
+@given(fleets(), st.booleans(), st.sets(st.integers(0, 3)))
+def test_property_never_places_a_slot_that_is_not_idle(
+    fleet: Fleet, exclusive: bool, avoid: set[int]
+) -> None:
+    result = place(fleet.backends, Need(exclusive=exclusive, avoid=frozenset(avoid)))
+    if isinstance(result, Placement):
+        backend = fleet.backends[result.backend]
+        assert backend.phase is BackendPhase.READY
+        assert result.backend not in avoid
+        assert all(backend.slots[i].phase is SlotPhase.IDLE for i in result.slots)
+        fleet.claim(result, now=101.0)  # and claiming it never raises
+    else:
+        usable = [b for b in fleet.backends if b.index not in avoid]
+        fits = [
+            b
+            for b in usable
+            if b.phase is BackendPhase.READY
+            and (all if exclusive else any)(s.phase is SlotPhase.IDLE for s in b.slots)
+        ]
+        assert fits == []
+
+
+@given(fleets())
+def test_property_placement_is_deterministic(fleet: Fleet) -> None:
+    assert place(fleet.backends, Need()) == place(fleet.backends, Need())

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxy.core.usage import SseScanner, Usage, usage_from_body, usage_from_object
+
+
+@pytest.mark.parametrize(
+    ("obj", "expected"),
+    [
+        pytest.param({"timings": {"prompt_n": 3, "cache_n": 97}}, Usage(100, 97), id="timings"),
+        pytest.param(
+            {"timings": {"prompt_n": 1, "cache_n": 9}, "tokens_cached": 14},
+            Usage(10, 9, 14),
+            id="completion-final",
+        ),
+        pytest.param(
+            {"usage": {"prompt_tokens": 50, "prompt_tokens_details": {"cached_tokens": 40}}},
+            Usage(50, 40),
+            id="openai-usage",
+        ),
+        pytest.param(
+            {"usage": {"input_tokens": 10, "cache_read_input_tokens": 30}},
+            Usage(40, 30),
+            id="anthropic",
+        ),
+        pytest.param(
+            {
+                "response": {
+                    "usage": {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 4}}
+                }
+            },
+            Usage(9, 4),
+            id="responses-completed",
+        ),
+        pytest.param({"choices": []}, None, id="none"),
+        pytest.param({"timings": {"prompt_n": "x", "cache_n": 1}}, None, id="bad-types"),
+        pytest.param([1, 2], None, id="not-object"),
+    ],
+)
+def test_usage_from_object(obj: object, expected: Usage | None) -> None:
+    assert usage_from_object(obj) == expected
+
+
+def test_usage_from_body_tolerates_non_json() -> None:
+    assert usage_from_body(b"<html>") is None
+
+
+def test_sse_scanner_across_arbitrary_chunk_boundaries() -> None:
+    events = [
+        {"choices": [{"delta": {"content": "hi"}}]},
+        {"choices": [{"delta": {}}], "timings": {"prompt_n": 2, "cache_n": 8}},
+    ]
+    stream = b"".join(b"data: " + json.dumps(e).encode() + b"\r\n\r\n" for e in events)
+    stream += b"data: [DONE]\n\n"
+    for size in (1, 3, 7, len(stream)):
+        scanner = SseScanner()
+        for i in range(0, len(stream), size):
+            scanner.feed(stream[i : i + size])
+        scanner.close()
+        assert scanner.usage == Usage(10, 8)
+        assert scanner.events == 3

@@ -483,3 +483,24 @@ def _shape(
         ],
         "timings": timings,
     }
+
+
+def main() -> None:
+    """``python -m tests.fake_llama --port P --slots N``: a standalone fake (benchmarks)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--slots", type=int, default=4)
+    args = parser.parse_args()
+
+    async def serve() -> None:
+        server = FakeLlamaServer(n_slots=args.slots)
+        await server.start(args.port)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

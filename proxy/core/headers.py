@@ -48,5 +48,3 @@ def upstream_request_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[s
 
 def client_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     return _filter(headers, _RESPONSE_DROP)
-
-

@@ -1,0 +1,162 @@
+"""Proxy overhead, side by side with direct, in one run.
+
+Three processes on loopback: a fake llama-server with zero service time (enough slots that
+nothing queues), the proxy (``python -m proxy serve``, INFO access log to /dev/null), and this
+load generator. For each concurrency, closed-loop workers send small requests straight to the
+fake and then through the proxy; the table shows latency percentiles of both and the
+difference (the proxy's added latency), time to first byte for streams, and requests/s.
+
+    python -m bench.overhead [--requests 3000] [--concurrency 1 16 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import aiohttp
+
+from tests.real.stack import _wait_http, free_port
+
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+@contextmanager
+def _process(args: list[str], ready_url: str) -> Iterator[None]:
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_http(ready_url, 30, proc)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def _worker(
+    session: aiohttp.ClientSession, url: str, count: int, stream: bool, out: list[float]
+) -> None:
+    body = {**BODY, "stream": stream}
+    for _ in range(count):
+        started = time.perf_counter()
+        async with session.post(url, json=body) as resp:
+            if stream:
+                await resp.content.readany()  # first byte
+                out.append(time.perf_counter() - started)
+                await resp.read()
+            else:
+                await resp.read()
+                out.append(time.perf_counter() - started)
+            assert resp.status == 200, resp.status
+
+
+async def _load(url: str, concurrency: int, total: int, stream: bool) -> tuple[list[float], float]:
+    samples: list[float] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await _worker(session, url, 20, stream, [])  # warm-up
+        per = max(1, total // concurrency)
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(_worker(session, url, per, stream, samples) for _ in range(concurrency))
+        )
+        elapsed = time.perf_counter() - started
+    return samples, len(samples) / elapsed
+
+
+def _pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def run(requests: int, concurrencies: list[int]) -> list[dict[str, object]]:
+    fake_port, proxy_port = free_port(), free_port()
+    fake = f"http://127.0.0.1:{fake_port}"
+    proxy = f"http://127.0.0.1:{proxy_port}"
+    slots = max(concurrencies)
+    rows: list[dict[str, object]] = []
+    fake_args = [
+        sys.executable,
+        "-m",
+        "tests.fake_llama",
+        "--port",
+        str(fake_port),
+        "--slots",
+        str(slots),
+    ]
+    proxy_args = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "serve",
+        "--backend",
+        fake,
+        "--listen",
+        f"127.0.0.1:{proxy_port}",
+    ]
+    with _process(fake_args, fake + "/health"), _process(proxy_args, proxy + "/readyz"):
+        for stream in (False, True):
+            for concurrency in concurrencies:
+                d, d_rps = asyncio.run(
+                    _load(fake + "/v1/chat/completions", concurrency, requests, stream)
+                )
+                p, p_rps = asyncio.run(
+                    _load(proxy + "/v1/chat/completions", concurrency, requests, stream)
+                )
+                rows.append(
+                    {
+                        "mode": "stream TTFB" if stream else "request",
+                        "conc": concurrency,
+                        "direct_p50": _pct(d, 0.5),
+                        "proxy_p50": _pct(p, 0.5),
+                        "direct_p99": _pct(d, 0.99),
+                        "proxy_p99": _pct(p, 0.99),
+                        "direct_rps": d_rps,
+                        "proxy_rps": p_rps,
+                    }
+                )
+    return rows
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}; fake backend with zero service time"
+    )
+    head = (
+        "| mode | conc | direct p50 ms | proxy p50 ms | added p50 ms | direct p99 ms "
+        "| proxy p99 ms | added p99 ms | direct req/s | proxy req/s |"
+    )
+    print(head)
+    print("|" + "---|" * 10)
+    for r in rows:
+        dp50, pp50 = float(r["direct_p50"]), float(r["proxy_p50"])  # type: ignore[arg-type]
+        dp99, pp99 = float(r["direct_p99"]), float(r["proxy_p99"])  # type: ignore[arg-type]
+        print(
+            f"| {r['mode']} | {r['conc']} | {dp50:.2f} | {pp50:.2f} | {pp50 - dp50:.2f} "
+            f"| {dp99:.2f} | {pp99:.2f} | {pp99 - dp99:.2f} "
+            f"| {float(r['direct_rps']):.0f} | {float(r['proxy_rps']):.0f} |"
+        )  # type: ignore[arg-type]
+    print(
+        f"median of added p50 across rows: "
+        f"{statistics.median(float(r['proxy_p50']) - float(r['direct_p50']) for r in rows):.2f} ms"
+    )  # type: ignore[arg-type]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    args = parser.parse_args()
+    print_table(run(args.requests, args.concurrency))
+
+
+if __name__ == "__main__":
+    main()

@@ -87,7 +87,8 @@ class Prober:
             await self.probe(index)
         if self._fleet.is_draining(index):
             self._fleet.stop_draining(index)
-            log.warning("backend=%s aborted slot still busy after drain limit", index)
+            label = self._fleet.backends[index].label
+            log.warning("backend=%s aborted slot still busy after drain limit", label)
 
     async def close(self) -> None:
         for task in self._drains.values():

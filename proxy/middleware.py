@@ -8,7 +8,6 @@ client).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -78,9 +77,7 @@ def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middle
             response = await _respond(request, handler, record)
             status = response.status
             return response
-        except asyncio.CancelledError:
-            raise
-        finally:
+        finally:  # a cancelled handler (client gone) is logged as 499
             metrics.in_flight.dec()
             elapsed = clock() - started
             metrics.requests.labels(endpoint, str(status)).inc()

@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.core.fingerprint import (
+    MESSAGE_OVERHEAD,
+    common_segments,
+    fingerprint_chat,
+    fingerprint_tokens,
+    reply_segment,
+)
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+SYSTEM = {"role": "system", "content": "You are helpful. " * 10}
+TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {}}}]
+
+
+def body(*messages: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"messages": [SYSTEM, *messages], **extra}
+
+
+def test_next_turn_shares_every_segment_up_to_the_new_message() -> None:
+    turn1 = body({"role": "user", "content": "list files"})
+    turn2 = body(
+        {"role": "user", "content": "list files"},
+        {"role": "assistant", "content": "a b c"},
+        {"role": "user", "content": "thanks"},
+    )
+    a, b = fingerprint_chat(turn1, words), fingerprint_chat(turn2, words)
+    assert common_segments(a.hashes, b.hashes) == len(a.hashes) == 3
+    assert b.tokens_at(3) == a.total
+
+
+def test_reply_extends_the_chain_as_the_client_sends_it_back() -> None:
+    turn1 = body({"role": "user", "content": "hi"})
+    slot = fingerprint_chat(turn1, words).extend([reply_segment("hello there", None)], words)
+    turn2 = body(
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello there"},
+        {"role": "user", "content": "more"},
+    )
+    assert common_segments(slot.hashes, fingerprint_chat(turn2, words).hashes) == 4
+
+
+def test_tool_call_reply_with_null_content_matches() -> None:
+    calls = [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]
+    slot = fingerprint_chat(body(), words).extend([reply_segment("", calls)], words)
+    sent = body({"role": "assistant", "content": None, "tool_calls": calls})
+    assert common_segments(slot.hashes, fingerprint_chat(sent, words).hashes) == 3
+
+
+def test_tools_and_template_kwargs_are_part_of_the_prefix() -> None:
+    plain = fingerprint_chat(body({"role": "user", "content": "x"}), words)
+    tooled = fingerprint_chat(body({"role": "user", "content": "x"}, tools=TOOLS), words)
+    kwargs = fingerprint_chat(
+        body({"role": "user", "content": "x"}, chat_template_kwargs={"enable_thinking": False}),
+        words,
+    )
+    assert common_segments(plain.hashes, tooled.hashes) == 0
+    assert common_segments(plain.hashes, kwargs.hashes) == 0
+    assert tooled.tokens[0] > 0
+
+
+def test_openclaw_carrier_message_only_costs_the_tail() -> None:
+    carrier = {"role": "user", "content": [{"type": "text", "text": "<<<CTX>>> none"}]}
+    turn1 = body({"role": "user", "content": "q1"}, carrier)
+    turn2 = body(
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        carrier,
+    )
+    a, b = fingerprint_chat(turn1, words), fingerprint_chat(turn2, words)
+    assert common_segments(a.hashes, b.hashes) == 3  # preamble, system, q1
+
+
+def test_token_counts_are_cumulative_with_template_overhead() -> None:
+    fp = fingerprint_chat(body({"role": "user", "content": "one two three"}), words)
+    assert fp.tokens[0] == 0  # empty preamble
+    assert fp.tokens[2] - fp.tokens[1] == words("userone two three") + MESSAGE_OVERHEAD
+
+
+def test_responses_input_string_is_one_user_message() -> None:
+    fp = fingerprint_chat({"input": "hello world", "instructions": "be brief"}, words)
+    assert len(fp.hashes) == 2
+    assert fp.tokens[0] == words("be brief") + MESSAGE_OVERHEAD
+
+
+def test_token_blocks() -> None:
+    fp = fingerprint_tokens(list(range(10)), block_tokens=4)
+    assert fp.tokens == (4, 8, 10)
+    longer = fingerprint_tokens([*range(10), 99], block_tokens=4)
+    assert common_segments(fp.hashes, longer.hashes) == 2
+
+
+@given(
+    st.lists(st.text(max_size=5), max_size=12),
+    st.lists(st.text(max_size=5), max_size=12),
+)
+def test_property_common_segments_equals_message_level_lcp(a: list[str], b: list[str]) -> None:
+    fa = fingerprint_chat(body(*({"role": "user", "content": t} for t in a)), words)
+    fb = fingerprint_chat(body(*({"role": "user", "content": t} for t in b)), words)
+    lcp = 0
+    for x, y in zip(a, b, strict=False):
+        if (x or None) != (y or None):
+            break
+        lcp += 1
+    assert common_segments(fa.hashes, fb.hashes) == 2 + lcp

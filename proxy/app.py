@@ -22,7 +22,10 @@ from proxy.handlers import ProxyHandlers
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import make_middleware
+from proxy.router import Router
 from proxy.scheduler import Scheduler
+from proxy.state import InMemoryStateStore, StateStore
+from proxy.tokenizer import TokenCounter
 from proxy.upstream import ROUTES, LlamaServerClient
 
 HANDLERS = web.AppKey("handlers", ProxyHandlers)
@@ -36,12 +39,18 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     clock: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
+    store: StateStore | None = None,
     probe_loop: bool = True,
 ) -> web.Application:
     metrics = ProxyMetrics(registry or CollectorRegistry())
-    fleet = Fleet([b.label for b in settings.backends])
+    fleet = Fleet(
+        [b.label for b in settings.backends], [b.kv_reuse == "exact" for b in settings.backends]
+    )
     scheduler = Scheduler(fleet, settings.queue, metrics, clock)
-    handlers = ProxyHandlers(settings, scheduler, metrics, clock)
+    store = store or InMemoryStateStore()
+    router = Router(settings, fleet, store, TokenCounter(), metrics, clock, wall)
+    handlers = ProxyHandlers(settings, scheduler, router, metrics, clock)
 
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[make_middleware(metrics, clock)]

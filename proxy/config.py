@@ -17,7 +17,7 @@ import json
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -47,6 +47,10 @@ class BackendSettings(_Frozen):
     url: AnyHttpUrl
     name: str | None = Field(
         default=None, description="label in metrics and logs; default host:port"
+    )
+    kv_reuse: Literal["prefix", "exact"] = Field(
+        default="prefix",
+        description="exact: hybrid/recurrent/SWA model, reuse only an exact extension of a slot",
     )
 
     @property
@@ -87,10 +91,31 @@ class HealthSettings(_Frozen):
 
 
 class RoutingSettings(_Frozen):
+    """Prefix-aware routing (algorithm: proxy/core/routing.py)."""
+
+    prefix_aware: bool = Field(default=True, description="false: least-busy backend, LRU slot")
     honor_client_id_slot: bool = Field(
         default=False, description="pin to the id_slot a client sends instead of choosing"
     )
-    route_headers: bool = Field(default=True, description="add X-Cache-Backend / X-Cache-Slot")
+    route_headers: bool = Field(
+        default=True, description="add X-Cache-Route, -Predicted-Tokens, -Backend, -Slot"
+    )
+    tokenizer: Literal["tiktoken", "backend"] = "tiktoken"
+    block_tokens: int = Field(default=64, ge=8, description="raw-prompt fingerprint block size")
+    min_prefix_tokens: int = Field(default=16, ge=0)
+    wait_min_tokens: int = Field(default=1024, ge=0, description="saving worth waiting for")
+    max_slot_wait_seconds: float = Field(default=5.0, ge=0, description="wait for a busy slot")
+    eviction_weight: float = Field(default=0.5, ge=0)
+    value_half_life_seconds: float = Field(default=600.0, gt=0)
+    balance_abs: int = Field(default=2, ge=0)
+    balance_rel: float = Field(default=1.5, ge=1)
+    cache_key_sources: tuple[str, ...] = Field(
+        default=("prompt_cache_key", "header:x-session-id", "user"),
+        description="where a session key comes from, first found wins",
+    )
+    slot_cache_key_similarity: float = Field(default=0.5, ge=0, le=1)
+    slot_cache_key_min_prefix: int = Field(default=32, ge=0)
+    affinity_ttl_seconds: float = Field(default=3600.0, gt=0)
 
 
 class Settings(_Frozen):

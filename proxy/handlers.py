@@ -15,13 +15,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.config import Settings
-from proxy.core.fleet import BackendPhase, Need, NoPlacement, Placement, pick_backend
+from proxy.core.fingerprint import Fingerprint
+from proxy.core.fleet import BackendPhase, Need, NoPlacement, Placement, pick_backend, place
 from proxy.core.headers import upstream_request_headers
 from proxy.core.request_body import ParsedBody, decode_json_object, parse_body, pin_body
 from proxy.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RECORD
+from proxy.router import Plan, Router
 from proxy.scheduler import Scheduler
 from proxy.streaming import Outcome, relay
 from proxy.upstream import ROUTES, LlamaServerClient, Route, SlotUse, UpstreamConnectError
@@ -32,11 +34,13 @@ class ProxyHandlers:
         self,
         settings: Settings,
         scheduler: Scheduler,
+        router: Router,
         metrics: ProxyMetrics,
         clock: Callable[[], float],
     ) -> None:
         self._settings = settings
         self._scheduler = scheduler
+        self._router = router
         self._fleet = scheduler.fleet
         self._metrics = metrics
         self._clock = clock
@@ -91,18 +95,28 @@ class ProxyHandlers:
     async def _pinned(
         self, request: web.Request, parsed: ParsedBody, need: Need
     ) -> web.StreamResponse:
+        plan = None
+        if self._settings.routing.prefix_aware and not need.exclusive and need.slot is None:
+            plan = await self._router.plan(request, parsed.data)
         for attempt in (1, 2):
-            placement = await self._scheduler.acquire(need)
+            placement = await self._scheduler.acquire(
+                self._decider(plan, need), plan.fp if plan else None
+            )
             body = pin_body(parsed.data, placement.pin)
             try:
-                return await self._send(request, placement.backend, body, placement)
+                return await self._send(request, placement.backend, body, placement, plan)
             except UpstreamConnectError:
                 self._backend_failed(placement.backend, "connect")
-                self._scheduler.release(placement, clean=True)
+                self._scheduler.release(placement, clean=True, sent=False)
                 if attempt == 2:
                     raise
                 need = replace(need, avoid=need.avoid | {placement.backend})
         raise AssertionError("unreachable")
+
+    def _decider(self, plan: Plan | None, need: Need) -> Callable[[], Placement | NoPlacement]:
+        if plan is not None:
+            return self._router.decider(plan, need.avoid)
+        return lambda: place(self._fleet.backends, need)
 
     async def _unpinned(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
         avoid: frozenset[int] = frozenset()
@@ -129,14 +143,15 @@ class ProxyHandlers:
         index: int,
         body: bytes | None,
         placement: Placement | None,
+        plan: Plan | None = None,
     ) -> web.StreamResponse:
         assert self.client is not None
-        assert self.prober is not None
         backend = self._settings.backends[index]
         record = request[RECORD]
         record.backend = backend.label
         record.slot = placement.pin if placement else None
-        clean = False
+        outcome: Outcome | None = None
+        content = None
         released = placement is None
         try:
             async with self.client.send(
@@ -149,39 +164,52 @@ class ProxyHandlers:
                 outcome = await relay(
                     request,
                     upstream,
-                    self._route_headers(request, placement, backend.label),
+                    self._route_headers(request, placement, backend.label, plan),
                     self._clock,
                 )
-                clean = outcome.complete
-                self._record(index, placement, outcome, request)
-                return outcome.response
+                self._record(index, outcome, request)
         except UpstreamConnectError:
             released = True  # nothing reached the backend; the caller retries and releases
             raise
         finally:
             if not released:
                 assert placement is not None
-                self._finish(placement, clean)
+                content = self._release(placement, outcome, plan)
+        if placement is not None and plan is not None and content is not None:
+            await self._router.record(plan, placement, content, outcome.usage)
+        return outcome.response
 
-    def _finish(self, placement: Placement, clean: bool) -> None:
-        self._scheduler.release(placement, clean=clean)
+    def _release(
+        self, placement: Placement, outcome: Outcome | None, plan: Plan | None
+    ) -> Fingerprint | None:
+        """Free (or drain) the slots; returns what the pinned slot now holds, if known."""
+        clean = outcome is not None and outcome.complete
+        content = None
+        n_tokens = None
+        if clean and outcome is not None and outcome.response.status == 200:
+            if plan is not None:
+                content = self._router.content_after(plan, outcome.reply)
+            if outcome.usage is not None:
+                n_tokens = outcome.usage.kv_tokens
+        self._scheduler.release(placement, clean=clean, content=content, n_tokens=n_tokens)
         if not clean:
             assert self.prober is not None
             self.prober.drain(placement.backend)
+        return content
 
     def _route_headers(
-        self, request: web.Request, placement: Placement | None, label: str
+        self, request: web.Request, placement: Placement | None, label: str, plan: Plan | None
     ) -> dict[str, str]:
         headers = {"X-Request-Id": request[RECORD].request_id}
         if self._settings.routing.route_headers:
+            if plan is not None:
+                headers.update(self._router.headers(plan))
             headers["X-Cache-Backend"] = label
             if placement is not None and placement.pin is not None:
                 headers["X-Cache-Slot"] = str(placement.pin)
         return headers
 
-    def _record(
-        self, index: int, placement: Placement | None, outcome: Outcome, request: web.Request
-    ) -> None:
+    def _record(self, index: int, outcome: Outcome, request: web.Request) -> None:
         label = self._settings.backends[index].label
         if outcome.first_byte_at is not None:
             ttft = outcome.first_byte_at - request[RECORD].started
@@ -193,5 +221,3 @@ class ProxyHandlers:
         record.prompt_tokens, record.cached_tokens = usage.prompt_tokens, usage.cached_tokens
         self._metrics.prompt_tokens.labels(label).inc(usage.prompt_tokens)
         self._metrics.cached_tokens.labels(label).inc(usage.cached_tokens)
-        if placement is not None and placement.pin is not None and usage.slot_tokens is not None:
-            self._fleet.record_tokens(index, placement.pin, usage.slot_tokens)

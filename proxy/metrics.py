@@ -79,6 +79,36 @@ class ProxyMetrics:
             registry=registry,
         )
         self.slots = Gauge(p + "slots", "Slots by phase", ["backend", "phase"], registry=registry)
+        self.route_decisions = Counter(
+            p + "route_decisions", "Routing decisions by reason", ["reason"], registry=registry
+        )
+        self.cache_key = Counter(
+            p + "cache_key",
+            "Keyed requests by outcome: reuse, unsafe, busy",
+            ["outcome"],
+            registry=registry,
+        )
+        self.predicted_tokens = Counter(
+            p + "predicted_cached_tokens",
+            "Prompt tokens the router expected to be cached",
+            ["backend"],
+            registry=registry,
+        )
+        self.route_predictions = Counter(
+            p + "route_predictions",
+            "Routed requests by prediction outcome: accurate (actual within 10%), over, under",
+            ["outcome"],
+            registry=registry,
+        )
+        self.store_errors = Counter(
+            p + "state_store_errors",
+            "State-store operations that failed",
+            ["op"],
+            registry=registry,
+        )
+        self.store_up = Gauge(
+            p + "state_store_up", "1 when the state store answers", registry=registry
+        )
         self.prompt_tokens = Counter(
             p + "prompt_tokens",
             "Prompt tokens of completed requests",

@@ -1,9 +1,12 @@
-"""Slot admission: place a request now, or wait in a bounded queue for a slot.
+"""Slot admission: place a request now, or wait in a bounded queue until it can be placed.
 
-The decision of *where* is ``core.fleet.place``; this module adds the waiting. A request that
-cannot be placed joins a FIFO queue (at most ``queue.max_waiting``) and waits at most
-``queue.max_wait_seconds``; every release or probe calls ``wake``, which places waiting
-requests in order (a request that does not fit yet does not block one that does). A full
+*Where* is decided by a closure the caller passes (``decide``: current fleet -> a placement
+or a ``NoPlacement``), built on ``core.fleet.place`` or ``core.routing.route``; this module
+adds the waiting. A request that cannot be placed joins a FIFO queue (at most
+``queue.max_waiting``) and waits at most ``queue.max_wait_seconds``. Its decision is
+evaluated again on every release and probe (``wake``, in queue order: a request that does not
+fit yet does not block one that does) and every ``recheck_seconds`` (a routing decision
+that chose to wait for a busy slot changes its mind when its own wait bound passes). A full
 queue or an expired wait answers 503 with ``Retry-After``; when no backend is up at all the
 answer is immediate. A waiter cancelled (client gone) at the moment it was granted a slot
 gives the slot straight back, so no claim leaks.
@@ -15,11 +18,13 @@ import asyncio
 from collections.abc import Callable
 
 from proxy.config import QueueSettings
-from proxy.core.fleet import Fleet, Need, NoPlacement, Placement, place
+from proxy.core.fingerprint import Fingerprint
+from proxy.core.fleet import Fleet, NoPlacement, Placement
 from proxy.errors import ServiceUnavailable
 from proxy.metrics import ProxyMetrics
 
-_Waiter = tuple[Need, "asyncio.Future[Placement]"]
+Decide = Callable[[], Placement | NoPlacement]
+_Waiter = tuple[Decide, Fingerprint | None, "asyncio.Future[Placement]"]
 
 
 class Scheduler:
@@ -29,11 +34,13 @@ class Scheduler:
         settings: QueueSettings,
         metrics: ProxyMetrics,
         clock: Callable[[], float],
+        recheck_seconds: float = 0.25,
     ) -> None:
         self.fleet = fleet
         self._settings = settings
         self._metrics = metrics
         self._clock = clock
+        self._recheck = recheck_seconds
         self._waiters: list[_Waiter] = []
 
     def _unavailable(self, message: str, reason: str) -> ServiceUnavailable:
@@ -41,36 +48,41 @@ class Scheduler:
         retry = str(self._settings.retry_after_seconds)
         return ServiceUnavailable(message, code=reason, headers={"Retry-After": retry})
 
-    def _try(self, need: Need) -> Placement | NoPlacement:
-        result = place(self.fleet.backends, need)
+    def _try(self, decide: Decide, content: Fingerprint | None) -> Placement | NoPlacement:
+        result = decide()
         if isinstance(result, Placement):
-            self.fleet.claim(result, self._clock())
+            self.fleet.claim(result, self._clock(), content)
         return result
 
-    async def acquire(self, need: Need) -> Placement:
+    async def acquire(self, decide: Decide, content: Fingerprint | None = None) -> Placement:
         # Waiters that fit a free slot were granted it when it freed, so a slot free now
         # fits none of them: taking it skips no one who could use it.
-        result = self._try(need)
+        result = self._try(decide, content)
         if isinstance(result, Placement):
             return result
         if result is NoPlacement.DOWN:
             raise self._unavailable("no backend is available", "no_backend")
         if len(self._waiters) >= self._settings.max_waiting:
             raise self._unavailable("all slots are busy and the queue is full", "queue_full")
-        return await self._wait(need)
+        return await self._wait(decide, content)
 
-    async def _wait(self, need: Need) -> Placement:
+    async def _wait(self, decide: Decide, content: Fingerprint | None) -> Placement:
         future: asyncio.Future[Placement] = asyncio.get_running_loop().create_future()
-        self._waiters.append((need, future))
+        self._waiters.append((decide, content, future))
         self._metrics.queued.inc()
+        deadline = self._clock() + self._settings.max_wait_seconds
         try:
-            await asyncio.wait([future], timeout=self._settings.max_wait_seconds)
+            while not future.done() and self._clock() < deadline:
+                timeout = min(self._recheck, max(0.0, deadline - self._clock()))
+                await asyncio.wait([future], timeout=timeout)
+                if not future.done():
+                    self._grant(decide, content, future)
         except asyncio.CancelledError:
             self._give_back(future)
             raise
         finally:
             self._metrics.queued.dec()
-            self._waiters = [w for w in self._waiters if w[1] is not future]
+            self._waiters = [w for w in self._waiters if w[2] is not future]
         if future.done():
             return future.result()
         future.cancel()
@@ -78,20 +90,34 @@ class Scheduler:
 
     def _give_back(self, future: asyncio.Future[Placement]) -> None:
         if future.done() and not future.cancelled() and future.exception() is None:
-            self.release(future.result(), clean=True)
+            self.release(future.result(), clean=True, sent=False)
         future.cancel()
 
-    def release(self, placement: Placement, *, clean: bool) -> None:
-        self.fleet.release(placement, self._clock(), clean=clean)
+    def release(
+        self,
+        placement: Placement,
+        *,
+        clean: bool,
+        sent: bool = True,
+        content: Fingerprint | None = None,
+        n_tokens: int | None = None,
+    ) -> None:
+        self.fleet.release(
+            placement, self._clock(), clean=clean, sent=sent, content=content, n_tokens=n_tokens
+        )
         self.wake()
+
+    def _grant(
+        self, decide: Decide, content: Fingerprint | None, future: asyncio.Future[Placement]
+    ) -> None:
+        result = self._try(decide, content)
+        if isinstance(result, Placement):
+            future.set_result(result)
+        elif result is NoPlacement.DOWN:
+            future.set_exception(self._unavailable("no backend is available", "no_backend"))
 
     def wake(self) -> None:
         """Place waiting requests in FIFO order wherever they now fit."""
-        for need, future in list(self._waiters):
-            if future.done():
-                continue
-            result = self._try(need)
-            if isinstance(result, Placement):
-                future.set_result(result)
-            elif result is NoPlacement.DOWN:
-                future.set_exception(self._unavailable("no backend is available", "no_backend"))
+        for decide, content, future in list(self._waiters):
+            if not future.done():
+                self._grant(decide, content, future)

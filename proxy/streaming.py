@@ -23,7 +23,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.core.headers import client_response_headers
-from proxy.core.usage import SseScanner, Usage, usage_from_body
+from proxy.core.usage import Reply, SseScanner, Usage, read_body
 from proxy.errors import sse_error_event
 from proxy.upstream import translate_stream_error
 
@@ -32,6 +32,7 @@ from proxy.upstream import translate_stream_error
 class Outcome:
     response: web.StreamResponse
     usage: Usage | None = None
+    reply: Reply | None = None
     complete: bool = False
     first_byte_at: float | None = None
 
@@ -51,7 +52,8 @@ async def relay(
         body = await upstream.read()
         response = web.Response(status=upstream.status, body=body, headers=headers)
         response.headers.update(extra_headers)
-        return Outcome(response, usage_from_body(body), complete=True)
+        usage, reply = read_body(body) if upstream.status == 200 else (None, None)
+        return Outcome(response, usage, reply, complete=True)
     return await _relay_stream(request, upstream, headers, extra_headers, clock)
 
 
@@ -80,7 +82,7 @@ async def _relay_stream(
         await response.write_eof()
         return outcome
     scanner.close()
-    outcome.usage = scanner.usage
+    outcome.usage, outcome.reply = scanner.usage, scanner.reply
     outcome.complete = True
     await response.write_eof()
     return outcome

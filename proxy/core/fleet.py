@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from proxy.core.fingerprint import Fingerprint
+
 
 class BackendPhase(StrEnum):
     UNKNOWN = "unknown"
@@ -71,7 +73,14 @@ class SlotState:
     id: int
     phase: SlotPhase = SlotPhase.IDLE
     last_used: float = 0.0
-    n_tokens: int = 0
+    n_tokens: int = 0  # real KV length, from responses and /slots
+    content: Fingerprint | None = None  # what the KV holds, as a prompt fingerprint
+    pending: Fingerprint | None = None  # the prompt in flight on it, while BUSY
+
+    @property
+    def expected(self) -> Fingerprint | None:
+        """What the KV will hold when the request in flight (if any) is done."""
+        return self.pending if self.pending is not None else self.content
 
 
 @dataclass
@@ -81,6 +90,7 @@ class BackendState:
     phase: BackendPhase = BackendPhase.UNKNOWN
     epoch: int = 0
     max_task_id: int = -1
+    exact: bool = False  # reuse only as an exact extension (hybrid/recurrent/SWA models)
     slots: list[SlotState] = field(default_factory=list)
 
     def idle_slots(self) -> list[SlotState]:
@@ -132,7 +142,7 @@ def _load_key(backend: BackendState) -> tuple[float, int, int]:
 def place(backends: Sequence[BackendState], need: Need) -> Placement | NoPlacement:
     candidates = [b for b in backends if _fits(b, need)]
     if not candidates:
-        return _why_not(backends, need)
+        return why_not(backends, need.avoid)
     backend = min(candidates, key=_load_key)
     if need.exclusive:
         return Placement(backend.index, tuple(s.id for s in backend.slots), None)
@@ -146,12 +156,12 @@ def pick_backend(backends: Sequence[BackendState], avoid: frozenset[int]) -> int
     """A READY backend for a request that uses no slot: the least busy one."""
     ready = [b for b in backends if b.phase is BackendPhase.READY and b.index not in avoid]
     if not ready:
-        return _why_not(backends, Need(avoid=avoid))
+        return why_not(backends, avoid)
     return min(ready, key=lambda b: (b.busy_count(), b.index)).index
 
 
-def _why_not(backends: Sequence[BackendState], need: Need) -> NoPlacement:
-    usable = [b for b in backends if b.index not in need.avoid]
+def why_not(backends: Sequence[BackendState], avoid: frozenset[int]) -> NoPlacement:
+    usable = [b for b in backends if b.index not in avoid]
     if any(b.phase is BackendPhase.READY for b in usable):
         return NoPlacement.BUSY
     waiting = (BackendPhase.LOADING, BackendPhase.UNKNOWN)
@@ -163,10 +173,14 @@ def _why_not(backends: Sequence[BackendState], need: Need) -> NoPlacement:
 class Fleet:
     """Mutable table of backends and slots; every change is a method taking ``now``."""
 
-    def __init__(self, labels: Sequence[str]) -> None:
-        self.backends = [BackendState(i, label) for i, label in enumerate(labels)]
+    def __init__(self, labels: Sequence[str], exact: Sequence[bool] = ()) -> None:
+        self.backends = [
+            BackendState(i, label, exact=bool(exact[i]) if i < len(exact) else False)
+            for i, label in enumerate(labels)
+        ]
 
-    def claim(self, placement: Placement, now: float) -> None:
+    def claim(self, placement: Placement, now: float, content: Fingerprint | None = None) -> None:
+        """Mark the slots busy; the pinned slot will hold ``content`` (the prompt) after."""
         backend = self.backends[placement.backend]
         for slot_id in placement.slots:
             slot = backend.slots[slot_id]
@@ -174,22 +188,41 @@ class Fleet:
                 raise ValueError(f"slot {slot_id} of {backend.label} is {slot.phase.value}")
             slot.phase = SlotPhase.BUSY
             slot.last_used = now
+            slot.pending = content if slot_id == placement.pin else None
 
-    def release(self, placement: Placement, now: float, *, clean: bool) -> None:
-        """End a claim. ``clean=False`` (aborted upstream) drains instead of freeing."""
+    def release(
+        self,
+        placement: Placement,
+        now: float,
+        *,
+        clean: bool,
+        sent: bool = True,
+        content: Fingerprint | None = None,
+        n_tokens: int | None = None,
+    ) -> None:
+        """End a claim. ``sent=False``: nothing reached the server, the slot is as before.
+        ``clean=False`` (aborted upstream) drains instead of freeing and forgets the content
+        (how far the server got is unknown). Otherwise the slot now holds ``content`` (the
+        prompt and reply) or, without it, the prompt that was in flight."""
         backend = self.backends[placement.backend]
         for slot_id in placement.slots:
             if slot_id >= len(backend.slots):
                 continue  # the backend came back with fewer slots
             slot = backend.slots[slot_id]
-            if slot.phase is SlotPhase.BUSY:
-                slot.phase = SlotPhase.IDLE if clean else SlotPhase.DRAINING
-                slot.last_used = now
-
-    def record_tokens(self, backend: int, slot: int, n_tokens: int) -> None:
-        slots = self.backends[backend].slots
-        if slot < len(slots):
-            slots[slot].n_tokens = n_tokens
+            if slot.phase is not SlotPhase.BUSY:
+                continue
+            pending, slot.pending = slot.pending, None
+            slot.last_used = now
+            if not sent:
+                slot.phase = SlotPhase.IDLE
+                continue
+            slot.phase = SlotPhase.IDLE if clean else SlotPhase.DRAINING
+            if not clean or slot_id != placement.pin:
+                slot.content = None
+                continue
+            slot.content = content if content is not None else pending
+            if n_tokens is not None:
+                slot.n_tokens = n_tokens
 
     def is_draining(self, index: int) -> bool:
         backend = self.backends[index]
@@ -249,4 +282,18 @@ class Fleet:
                 slot.phase = SlotPhase.EXTERNAL
             return
         slot.phase = SlotPhase.IDLE
+        _reconcile(slot, seen.n_tokens)
         slot.n_tokens = seen.n_tokens
+
+
+def _reconcile(slot: SlotState, seen_tokens: int) -> None:
+    """Trim what we believe a slot holds to what ``/slots`` says its KV length is."""
+    content = slot.content
+    if content is None or seen_tokens >= slot.n_tokens:
+        return
+    if seen_tokens == 0 or slot.n_tokens == 0:
+        slot.content = None
+        return
+    keep = content.total * seen_tokens / slot.n_tokens
+    segments = sum(1 for t in content.tokens if t <= keep)
+    slot.content = Fingerprint(content.hashes[:segments], content.tokens[:segments])

@@ -12,8 +12,12 @@ Where it is found:
   Anthropic ``input_tokens`` + ``cache_read_input_tokens``.
 ``/completion``'s final object also carries ``tokens_cached`` (the slot's KV length after).
 
-``SseScanner`` splits a byte stream into SSE ``data:`` payloads incrementally and decodes only
-those that can carry usage, so relaying stays cheap.
+The reply is collected too (``Reply``): the assistant text and tool calls exactly as the
+client receives them, because that is what it sends back next turn and what the slot's KV
+now holds after the prompt. Streamed tool calls arrive as fragments keyed by ``index`` and
+are assembled (``arguments`` concatenated).
+
+``SseScanner`` splits a byte stream into SSE ``data:`` payloads incrementally.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     slot_tokens: int | None = None  # KV length of the slot after the request, when reported
+    completion_tokens: int | None = None
+
+    @property
+    def kv_tokens(self) -> int:
+        """The slot's KV length after the request: prompt + reply - the last sampled token."""
+        if self.slot_tokens is not None:
+            return self.slot_tokens
+        return self.prompt_tokens + max(0, (self.completion_tokens or 1) - 1)
 
 
 def _as_int(value: Any) -> int | None:
@@ -40,7 +52,8 @@ def _from_timings(timings: Any, obj: dict[str, Any]) -> Usage | None:
     processed, cached = _as_int(timings.get("prompt_n")), _as_int(timings.get("cache_n"))
     if processed is None or cached is None:
         return None
-    return Usage(processed + cached, cached, _as_int(obj.get("tokens_cached")))
+    completion = _as_int(timings.get("predicted_n"))
+    return Usage(processed + cached, cached, _as_int(obj.get("tokens_cached")), completion)
 
 
 def _from_usage(usage: Any) -> Usage | None:
@@ -49,7 +62,8 @@ def _from_usage(usage: Any) -> Usage | None:
     prompt = _as_int(usage.get("prompt_tokens"))
     if prompt is not None:
         details = usage.get("prompt_tokens_details") or {}
-        return Usage(prompt, _as_int(details.get("cached_tokens")) or 0)
+        completion = _as_int(usage.get("completion_tokens"))
+        return Usage(prompt, _as_int(details.get("cached_tokens")) or 0, None, completion)
     prompt = _as_int(usage.get("input_tokens"))
     if prompt is None:
         return None
@@ -76,22 +90,75 @@ def usage_from_object(obj: Any) -> Usage | None:
     return None
 
 
-def usage_from_body(body: bytes) -> Usage | None:
+class Reply:
+    """The assistant message being relayed: text and tool calls."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    @property
+    def content(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return [self.calls[i] for i in sorted(self.calls)]
+
+    def feed(self, obj: Any) -> None:
+        if not isinstance(obj, dict):
+            return
+        if isinstance(obj.get("content"), str):  # /completion
+            self.parts.append(obj["content"])
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return
+        choice = choices[0]
+        if isinstance(choice.get("text"), str):  # /v1/completions
+            self.parts.append(choice["text"])
+        message = choice.get("message") or choice.get("delta")
+        if isinstance(message, dict):
+            self._message(message, whole="message" in choice)
+
+    def _message(self, message: dict[str, Any], *, whole: bool) -> None:
+        if isinstance(message.get("content"), str):
+            self.parts.append(message["content"])
+        for position, call in enumerate(message.get("tool_calls") or []):
+            if not isinstance(call, dict):
+                continue
+            index = position if whole else int(call.get("index", position))
+            self._call(index, call)
+
+    def _call(self, index: int, call: dict[str, Any]) -> None:
+        merged = self.calls.setdefault(
+            index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        merged["id"] = call.get("id") or merged["id"]
+        merged["type"] = call.get("type") or merged["type"]
+        function = call.get("function") or {}
+        if function.get("name"):
+            merged["function"]["name"] = function["name"]
+        if isinstance(function.get("arguments"), str):
+            merged["function"]["arguments"] += function["arguments"]
+
+
+def read_body(body: bytes) -> tuple[Usage | None, Reply]:
+    reply = Reply()
     try:
-        return usage_from_object(json.loads(body))
+        obj = json.loads(body)
     except ValueError:
-        return None
-
-
-_MARKERS = (b'"timings"', b'"usage"')
+        return None, reply
+    reply.feed(obj)
+    return usage_from_object(obj), reply
 
 
 class SseScanner:
-    """Incremental SSE reader that keeps the last usage seen in ``data:`` events."""
+    """Incremental SSE reader: the last usage seen, and the reply assembled from chunks."""
 
     def __init__(self) -> None:
         self._pending = b""
         self.usage: Usage | None = None
+        self.reply = Reply()
         self.events = 0
 
     def feed(self, chunk: bytes) -> None:
@@ -111,11 +178,13 @@ class SseScanner:
             return
         self.events += 1
         payload = line[5:].strip()
-        if not any(marker in payload for marker in _MARKERS):
-            return
+        if not payload.startswith(b"{"):
+            return  # [DONE]
         try:
-            found = usage_from_object(json.loads(payload))
+            obj = json.loads(payload)
         except ValueError:
             return
+        self.reply.feed(obj)
+        found = usage_from_object(obj)
         if found is not None:
             self.usage = found

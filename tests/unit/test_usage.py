@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from proxy.core.usage import SseScanner, Usage, usage_from_body, usage_from_object
+from proxy.core.usage import SseScanner, Usage, read_body, usage_from_object
 
 
 @pytest.mark.parametrize(
@@ -44,8 +44,51 @@ def test_usage_from_object(obj: object, expected: Usage | None) -> None:
     assert usage_from_object(obj) == expected
 
 
-def test_usage_from_body_tolerates_non_json() -> None:
-    assert usage_from_body(b"<html>") is None
+def test_read_body_tolerates_non_json() -> None:
+    usage, reply = read_body(b"<html>")
+    assert usage is None
+    assert reply.content == ""
+
+
+def test_reply_from_chat_message_with_tool_calls() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+    body = {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [call]}}]}
+    _, reply = read_body(json.dumps(body).encode())
+    assert reply.tool_calls == [call]
+    assert reply.content == ""
+
+
+def test_streamed_tool_call_fragments_are_assembled() -> None:
+    chunks = [
+        {
+            "choices": [
+                {
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "ls", "arguments": ""},
+                            }
+                        ]
+                    }
+                }
+            ]
+        },
+        {
+            "choices": [
+                {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"p":'}}]}}
+            ]
+        },
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"."}'}}]}}]},
+    ]
+    scanner = SseScanner()
+    for chunk in chunks:
+        scanner.feed(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    call = scanner.reply.tool_calls[0]
+    assert call["id"] == "c1"
+    assert call["function"] == {"name": "ls", "arguments": '{"p":"."}'}
 
 
 def test_sse_scanner_across_arbitrary_chunk_boundaries() -> None:
@@ -62,3 +105,4 @@ def test_sse_scanner_across_arbitrary_chunk_boundaries() -> None:
         scanner.close()
         assert scanner.usage == Usage(10, 8)
         assert scanner.events == 3
+        assert scanner.reply.content == "hi"

@@ -1,0 +1,217 @@
+"""Choose the backend and slot whose KV cache already holds the most of a prompt.
+
+Inputs: the request's fingerprint (hash chain + cumulative token estimates), the fleet
+(every slot's phase and the chain of what its KV holds), an optional cache_key affinity
+hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
+``NoPlacement`` when nothing can run now.
+
+1. *Predicted reuse* of slot s: the tokens of the longest common segment prefix of the
+   request and s's content, capped at the prompt length minus one (llama-server always
+   re-evaluates a token). On backends marked ``exact`` (hybrid, recurrent, or sliding-window
+   models without ``--swa-full``) a slot counts only if its whole content is a strict prefix
+   of the request: those models cannot roll back into the middle of a cached sequence.
+2. *Eviction damage* of s: the part of s's content the request would overwrite (its tokens
+   beyond the shared prefix), weighted by recency ``0.5 ** (age / value_half_life_s)``.
+   *Score* = reuse - ``eviction_weight`` * damage. So a continuing session scores its whole
+   history, while a one-off request that shares only a system prompt with a long warm session
+   prefers an empty or stale slot to destroying that session.
+3. *cache_key affinity* (seed 000, done outside the server): a keyed request whose mapped
+   slot is idle reuses it only when the overlap is real — predicted reuse / prompt tokens
+   >= ``key_similarity`` and reuse >= ``key_min_prefix`` tokens ("reuse"). A busy mapped slot is
+   skipped ("busy"); a too-small overlap ("unsafe") routes normally.
+4. *Load gate* (like SGLang's cache-aware policy): with ``load`` = busy slots of a backend,
+   the fleet is imbalanced when ``max - min > balance_abs`` and ``max > balance_rel * min``.
+   Then a best candidate on a backend loaded above ``min + balance_abs`` is dropped for the
+   least loaded backend ("balance"), so a hot prefix does not pile onto one backend.
+5. Best idle candidate by (score, -backend load, -age) with reuse >= ``min_prefix_tokens``:
+   "prefix". Otherwise "cold": the least loaded backend and, on it, the idle slot with the
+   lowest recency-weighted content value (empty slots first).
+6. *Waiting*: if a slot that is busy (in flight, draining, or used elsewhere) would save at
+   least ``wait_min_tokens`` more than the best idle choice, and waiting is allowed, the
+   decision is to wait for that slot ("wait"); the caller bounds the wait and then decides
+   again without it.
+
+Never is a slot that is not IDLE placed (property-tested). Ties break by backend index and
+slot id, so the same inputs always give the same decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from proxy.core.fingerprint import Fingerprint, common_segments
+from proxy.core.fleet import (
+    BackendPhase,
+    BackendState,
+    NoPlacement,
+    Placement,
+    SlotPhase,
+    SlotState,
+    why_not,
+)
+
+
+class Reason(StrEnum):
+    AFFINITY = "affinity"
+    PREFIX = "prefix"
+    COLD = "cold"
+    BALANCE = "balance"
+    WAIT = "wait"
+
+
+@dataclass(frozen=True)
+class RoutingParams:
+    min_prefix_tokens: int = 16
+    wait_min_tokens: int = 1024
+    eviction_weight: float = 0.5
+    value_half_life_s: float = 600.0
+    balance_abs: int = 2
+    balance_rel: float = 1.5
+    key_similarity: float = 0.5
+    key_min_prefix: int = 32
+
+
+@dataclass(frozen=True)
+class Decision:
+    placement: Placement | None  # None when waiting for ``wait_for``
+    reason: Reason
+    predicted: int
+    wait_for: tuple[int, int] | None = None
+    key_outcome: str | None = None  # reuse | busy | unsafe, for keyed requests
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    backend: BackendState
+    slot: SlotState
+    reuse: int
+    score: float
+
+
+def predicted_reuse(fp: Fingerprint, slot: SlotState, exact: bool) -> int:
+    content = slot.expected
+    if content is None or not fp.hashes:
+        return 0
+    shared = common_segments(fp.hashes, content.hashes)
+    if exact and (shared < len(content.hashes) or shared == len(fp.hashes)):
+        return 0
+    return max(0, min(fp.tokens_at(shared), fp.total - 1))
+
+
+def _recency(slot: SlotState, now: float, params: RoutingParams) -> float:
+    age = max(0.0, now - slot.last_used)
+    return float(0.5 ** (age / params.value_half_life_s))
+
+
+def _candidate(
+    fp: Fingerprint, backend: BackendState, slot: SlotState, now: float, params: RoutingParams
+) -> _Candidate:
+    reuse = predicted_reuse(fp, slot, backend.exact)
+    held = slot.content.total if slot.content is not None else 0
+    damage = max(0, held - reuse) * _recency(slot, now, params)
+    return _Candidate(backend, slot, reuse, reuse - params.eviction_weight * damage)
+
+
+def _imbalanced(loads: Sequence[int], params: RoutingParams) -> bool:
+    high, low = max(loads), min(loads)
+    return high - low > params.balance_abs and high > params.balance_rel * low
+
+
+def _cold(
+    ready: Sequence[BackendState], now: float, params: RoutingParams, reason: Reason
+) -> Decision:
+    backend = min(ready, key=lambda b: (b.busy_count(), b.index))
+
+    def value(slot: SlotState) -> tuple[float, float, int]:
+        held = slot.content.total if slot.content is not None else 0
+        return (held * _recency(slot, now, params), slot.last_used, slot.id)
+
+    slot = min(backend.idle_slots(), key=value)
+    return Decision(Placement(backend.index, (slot.id,), slot.id), reason, 0)
+
+
+def _place(candidate: _Candidate, reason: Reason, key: str | None = None) -> Decision:
+    placement = Placement(candidate.backend.index, (candidate.slot.id,), candidate.slot.id)
+    return Decision(placement, reason, candidate.reuse, key_outcome=key)
+
+
+def _affinity(
+    fp: Fingerprint,
+    backends: Sequence[BackendState],
+    hint: tuple[int, int],
+    now: float,
+    params: RoutingParams,
+) -> tuple[_Candidate | None, str]:
+    index, slot_id = hint
+    if index >= len(backends) or slot_id >= len(backends[index].slots):
+        return None, "unsafe"
+    backend, slot = backends[index], backends[index].slots[slot_id]
+    if backend.phase is not BackendPhase.READY or slot.phase is not SlotPhase.IDLE:
+        return None, "busy"
+    found = _candidate(fp, backend, slot, now, params)
+    similar = fp.total > 0 and found.reuse / fp.total >= params.key_similarity
+    if similar and found.reuse >= params.key_min_prefix:
+        return found, "reuse"
+    return None, "unsafe"
+
+
+def route(
+    fp: Fingerprint,
+    backends: Sequence[BackendState],
+    params: RoutingParams,
+    *,
+    now: float,
+    affinity: tuple[int, int] | None = None,
+    allow_wait: bool = True,
+    avoid: frozenset[int] = frozenset(),
+) -> Decision | NoPlacement:
+    usable = [b for b in backends if b.index not in avoid]
+    ready = [b for b in usable if b.phase is BackendPhase.READY and b.idle_slots()]
+    key = None
+    if affinity is not None and affinity[0] not in avoid:
+        chosen, key = _affinity(fp, backends, affinity, now, params)
+        if chosen is not None:
+            return _place(chosen, Reason.AFFINITY, key)
+    idle = [_candidate(fp, b, s, now, params) for b in ready for s in b.idle_slots()]
+    best = max(idle, key=lambda c: (c.score, -c.backend.busy_count(), -c.backend.index,
+                                    -c.slot.last_used, -c.slot.id), default=None)  # fmt: skip
+    waiting = _worth_waiting(fp, usable, best, params, now) if allow_wait else None
+    if waiting is not None:
+        return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
+    if best is None:
+        return why_not(backends, avoid)
+    loads = [b.busy_count() for b in usable if b.phase is BackendPhase.READY]
+    if _imbalanced(loads, params) and best.backend.busy_count() > min(loads) + params.balance_abs:
+        return _with_key(_cold(ready, now, params, Reason.BALANCE), key)
+    if best.reuse >= params.min_prefix_tokens and best.score > 0:
+        return _place(best, Reason.PREFIX, key)
+    return _with_key(_cold(ready, now, params, Reason.COLD), key)
+
+
+def _with_key(decision: Decision, key: str | None) -> Decision:
+    if key is None:
+        return decision
+    return Decision(decision.placement, decision.reason, decision.predicted, key_outcome=key)
+
+
+def _worth_waiting(
+    fp: Fingerprint,
+    backends: Sequence[BackendState],
+    best: _Candidate | None,
+    params: RoutingParams,
+    now: float,
+) -> tuple[tuple[int, int], int] | None:
+    floor = (best.reuse if best is not None else 0) + params.wait_min_tokens
+    found: tuple[tuple[int, int], int] | None = None
+    for backend in backends:
+        if backend.phase is not BackendPhase.READY:
+            continue
+        for slot in backend.slots:
+            if slot.phase is SlotPhase.IDLE:
+                continue
+            reuse = predicted_reuse(fp, slot, backend.exact)
+            if reuse >= floor and (found is None or reuse > found[1]):
+                found = ((backend.index, slot.id), reuse)
+    return found

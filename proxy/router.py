@@ -1,0 +1,196 @@
+"""Prefix-aware routing, the shell around ``core.routing``.
+
+Per request: fingerprint the prompt (``core.fingerprint`` with cached token counts), read
+its cache_key affinity from the state store, and hand the scheduler a ``decide`` closure
+that runs the pure policy on the fleet as it is at that moment (so a queued request is
+routed on fresh state). After the response: the slot now holds prompt + reply, the
+affinity follows where the request went, and predicted vs actual reuse is counted.
+State-store failures never fail a request: they are counted, and the local view is used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from proxy.config import Settings
+from proxy.core.fingerprint import (
+    Fingerprint,
+    fingerprint_chat,
+    fingerprint_tokens,
+    reply_segment,
+)
+from proxy.core.fleet import Fleet, NoPlacement, Placement
+from proxy.core.routing import Decision, Reason, RoutingParams, route
+from proxy.core.usage import Reply, Usage
+from proxy.metrics import ProxyMetrics
+from proxy.state import SlotRecord, StateStore, StateStoreUnavailable
+from proxy.tokenizer import TokenCounter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Plan:
+    fp: Fingerprint
+    chat: bool
+    key: str | None
+    hint: tuple[int, int] | None
+    wait_until: float
+    decision: Decision | None = None
+    waits: int = field(default=0)
+
+
+def routing_params(settings: Settings) -> RoutingParams:
+    r = settings.routing
+    return RoutingParams(
+        min_prefix_tokens=r.min_prefix_tokens,
+        wait_min_tokens=r.wait_min_tokens,
+        eviction_weight=r.eviction_weight,
+        value_half_life_s=r.value_half_life_seconds,
+        balance_abs=r.balance_abs,
+        balance_rel=r.balance_rel,
+        key_similarity=r.slot_cache_key_similarity,
+        key_min_prefix=r.slot_cache_key_min_prefix,
+    )
+
+
+def cache_key(sources: tuple[str, ...], body: dict[str, Any], headers: Any) -> str | None:
+    for source in sources:
+        if source.startswith("header:"):
+            value = headers.get(source[len("header:") :])
+        else:
+            value = body.get(source)
+        if isinstance(value, str) and value:
+            return value[:256]
+    return None
+
+
+class Router:
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        store: StateStore,
+        counter: TokenCounter,
+        metrics: ProxyMetrics,
+        clock: Callable[[], float],
+        wall: Callable[[], float],
+    ) -> None:
+        self._settings = settings
+        self._fleet = fleet
+        self._store = store
+        self._counter = counter
+        self._metrics = metrics
+        self._clock = clock
+        self._wall = wall
+        self.params = routing_params(settings)
+        self._labels = {b.label: b.index for b in fleet.backends}
+
+    def fingerprint(self, body: dict[str, Any], chat: bool) -> Fingerprint:
+        if chat:
+            return fingerprint_chat(body, self._counter.count)
+        prompt = body.get("prompt")
+        if body.get("input_prefix") is not None or body.get("input_suffix") is not None:
+            prompt = f"{body.get('input_prefix', '')}{prompt or ''}{body.get('input_suffix', '')}"
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids: list[int] = prompt
+        else:
+            ids = self._counter.encode(prompt if isinstance(prompt, str) else str(prompt or ""))
+        return fingerprint_tokens(ids, self._settings.routing.block_tokens)
+
+    async def plan(self, request: web.Request, body: dict[str, Any]) -> Plan:
+        chat = "messages" in body or "input" in body
+        fp = self.fingerprint(body, chat)
+        key = cache_key(self._settings.routing.cache_key_sources, body, request.headers)
+        hint = None
+        if key is not None:
+            ref = await self._guard("get_affinity", self._store.get_affinity(key, self._wall()))
+            if ref is not None and ref[0] in self._labels:
+                hint = (self._labels[ref[0]], ref[1])
+        wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
+        return Plan(fp, chat, key, hint, wait_until)
+
+    def decider(self, plan: Plan, avoid: frozenset[int]) -> Callable[[], Placement | NoPlacement]:
+        def decide() -> Placement | NoPlacement:
+            now = self._clock()
+            decision = route(
+                plan.fp,
+                self._fleet.backends,
+                self.params,
+                now=now,
+                affinity=plan.hint,
+                allow_wait=now < plan.wait_until,
+                avoid=avoid,
+            )
+            if isinstance(decision, NoPlacement):
+                return decision
+            plan.decision = decision
+            if decision.placement is None:
+                plan.waits += 1
+                return NoPlacement.BUSY
+            return decision.placement
+
+        return decide
+
+    def content_after(self, plan: Plan, reply: Reply | None) -> Fingerprint:
+        """What the slot holds after a complete response: prompt, then the reply."""
+        if not plan.chat or reply is None:
+            return plan.fp
+        segment = reply_segment(reply.content, reply.tool_calls or None)
+        return plan.fp.extend([segment], self._counter.count)
+
+    def headers(self, plan: Plan) -> dict[str, str]:
+        decision = plan.decision
+        if decision is None:
+            return {}
+        reason = Reason.WAIT.value + "+" + decision.reason.value if plan.waits else decision.reason
+        return {"X-Cache-Route": str(reason), "X-Cache-Predicted-Tokens": str(decision.predicted)}
+
+    async def record(
+        self, plan: Plan, placement: Placement, content: Fingerprint, usage: Usage | None
+    ) -> None:
+        decision = plan.decision
+        label = self._fleet.backends[placement.backend].label
+        if decision is not None:
+            self._count(decision, label, usage)
+        if placement.pin is None:
+            return
+        ref = (label, placement.pin)
+        if plan.key is not None:
+            ttl = self._settings.routing.affinity_ttl_seconds
+            await self._guard(
+                "set_affinity", self._store.set_affinity(plan.key, ref, ttl, self._wall())
+            )
+        slot = self._fleet.backends[placement.backend].slots[placement.pin]
+        record = SlotRecord(content.hashes, content.tokens, slot.n_tokens, self._wall())
+        ttl = self._settings.routing.affinity_ttl_seconds
+        await self._guard("put_slot", self._store.put_slot(ref, record, ttl, self._wall()))
+
+    def _count(self, decision: Decision, label: str, usage: Usage | None) -> None:
+        m = self._metrics
+        m.route_decisions.labels(decision.reason.value).inc()
+        if decision.key_outcome is not None:
+            m.cache_key.labels(decision.key_outcome).inc()
+            if decision.key_outcome == "busy":
+                log.info("ignoring busy cache_key slot; routed by %s", decision.reason.value)
+        m.predicted_tokens.labels(label).inc(decision.predicted)
+        if usage is None:
+            return
+        actual, predicted = usage.cached_tokens, decision.predicted
+        if actual >= 0.9 * predicted and actual <= predicted + max(16, predicted // 10):
+            outcome = "accurate"
+        else:
+            outcome = "over" if actual < predicted else "under"
+        m.route_predictions.labels(outcome).inc()
+
+    async def _guard(self, op: str, call: Any) -> Any:
+        try:
+            return await call
+        except StateStoreUnavailable:
+            self._metrics.store_errors.labels(op).inc()
+            return None

@@ -1,0 +1,86 @@
+"""The state-store contract, shared by every proxy replica.
+
+What it holds (every key has a TTL or a bound):
+- *affinities*: cache_key -> (backend label, slot), refreshed on every keyed request;
+- *slot records*: what each slot's KV holds (hash chain + token estimates, real KV length),
+  written when a request finishes, so every replica routes on the same picture;
+- *leases*: (backend, slot) -> owner, taken before a request is pinned and released after,
+  with a TTL that frees the slot of a replica that died; ``acquire_lease`` is atomic
+  (set-if-absent), so two replicas never pin one slot at once;
+- *windows*: per model, the last N request fingerprints (bounded list), for the disk tier.
+
+Semantics both implementations keep (``tests/contract``): a lease can be taken by one owner
+at a time and renewed or released only by it; expired entries read as absent; a window keeps
+the newest ``limit`` entries, newest first. Times are wall-clock seconds from the caller.
+Every method may raise ``StateStoreUnavailable``; the proxy then routes on local state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+SlotRef = tuple[str, int]
+
+
+class StateStoreUnavailable(Exception):
+    """The store cannot be reached; callers degrade to local state."""
+
+
+@dataclass(frozen=True)
+class SlotRecord:
+    hashes: tuple[int, ...]
+    tokens: tuple[int, ...]
+    n_tokens: int
+    updated_at: float
+
+    def pack(self) -> bytes:
+        head = len(self.hashes).to_bytes(4, "little")
+        body = b"".join(h.to_bytes(8, "little") for h in self.hashes)
+        body += b"".join(t.to_bytes(4, "little") for t in self.tokens)
+        tail = self.n_tokens.to_bytes(4, "little") + int(self.updated_at * 1000).to_bytes(
+            8, "little"
+        )
+        return head + body + tail
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> SlotRecord:
+        count = int.from_bytes(raw[:4], "little")
+        hashes_end = 4 + 8 * count
+        tokens_end = hashes_end + 4 * count
+        hashes = tuple(int.from_bytes(raw[i : i + 8], "little") for i in range(4, hashes_end, 8))
+        tokens = tuple(
+            int.from_bytes(raw[i : i + 4], "little") for i in range(hashes_end, tokens_end, 4)
+        )
+        n_tokens = int.from_bytes(raw[tokens_end : tokens_end + 4], "little")
+        updated = int.from_bytes(raw[tokens_end + 4 : tokens_end + 12], "little") / 1000
+        return cls(hashes, tokens, n_tokens, updated)
+
+
+class StateStore(Protocol):
+    async def get_affinity(self, key: str, now: float) -> SlotRef | None: ...
+
+    async def set_affinity(self, key: str, ref: SlotRef, ttl: float, now: float) -> None: ...
+
+    async def acquire_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool: ...
+
+    async def release_lease(self, ref: SlotRef, owner: str) -> None: ...
+
+    async def lease_owners(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, str]: ...
+
+    async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None: ...
+
+    async def get_slots(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, SlotRecord]: ...
+
+    async def clear_slots(self, refs: Sequence[SlotRef]) -> None: ...
+
+    async def push_window(
+        self, name: str, entry: bytes, limit: int, ttl: float, now: float
+    ) -> None: ...
+
+    async def window(self, name: str, now: float) -> list[bytes]: ...
+
+    async def ping(self) -> None: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,82 @@
+"""In-memory StateStore: the embedded default for a single proxy replica (and the fake).
+
+Plain dicts of (value, expiry); expiry is checked on read against the caller's ``now``, and
+a periodic sweep on writes keeps the maps bounded. No locks: the event loop is one thread
+and no method awaits between reading and writing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from proxy.state.base import SlotRecord, SlotRef
+
+
+class InMemoryStateStore:
+    def __init__(self, *, max_entries: int = 100_000) -> None:
+        self._data: dict[tuple[str, Any], tuple[Any, float]] = {}
+        self._max = max_entries
+
+    def _get(self, key: tuple[str, Any], now: float) -> Any:
+        found = self._data.get(key)
+        if found is None or found[1] <= now:
+            return None
+        return found[0]
+
+    def _set(self, key: tuple[str, Any], value: Any, ttl: float, now: float) -> None:
+        self._data[key] = (value, now + ttl)
+        if len(self._data) > self._max:
+            self._data = {k: v for k, v in self._data.items() if v[1] > now}
+            while len(self._data) > self._max:
+                self._data.pop(next(iter(self._data)))
+
+    async def get_affinity(self, key: str, now: float) -> SlotRef | None:
+        value: SlotRef | None = self._get(("aff", key), now)
+        return value
+
+    async def set_affinity(self, key: str, ref: SlotRef, ttl: float, now: float) -> None:
+        self._set(("aff", key), ref, ttl, now)
+
+    async def acquire_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool:
+        holder = self._get(("lease", ref), now)
+        if holder is not None and holder != owner:
+            return False
+        self._set(("lease", ref), owner, ttl, now)
+        return True
+
+    async def release_lease(self, ref: SlotRef, owner: str) -> None:
+        found = self._data.get(("lease", ref))
+        if found is not None and found[0] == owner:
+            del self._data[("lease", ref)]
+
+    async def lease_owners(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, str]:
+        owners = {ref: self._get(("lease", ref), now) for ref in refs}
+        return {ref: owner for ref, owner in owners.items() if owner is not None}
+
+    async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None:
+        self._set(("slot", ref), record, ttl, now)
+
+    async def get_slots(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, SlotRecord]:
+        found = {ref: self._get(("slot", ref), now) for ref in refs}
+        return {ref: record for ref, record in found.items() if record is not None}
+
+    async def clear_slots(self, refs: Sequence[SlotRef]) -> None:
+        for ref in refs:
+            self._data.pop(("slot", ref), None)
+
+    async def push_window(
+        self, name: str, entry: bytes, limit: int, ttl: float, now: float
+    ) -> None:
+        entries: list[bytes] = self._get(("win", name), now) or []
+        self._set(("win", name), [entry, *entries][:limit], ttl, now)
+
+    async def window(self, name: str, now: float) -> list[bytes]:
+        entries: list[bytes] = self._get(("win", name), now) or []
+        return list(entries)
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None

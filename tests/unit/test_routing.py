@@ -1,0 +1,180 @@
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.core.fingerprint import Fingerprint
+from proxy.core.fleet import (
+    BackendPhase,
+    Fleet,
+    NoPlacement,
+    Placement,
+    Probe,
+    SlotPhase,
+    SlotProbe,
+)
+from proxy.core.routing import Decision, Reason, RoutingParams, predicted_reuse, route
+
+PARAMS = RoutingParams(min_prefix_tokens=16, wait_min_tokens=100, balance_abs=2)
+
+
+def fp(*segments: int, size: int = 100) -> Fingerprint:
+    """A chain whose i-th hash is the i-th given id (distinct ids = distinct prefixes)."""
+    return Fingerprint(tuple(segments), tuple(size * (i + 1) for i in range(len(segments))))
+
+
+def fleet(*slots: int, exact: tuple[bool, ...] = ()) -> Fleet:
+    f = Fleet([f"b{i}" for i in range(len(slots))], exact)
+    for index, count in enumerate(slots):
+        probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(count)))
+        f.apply_probe(index, probe, now=0.0)
+    return f
+
+
+def hold(f: Fleet, backend: int, slot: int, content: Fingerprint, at: float = 100.0) -> None:
+    s = f.backends[backend].slots[slot]
+    s.content, s.last_used = content, at
+
+
+def decided(result: Decision | NoPlacement) -> Decision:
+    assert isinstance(result, Decision)
+    return result
+
+
+def test_session_goes_to_the_slot_holding_its_prefix() -> None:
+    f = fleet(2, 2)
+    hold(f, 1, 1, fp(1, 2, 3))
+    hold(f, 0, 0, fp(1, 9))
+    d = decided(route(fp(1, 2, 3, 4), f.backends, PARAMS, now=100.0))
+    assert (d.reason, d.placement) == (Reason.PREFIX, Placement(1, (1,), 1))
+    assert d.predicted == 300
+
+
+def test_one_off_request_does_not_evict_a_warm_long_session() -> None:
+    f = fleet(2)
+    hold(f, 0, 0, fp(1, 2, 3, 4, 5, 6, 7, 8))  # long warm session sharing only segment 1
+    d = decided(route(fp(1, 50), f.backends, PARAMS, now=100.0))
+    assert d.placement == Placement(0, (1,), 1)  # the empty slot
+    assert d.reason is Reason.COLD
+
+
+def test_cold_request_takes_the_least_valuable_slot_on_the_least_loaded_backend() -> None:
+    f = fleet(2, 2)
+    f.claim(Placement(0, (0,), 0), now=1.0)
+    hold(f, 1, 0, fp(7, 8, 9), at=99.0)
+    hold(f, 1, 1, fp(5), at=10.0)
+    d = decided(route(fp(42), f.backends, PARAMS, now=100.0))
+    assert d.placement == Placement(1, (1,), 1)
+
+
+def test_waits_for_a_busy_slot_worth_it_and_not_after_the_bound() -> None:
+    f = fleet(2)
+    hold(f, 0, 0, fp(1, 2, 3))
+    f.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 2, 3))
+    d = decided(route(fp(1, 2, 3, 4), f.backends, PARAMS, now=100.0))
+    assert (d.reason, d.placement, d.wait_for) == (Reason.WAIT, None, (0, 0))
+    later = decided(route(fp(1, 2, 3, 4), f.backends, PARAMS, now=101.0, allow_wait=False))
+    assert later.placement == Placement(0, (1,), 1)
+
+
+def test_load_gate_sends_a_hot_prefix_to_an_idle_backend() -> None:
+    f = fleet(5, 5)
+    for slot in range(4):
+        f.claim(Placement(0, (slot,), slot), now=1.0)
+    hold(f, 0, 4, fp(1, 2))
+    d = decided(route(fp(1, 2, 3), f.backends, PARAMS, now=100.0, allow_wait=False))
+    assert d.reason is Reason.BALANCE
+    assert d.placement is not None
+    assert d.placement.backend == 1
+
+
+def test_exact_backends_only_count_a_strict_extension() -> None:
+    f = fleet(1, exact=(True,))
+    slot = f.backends[0].slots[0]
+    slot.content = fp(1, 2, 3)
+    assert predicted_reuse(fp(1, 2, 3, 4), slot, exact=True) == 300
+    assert predicted_reuse(fp(1, 2, 9), slot, exact=True) == 0  # diverges inside the cache
+    assert predicted_reuse(fp(1, 2, 3), slot, exact=True) == 0  # exact repeat
+    assert predicted_reuse(fp(1, 2, 3), slot, exact=False) == 299  # one token re-evaluated
+
+
+def test_cache_key_reuses_only_a_real_overlap_and_skips_a_busy_slot() -> None:
+    params = RoutingParams(key_similarity=0.5, key_min_prefix=32, min_prefix_tokens=16)
+    f = fleet(2)
+    hold(f, 0, 1, fp(1, 2, 3))
+    hold(f, 0, 0, fp(1, 2, 3))
+    same = decided(route(fp(1, 2, 3, 4), f.backends, params, now=100.0, affinity=(0, 1)))
+    assert (same.reason, same.key_outcome, same.placement) == (
+        Reason.AFFINITY,
+        "reuse",
+        Placement(0, (1,), 1),
+    )
+    unrelated = decided(route(fp(77, 78), f.backends, params, now=100.0, affinity=(0, 1)))
+    assert unrelated.key_outcome == "unsafe"
+    assert unrelated.reason is not Reason.AFFINITY
+    f.claim(Placement(0, (1,), 1), now=100.0)
+    busy = decided(
+        route(fp(1, 2, 3, 4), f.backends, params, now=100.0, affinity=(0, 1), allow_wait=False)
+    )
+    assert busy.key_outcome == "busy"
+    assert busy.placement == Placement(0, (0,), 0)
+
+
+def test_nothing_ready() -> None:
+    f = Fleet(["a"])
+    assert route(fp(1), f.backends, PARAMS, now=0.0) is NoPlacement.LOADING
+
+
+@st.composite
+def scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | None]:
+    counts = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    f = fleet(*counts, exact=tuple(draw(st.booleans()) for _ in counts))
+    chains = st.lists(st.integers(1, 4), min_size=1, max_size=5).map(lambda c: fp(*c))
+    for backend in f.backends:
+        if draw(st.integers(0, 4)) == 0:
+            backend.phase = draw(st.sampled_from(list(BackendPhase)))
+        for slot in backend.slots:
+            slot.phase = draw(st.sampled_from(list(SlotPhase)))
+            slot.content = draw(st.none() | chains)
+            slot.last_used = draw(st.floats(0, 100))
+    hint = draw(st.none() | st.tuples(st.integers(0, 3), st.integers(0, 3)))
+    return f, draw(chains), hint
+
+
+@settings(max_examples=300)
+@given(scenes(), st.booleans())
+def test_property_never_a_busy_slot(
+    scene: tuple[Fleet, Fingerprint, tuple[int, int] | None], allow_wait: bool
+) -> None:
+    f, request, hint = scene
+    result = route(request, f.backends, PARAMS, now=100.0, affinity=hint, allow_wait=allow_wait)
+    if isinstance(result, Decision) and result.placement is not None:
+        backend = f.backends[result.placement.backend]
+        assert backend.phase is BackendPhase.READY
+        assert backend.slots[result.placement.pin or 0].phase is SlotPhase.IDLE
+
+
+@settings(max_examples=300)
+@given(scenes())
+def test_property_no_fewer_reused_tokens_without_a_reason(
+    scene: tuple[Fleet, Fingerprint, tuple[int, int] | None],
+) -> None:
+    """Choosing a slot that reuses less than the best idle one needs a stated reason."""
+    f, request, _ = scene
+    params = RoutingParams(min_prefix_tokens=0, eviction_weight=0.0, balance_abs=100)
+    result = route(request, f.backends, params, now=100.0, allow_wait=False)
+    if not isinstance(result, Decision) or result.placement is None:
+        return
+    best = max(
+        (
+            predicted_reuse(request, s, b.exact)
+            for b in f.backends
+            if b.phase is BackendPhase.READY
+            for s in b.slots
+            if s.phase is SlotPhase.IDLE
+        ),
+        default=0,
+    )
+    if result.predicted < best:
+        assert result.reason in (Reason.BALANCE, Reason.COLD)
+        assert best == 0 or result.reason is Reason.BALANCE

@@ -105,7 +105,7 @@ class RoutingSettings(_Frozen):
     min_prefix_tokens: int = Field(default=16, ge=0)
     wait_min_tokens: int = Field(default=1024, ge=0, description="saving worth waiting for")
     max_slot_wait_seconds: float = Field(default=5.0, ge=0, description="wait for a busy slot")
-    eviction_weight: float = Field(default=0.5, ge=0)
+    eviction_weight: float = Field(default=1.0, ge=0)
     value_half_life_seconds: float = Field(default=600.0, gt=0)
     balance_abs: int = Field(default=2, ge=0)
     balance_rel: float = Field(default=1.5, ge=1)

@@ -167,7 +167,9 @@ class Router:
                 "set_affinity", self._store.set_affinity(plan.key, ref, ttl, self._wall())
             )
         slot = self._fleet.backends[placement.backend].slots[placement.pin]
-        record = SlotRecord(content.hashes, content.tokens, slot.n_tokens, self._wall())
+        record = SlotRecord(
+            content.hashes, content.tokens, content.anchor, slot.n_tokens, self._wall()
+        )
         ttl = self._settings.routing.affinity_ttl_seconds
         await self._guard("put_slot", self._store.put_slot(ref, record, ttl, self._wall()))
 

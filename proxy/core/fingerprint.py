@@ -12,6 +12,10 @@ Segments follow the boundaries at which one request's prompt stops matching the 
 - raw prompts (``/completion``, ``/v1/completions``, ``/infill``): fixed blocks of
   ``block_tokens`` tokens of the prompt (token arrays are used as given).
 
+The *anchor* is the number of segments through the first non-system message: a request
+that shares at least that much with a slot continues the slot's conversation (routing uses
+it to tell a returning session from a stranger that only shares the system prompt).
+
 The chain: ``h[0] = H(seg[0])``, ``h[i] = H(h[i-1] || seg[i])``, so ``h[i]`` identifies the
 whole prefix up to segment ``i`` and two chains share a prefix of ``k`` segments exactly when
 ``h[k-1]`` is equal; ``common_segments`` finds ``k`` by binary search. The generation suffix
@@ -50,6 +54,7 @@ class Segment:
 class Fingerprint:
     hashes: tuple[int, ...]
     tokens: tuple[int, ...]  # cumulative estimated tokens after each segment
+    anchor: int = 0  # segments up to and including the first non-system message
 
     @property
     def total(self) -> int:
@@ -62,7 +67,13 @@ class Fingerprint:
         """This chain followed by ``segments`` (e.g. the reply the client will send back)."""
         hashes, tokens = list(self.hashes), list(self.tokens)
         _append(hashes, tokens, segments, count)
-        return Fingerprint(tuple(hashes), tuple(tokens))
+        return Fingerprint(tuple(hashes), tuple(tokens), self.anchor)
+
+    def same_conversation(self, shared: int) -> bool:
+        """True when a request sharing ``shared`` segments with this content continues its
+        conversation: the shared part reaches past the system prompt into its first user
+        message (where agents such as OpenClaw put the session id)."""
+        return shared >= self.anchor
 
 
 def _hash(previous: int, key: bytes) -> int:
@@ -143,8 +154,13 @@ def _overhead(count: Counter) -> Counter:
 def fingerprint_chat(body: dict[str, Any], count: Counter) -> Fingerprint:
     hashes: list[int] = []
     tokens: list[int] = []
-    _append(hashes, tokens, chat_segments(body), _overhead(count))
-    return Fingerprint(tuple(hashes), tuple(tokens))
+    segments = chat_segments(body)
+    _append(hashes, tokens, segments, _overhead(count))
+    anchor = next(
+        (i + 1 for i, seg in enumerate(segments[1:], 1) if not seg.text.startswith("system")),
+        len(segments),
+    )
+    return Fingerprint(tuple(hashes), tuple(tokens), anchor)
 
 
 def fingerprint_tokens(ids: Sequence[int], block_tokens: int) -> Fingerprint:

@@ -10,11 +10,13 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    re-evaluates a token). On backends marked ``exact`` (hybrid, recurrent, or sliding-window
    models without ``--swa-full``) a slot counts only if its whole content is a strict prefix
    of the request: those models cannot roll back into the middle of a cached sequence.
-2. *Eviction damage* of s: the part of s's content the request would overwrite (its tokens
-   beyond the shared prefix), weighted by recency ``0.5 ** (age / value_half_life_s)``.
+2. *Eviction damage* of s, weighted by recency ``0.5 ** (age / value_half_life_s)``: when
+   the request continues s's conversation (the shared prefix reaches s's first user message,
+   ``Fingerprint.same_conversation``), only the tail it overwrites (s's tokens beyond the
+   shared prefix); otherwise s's whole content, since that conversation loses its slot.
    *Score* = reuse - ``eviction_weight`` * damage. So a continuing session scores its whole
-   history, while a one-off request that shares only a system prompt with a long warm session
-   prefers an empty or stale slot to destroying that session.
+   history, while a new session that shares only the system prompt with another session's
+   slot prefers an empty or stale slot to taking that one.
 3. *cache_key affinity* (seed 000, done outside the server): a keyed request whose mapped
    slot is idle reuses it only when the overlap is real — predicted reuse / prompt tokens
    >= ``key_similarity`` and reuse >= ``key_min_prefix`` tokens ("reuse"). A busy mapped slot is
@@ -23,9 +25,11 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    the fleet is imbalanced when ``max - min > balance_abs`` and ``max > balance_rel * min``.
    Then a best candidate on a backend loaded above ``min + balance_abs`` is dropped for the
    least loaded backend ("balance"), so a hot prefix does not pile onto one backend.
-5. Best idle candidate by (score, -backend load, -age) with reuse >= ``min_prefix_tokens``:
-   "prefix". Otherwise "cold": the least loaded backend and, on it, the idle slot with the
-   lowest recency-weighted content value (empty slots first).
+5. Best idle candidate by (score, -backend load, -age) with reuse >= ``min_prefix_tokens``
+   and a positive score: "prefix". Otherwise "cold": among backends loaded at most
+   ``balance_abs`` above the least loaded one, the idle slot with the best score (empty or
+   least valuable first, then the less loaded backend). "balance" does the same restricted
+   to the least loaded backends.
 6. *Waiting*: if a slot that is busy (in flight, draining, or used elsewhere) would save at
    least ``wait_min_tokens`` more than the best idle choice, and waiting is allowed, the
    decision is to wait for that slot ("wait"); the caller bounds the wait and then decides
@@ -65,7 +69,7 @@ class Reason(StrEnum):
 class RoutingParams:
     min_prefix_tokens: int = 16
     wait_min_tokens: int = 1024
-    eviction_weight: float = 0.5
+    eviction_weight: float = 1.0
     value_half_life_s: float = 600.0
     balance_abs: int = 2
     balance_rel: float = 1.5
@@ -90,11 +94,15 @@ class _Candidate:
     score: float
 
 
+def _shared(fp: Fingerprint, content: Fingerprint | None) -> int:
+    return common_segments(fp.hashes, content.hashes) if content is not None else 0
+
+
 def predicted_reuse(fp: Fingerprint, slot: SlotState, exact: bool) -> int:
     content = slot.expected
     if content is None or not fp.hashes:
         return 0
-    shared = common_segments(fp.hashes, content.hashes)
+    shared = _shared(fp, content)
     if exact and (shared < len(content.hashes) or shared == len(fp.hashes)):
         return 0
     return max(0, min(fp.tokens_at(shared), fp.total - 1))
@@ -109,8 +117,12 @@ def _candidate(
     fp: Fingerprint, backend: BackendState, slot: SlotState, now: float, params: RoutingParams
 ) -> _Candidate:
     reuse = predicted_reuse(fp, slot, backend.exact)
-    held = slot.content.total if slot.content is not None else 0
-    damage = max(0, held - reuse) * _recency(slot, now, params)
+    content = slot.content
+    if content is None:
+        return _Candidate(backend, slot, reuse, float(reuse))
+    ours = content.same_conversation(_shared(fp, content))
+    lost = max(0, content.total - reuse) if ours else content.total
+    damage = lost * _recency(slot, now, params)
     return _Candidate(backend, slot, reuse, reuse - params.eviction_weight * damage)
 
 
@@ -119,17 +131,27 @@ def _imbalanced(loads: Sequence[int], params: RoutingParams) -> bool:
     return high - low > params.balance_abs and high > params.balance_rel * low
 
 
+def _rank(candidate: _Candidate) -> tuple[float, int, int, float, int]:
+    c = candidate
+    return (c.score, -c.backend.busy_count(), -c.backend.index, -c.slot.last_used, -c.slot.id)
+
+
 def _cold(
-    ready: Sequence[BackendState], now: float, params: RoutingParams, reason: Reason
+    fp: Fingerprint,
+    ready: Sequence[BackendState],
+    now: float,
+    params: RoutingParams,
+    reason: Reason,
 ) -> Decision:
-    backend = min(ready, key=lambda b: (b.busy_count(), b.index))
-
-    def value(slot: SlotState) -> tuple[float, float, int]:
-        held = slot.content.total if slot.content is not None else 0
-        return (held * _recency(slot, now, params), slot.last_used, slot.id)
-
-    slot = min(backend.idle_slots(), key=value)
-    return Decision(Placement(backend.index, (slot.id,), slot.id), reason, 0)
+    least = min(b.busy_count() for b in ready)
+    limit = least if reason is Reason.BALANCE else least + params.balance_abs
+    options = [
+        _candidate(fp, b, s, now, params)
+        for b in ready
+        if b.busy_count() <= limit
+        for s in b.idle_slots()
+    ]
+    return _place(max(options, key=_rank), reason)
 
 
 def _place(candidate: _Candidate, reason: Reason, key: str | None = None) -> Decision:
@@ -175,8 +197,7 @@ def route(
         if chosen is not None:
             return _place(chosen, Reason.AFFINITY, key)
     idle = [_candidate(fp, b, s, now, params) for b in ready for s in b.idle_slots()]
-    best = max(idle, key=lambda c: (c.score, -c.backend.busy_count(), -c.backend.index,
-                                    -c.slot.last_used, -c.slot.id), default=None)  # fmt: skip
+    best = max(idle, key=_rank, default=None)  # fmt: skip
     waiting = _worth_waiting(fp, usable, best, params, now) if allow_wait else None
     if waiting is not None:
         return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
@@ -184,10 +205,10 @@ def route(
         return why_not(backends, avoid)
     loads = [b.busy_count() for b in usable if b.phase is BackendPhase.READY]
     if _imbalanced(loads, params) and best.backend.busy_count() > min(loads) + params.balance_abs:
-        return _with_key(_cold(ready, now, params, Reason.BALANCE), key)
+        return _with_key(_cold(fp, ready, now, params, Reason.BALANCE), key)
     if best.reuse >= params.min_prefix_tokens and best.score > 0:
         return _place(best, Reason.PREFIX, key)
-    return _with_key(_cold(ready, now, params, Reason.COLD), key)
+    return _with_key(_cold(fp, ready, now, params, Reason.COLD), key)
 
 
 def _with_key(decision: Decision, key: str | None) -> Decision:

@@ -32,11 +32,12 @@ class StateStoreUnavailable(Exception):
 class SlotRecord:
     hashes: tuple[int, ...]
     tokens: tuple[int, ...]
+    anchor: int
     n_tokens: int
     updated_at: float
 
     def pack(self) -> bytes:
-        head = len(self.hashes).to_bytes(4, "little")
+        head = len(self.hashes).to_bytes(4, "little") + self.anchor.to_bytes(4, "little")
         body = b"".join(h.to_bytes(8, "little") for h in self.hashes)
         body += b"".join(t.to_bytes(4, "little") for t in self.tokens)
         tail = self.n_tokens.to_bytes(4, "little") + int(self.updated_at * 1000).to_bytes(
@@ -47,15 +48,16 @@ class SlotRecord:
     @classmethod
     def unpack(cls, raw: bytes) -> SlotRecord:
         count = int.from_bytes(raw[:4], "little")
-        hashes_end = 4 + 8 * count
+        anchor = int.from_bytes(raw[4:8], "little")
+        hashes_end = 8 + 8 * count
         tokens_end = hashes_end + 4 * count
-        hashes = tuple(int.from_bytes(raw[i : i + 8], "little") for i in range(4, hashes_end, 8))
+        hashes = tuple(int.from_bytes(raw[i : i + 8], "little") for i in range(8, hashes_end, 8))
         tokens = tuple(
             int.from_bytes(raw[i : i + 4], "little") for i in range(hashes_end, tokens_end, 4)
         )
         n_tokens = int.from_bytes(raw[tokens_end : tokens_end + 4], "little")
         updated = int.from_bytes(raw[tokens_end + 4 : tokens_end + 12], "little") / 1000
-        return cls(hashes, tokens, n_tokens, updated)
+        return cls(hashes, tokens, anchor, n_tokens, updated)
 
 
 class StateStore(Protocol):

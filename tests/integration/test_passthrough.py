@@ -43,7 +43,8 @@ async def test_client_id_slot_is_ignored_by_default(fakes: Any, proxy: Any) -> N
     for _ in range(3):
         resp = await client.post("/completion", json={"prompt": "x y", "id_slot": 1})
         assert resp.status == 200
-    assert [b["id_slot"] for _, b, _ in fake.received] == [0, 1, 0]
+    # the proxy's choice, not the client's: the repeated prompt stays on the slot holding it
+    assert [b["id_slot"] for _, b, _ in fake.received] == [0, 0, 0]
 
 
 async def test_client_id_slot_honoured_when_configured(fakes: Any, proxy: Any) -> None:

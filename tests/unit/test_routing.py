@@ -58,13 +58,21 @@ def test_one_off_request_does_not_evict_a_warm_long_session() -> None:
     assert d.reason is Reason.COLD
 
 
-def test_cold_request_takes_the_least_valuable_slot_on_the_least_loaded_backend() -> None:
+def test_cold_request_prefers_an_empty_slot_within_load_tolerance() -> None:
     f = fleet(2, 2)
     f.claim(Placement(0, (0,), 0), now=1.0)
     hold(f, 1, 0, fp(7, 8, 9), at=99.0)
     hold(f, 1, 1, fp(5), at=10.0)
     d = decided(route(fp(42), f.backends, PARAMS, now=100.0))
-    assert d.placement == Placement(1, (1,), 1)
+    assert d.placement == Placement(0, (1,), 1)
+
+
+def test_cold_request_evicts_the_least_valuable_slot() -> None:
+    f = fleet(2)
+    hold(f, 0, 0, fp(7, 8, 9), at=99.0)
+    hold(f, 0, 1, fp(5), at=10.0)
+    d = decided(route(fp(42), f.backends, PARAMS, now=100.0))
+    assert d.placement == Placement(0, (1,), 1)
 
 
 def test_waits_for_a_busy_slot_worth_it_and_not_after_the_bound() -> None:

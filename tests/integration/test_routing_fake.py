@@ -1,0 +1,143 @@
+"""Prefix- and session-aware routing across a fleet of fake llama-servers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from tests.conftest import metric
+
+SYSTEM = "You are a coding agent. Follow the rules. " * 40
+
+
+def session_turn(session: int, turn: int, history: list[dict[str, Any]]) -> dict[str, Any]:
+    user = {"role": "user", "content": f"session {session} question {turn}: " + "detail " * 30}
+    return {
+        "messages": [{"role": "system", "content": SYSTEM}, *history, user],
+        "max_tokens": 8,
+        "stream": turn % 2 == 0,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _run_turn(client: Any, body: dict[str, Any]) -> tuple[str, dict[str, Any], Any]:
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200
+    text = await resp.text()
+    if body["stream"]:
+        import json
+
+        events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+        reply = "".join(
+            (e["choices"][0]["delta"].get("content") or "") for e in events if e.get("choices")
+        )
+        timings = next(e["timings"] for e in events if "timings" in e)
+    else:
+        import json
+
+        data = json.loads(text)
+        reply, timings = data["choices"][0]["message"]["content"], data["timings"]
+    return reply, timings, resp.headers
+
+
+async def test_interleaved_sessions_keep_their_slots(fakes: Any, proxy: Any) -> None:
+    backends = [await fakes(n_slots=2) for _ in range(2)]
+    client = await proxy(backends)
+    histories: dict[int, list[dict[str, Any]]] = {s: [] for s in range(4)}
+    previous: dict[int, int] = {}
+    order = [s for _ in range(4) for s in random.Random(7).sample(range(4), 4)]
+    turns = {s: 0 for s in range(4)}
+    for session in order:
+        body = session_turn(session, turns[session], histories[session])
+        reply, timings, headers = await _run_turn(client, body)
+        prompt = timings["prompt_n"] + timings["cache_n"]
+        if session in previous:
+            assert timings["cache_n"] >= 0.9 * previous[session], (session, timings)
+            assert headers["X-Cache-Route"] in ("prefix", "affinity")
+        previous[session] = prompt
+        histories[session] += [body["messages"][-1], {"role": "assistant", "content": reply}]
+        turns[session] += 1
+    assert all(b.violations == [] for b in backends)
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_route_decisions_total", reason="prefix") >= 12
+
+
+async def test_more_sessions_than_slots_still_all_complete(fakes: Any, proxy: Any) -> None:
+    backends = [await fakes(n_slots=2, gen_s_per_token=0.001) for _ in range(2)]
+    client = await proxy(backends)
+    histories: dict[int, list[dict[str, Any]]] = {s: [] for s in range(8)}
+    for turn in range(3):
+        bodies = [session_turn(s, turn, histories[s]) for s in range(8)]
+        results = await asyncio.gather(*(_run_turn(client, b) for b in bodies))
+        for s, (reply, _, _) in enumerate(results):
+            histories[s] += [bodies[s]["messages"][-1], {"role": "assistant", "content": reply}]
+    assert all(b.violations == [] for b in backends)
+
+
+async def test_openclaw_carrier_turns_stay_on_their_slot(fakes: Any, proxy: Any) -> None:
+    """Turn N is not a prefix of N+1 (transient last message): message-level matching."""
+    fake = await fakes(n_slots=2)
+    client = await proxy([fake])
+    carrier = {"role": "user", "content": [{"type": "text", "text": "<<<CTX>>> " + "x " * 20}]}
+    first = "[Sun 2026-11-22 03:31 UTC] hi\n\nRuntime: sessionId=s1 " + "y " * 40
+    history: list[dict[str, Any]] = [{"role": "user", "content": first}]
+    slots = []
+    for turn in range(4):
+        body = {
+            "messages": [{"role": "system", "content": SYSTEM}, *history, carrier],
+            "max_tokens": 6,
+            "stream": True,
+        }
+        reply, timings, headers = await _run_turn(client, body)
+        slots.append(headers["X-Cache-Slot"])
+        if turn:
+            assert timings["cache_n"] > 0.8 * (timings["prompt_n"] + timings["cache_n"])
+        history += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": f"[Sun 2026-11-22 03:3{turn + 2} UTC] next"},
+        ]
+    assert len(set(slots)) == 1
+
+
+async def test_cache_key_seed_000_cases(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=2, gen_s_per_token=0.01)
+    client = await proxy(
+        [fake], routing={"slot_cache_key_similarity": 0.5, "slot_cache_key_min_prefix": 32}
+    )
+    base = {
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "topic A " * 20},
+        ],
+        "max_tokens": 4,
+        "prompt_cache_key": "k1",
+    }
+    first = await client.post("/v1/chat/completions", json=base)
+    slot = first.headers["X-Cache-Slot"]
+    follow = {**base, "messages": [*base["messages"], {"role": "user", "content": "more"}]}
+    again = await client.post("/v1/chat/completions", json=follow)
+    assert again.headers["X-Cache-Route"] == "affinity"
+    assert again.headers["X-Cache-Slot"] == slot
+    unrelated = {
+        "messages": [{"role": "user", "content": "totally different"}],
+        "max_tokens": 4,
+        "prompt_cache_key": "k1",
+    }
+    other = await client.post("/v1/chat/completions", json=unrelated)
+    assert other.headers["X-Cache-Route"] != "affinity"
+    # busy mapped slot: a long request holds it, the keyed request routes elsewhere
+    keyed_slot = other.headers["X-Cache-Slot"]
+    hold = {**unrelated, "max_tokens": 60, "prompt_cache_key": "k2"}
+    hold["messages"] = [{"role": "user", "content": "totally different and longer"}]
+    pending = asyncio.create_task(client.post("/v1/chat/completions", json=hold))
+    await asyncio.sleep(0.1)
+    page = await (await client.get("/metrics")).text()
+    third = await client.post("/v1/chat/completions", json={**unrelated, "max_tokens": 2})
+    assert third.status == 200
+    await pending
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_cache_key_total", outcome="reuse") >= 1
+    assert metric(page, "llama_cache_proxy_cache_key_total", outcome="unsafe") >= 1
+    assert keyed_slot in ("0", "1")
+    assert fake.violations == []

@@ -1,0 +1,139 @@
+"""Redis StateStore (``redis.asyncio``), shared by every proxy replica.
+
+Leases are ``SET key owner NX PX ttl`` (atomic take), renewed by the same owner with a Lua
+compare-and-set and released with a Lua compare-and-delete, so one replica can never free
+another's lease. Slot records are packed binary values; windows are capped lists
+(``LPUSH`` + ``LTRIM``). Reads of many slots use one ``MGET``. Every redis error becomes
+``StateStoreUnavailable`` here; short socket timeouts keep a dead Redis from stalling
+requests (the caller then routes on local state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from redis import asyncio as aioredis
+from redis.exceptions import RedisError
+
+from proxy.state import keys
+from proxy.state.base import SlotRecord, SlotRef, StateStoreUnavailable
+
+_RELEASE = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+)
+_TAKE = (
+    "local v = redis.call('get', KEYS[1]) "
+    "if v == false or v == ARGV[1] then redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) "
+    "return 1 end return 0"
+)
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class RedisStateStore:
+    def __init__(self, url: str, *, timeout: float = 0.25) -> None:
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False
+        )
+        self._take = self._redis.register_script(_TAKE)
+        self._release = self._redis.register_script(_RELEASE)
+
+    async def get_affinity(self, key: str, now: float) -> SlotRef | None:
+        try:
+            raw = await self._redis.get(keys.affinity(key))
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+        if raw is None:
+            return None
+        backend, _, slot = _bytes(raw).decode().rpartition("|")
+        return (backend, int(slot))
+
+    async def set_affinity(self, key: str, ref: SlotRef, ttl: float, now: float) -> None:
+        try:
+            await self._redis.set(keys.affinity(key), f"{ref[0]}|{ref[1]}", px=_ms(ttl))
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+
+    async def acquire_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool:
+        try:
+            return bool(await self._take(keys=[keys.lease(*ref)], args=[owner, _ms(ttl)]))
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+
+    async def release_lease(self, ref: SlotRef, owner: str) -> None:
+        try:
+            await self._release(keys=[keys.lease(*ref)], args=[owner])
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+
+    async def lease_owners(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, str]:
+        if not refs:
+            return {}
+        try:
+            values = await self._redis.mget([keys.lease(*ref) for ref in refs])
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+        pairs = zip(refs, values, strict=True)
+        return {ref: _bytes(v).decode() for ref, v in pairs if v is not None}
+
+    async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None:
+        try:
+            await self._redis.set(keys.slot(*ref), record.pack(), px=_ms(ttl))
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+
+    async def get_slots(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, SlotRecord]:
+        if not refs:
+            return {}
+        try:
+            values = await self._redis.mget([keys.slot(*ref) for ref in refs])
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+        return {
+            ref: SlotRecord.unpack(_bytes(v))
+            for ref, v in zip(refs, values, strict=True)
+            if v is not None
+        }
+
+    async def clear_slots(self, refs: Sequence[SlotRef]) -> None:
+        if not refs:
+            return
+        try:
+            await self._redis.delete(*(keys.slot(*ref) for ref in refs))
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+
+    async def push_window(
+        self, name: str, entry: bytes, limit: int, ttl: float, now: float
+    ) -> None:
+        key = keys.window(name)
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.lpush(key, entry)
+                pipe.ltrim(key, 0, limit - 1)
+                pipe.pexpire(key, _ms(ttl))
+                await pipe.execute()
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+
+    async def window(self, name: str, now: float) -> list[bytes]:
+        try:
+            values = await self._redis.lrange(keys.window(name), 0, -1)
+            return [_bytes(v) for v in values]
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+
+    async def ping(self) -> None:
+        try:
+            await self._redis.ping()
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+
+    async def close(self) -> None:
+        await self._redis.aclose()

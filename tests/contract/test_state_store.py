@@ -1,0 +1,99 @@
+"""One contract, two implementations: in-memory and a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from proxy.state import InMemoryStateStore, SlotRecord, StateStore, StateStoreUnavailable
+from proxy.state.redis import RedisStateStore
+from tests.real.stack import RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    server = RedisServer().start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: Any) -> AsyncIterator[StateStore]:
+    if request.param == "memory":
+        yield InMemoryStateStore()
+        return
+    url = request.getfixturevalue("redis_url")
+    redis = RedisStateStore(url)
+    await redis._redis.flushdb()  # each test starts empty
+    yield redis
+    await redis.close()
+
+
+def now() -> float:
+    return time.time()
+
+
+async def test_affinity_roundtrip_and_expiry(store: StateStore) -> None:
+    assert await store.get_affinity("k", now()) is None
+    await store.set_affinity("k", ("b0", 1), ttl=0.2, now=now())
+    assert await store.get_affinity("k", now()) == ("b0", 1)
+    await asyncio.sleep(0.3)
+    assert await store.get_affinity("k", now()) is None
+
+
+async def test_lease_has_one_owner_and_only_the_owner_releases(store: StateStore) -> None:
+    ref = ("b0", 0)
+    assert await store.acquire_lease(ref, "r1", ttl=5, now=now())
+    assert not await store.acquire_lease(ref, "r2", ttl=5, now=now())
+    assert await store.acquire_lease(ref, "r1", ttl=5, now=now())  # renew
+    await store.release_lease(ref, "r2")
+    assert await store.lease_owners([ref, ("b0", 1)], now()) == {ref: "r1"}
+    await store.release_lease(ref, "r1")
+    assert await store.acquire_lease(ref, "r2", ttl=5, now=now())
+
+
+async def test_lease_expires(store: StateStore) -> None:
+    ref = ("b1", 3)
+    assert await store.acquire_lease(ref, "dead-replica", ttl=0.2, now=now())
+    await asyncio.sleep(0.3)
+    assert await store.acquire_lease(ref, "r2", ttl=5, now=now())
+
+
+async def test_concurrent_takers_get_one_lease(store: StateStore) -> None:
+    ref = ("b0", 2)
+    results = await asyncio.gather(
+        *(store.acquire_lease(ref, f"r{i}", ttl=5, now=now()) for i in range(20))
+    )
+    assert sum(results) == 1
+
+
+async def test_slot_records(store: StateStore) -> None:
+    record = SlotRecord((1, 2**63 + 5), (10, 20), 2, 19, 1234.5)
+    await store.put_slot(("b0", 0), record, ttl=5, now=now())
+    got = await store.get_slots([("b0", 0), ("b0", 1)], now())
+    assert got == {("b0", 0): record}
+    await store.clear_slots([("b0", 0)])
+    assert await store.get_slots([("b0", 0)], now()) == {}
+
+
+async def test_window_is_bounded_newest_first(store: StateStore) -> None:
+    for i in range(5):
+        await store.push_window("model", f"e{i}".encode(), limit=3, ttl=5, now=now())
+    assert await store.window("model", now()) == [b"e4", b"e3", b"e2"]
+
+
+async def test_ping(store: StateStore) -> None:
+    await store.ping()
+
+
+async def test_unreachable_redis_raises_unavailable() -> None:
+    store = RedisStateStore("redis://127.0.0.1:9/0")
+    with pytest.raises(StateStoreUnavailable):
+        await store.get_affinity("k", now())
+    with pytest.raises(StateStoreUnavailable):
+        await store.acquire_lease(("b", 0), "r", 1, now())
+    await store.close()

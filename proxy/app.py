@@ -24,7 +24,9 @@ from proxy.metrics import ProxyMetrics
 from proxy.middleware import make_middleware
 from proxy.router import Router
 from proxy.scheduler import Scheduler
+from proxy.shared_state import SharedState
 from proxy.state import InMemoryStateStore, StateStore
+from proxy.state.redis import RedisStateStore
 from proxy.tokenizer import TokenCounter
 from proxy.upstream import ROUTES, LlamaServerClient
 
@@ -48,9 +50,19 @@ def create_app(
         [b.label for b in settings.backends], [b.kv_reuse == "exact" for b in settings.backends]
     )
     scheduler = Scheduler(fleet, settings.queue, metrics, clock)
-    store = store or InMemoryStateStore()
-    router = Router(settings, fleet, store, TokenCounter(), metrics, clock, wall)
-    handlers = ProxyHandlers(settings, scheduler, router, metrics, clock)
+    if store is None:
+        store = RedisStateStore(settings.redis_url) if settings.redis_url else InMemoryStateStore()
+    shared = SharedState(
+        store,
+        fleet,
+        metrics,
+        wall,
+        clock,
+        enabled=settings.redis_url is not None,
+        record_ttl=settings.routing.affinity_ttl_seconds,
+    )
+    router = Router(settings, fleet, shared, TokenCounter(), metrics, clock)
+    handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock)
 
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[make_middleware(metrics, clock)]
@@ -66,16 +78,20 @@ def create_app(
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             client = LlamaServerClient(session, settings.timeouts)
-            prober = Prober(settings, client, scheduler, metrics, clock)
+            prober = Prober(settings, client, scheduler, metrics, clock, shared.forget_backend)
             handlers.client, handlers.prober, app[PROBER] = client, prober, prober
             await prober.probe_all()
-            task = asyncio.create_task(prober.run()) if probe_loop else None
+            tasks = [asyncio.create_task(prober.run())] if probe_loop else []
+            if shared.enabled:
+                await shared.refresh(force=True)
+                tasks.append(asyncio.create_task(shared.maintain(scheduler.wake)))
             yield
-            if task is not None:
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await prober.close()
+            await store.close()
 
     app.cleanup_ctx.append(upstream_ctx)
     return app

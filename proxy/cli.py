@@ -73,11 +73,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         ",".join(b.base_url for b in settings.backends),
         "redis" if settings.redis_url else "embedded",
     )
-    if settings.redis_url:
-        logging.getLogger(__name__).warning(
-            "redis_url is set, but this release keeps all state in this process: "
-            "shared state in Redis arrives with prefix-aware routing"
-        )
     web.run_app(
         create_app(settings),
         host=settings.host,

@@ -25,6 +25,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.middleware import RECORD
 from proxy.router import Plan, Router
 from proxy.scheduler import Scheduler
+from proxy.shared_state import SharedState
 from proxy.streaming import Outcome, relay
 from proxy.upstream import ROUTES, LlamaServerClient, Route, SlotUse, UpstreamConnectError
 
@@ -35,12 +36,14 @@ class ProxyHandlers:
         settings: Settings,
         scheduler: Scheduler,
         router: Router,
+        shared: SharedState,
         metrics: ProxyMetrics,
         clock: Callable[[], float],
     ) -> None:
         self._settings = settings
         self._scheduler = scheduler
         self._router = router
+        self._shared = shared
         self._fleet = scheduler.fleet
         self._metrics = metrics
         self._clock = clock
@@ -99,9 +102,7 @@ class ProxyHandlers:
         if self._settings.routing.prefix_aware and not need.exclusive and need.slot is None:
             plan = await self._router.plan(request, parsed.data)
         for attempt in (1, 2):
-            placement = await self._scheduler.acquire(
-                self._decider(plan, need), plan.fp if plan else None
-            )
+            placement = await self._leased(plan, need)
             body = pin_body(parsed.data, placement.pin)
             try:
                 return await self._send(request, placement.backend, body, placement, plan)
@@ -111,7 +112,20 @@ class ProxyHandlers:
                 if attempt == 2:
                     raise
                 need = replace(need, avoid=need.avoid | {placement.backend})
+            finally:
+                await self._shared.give_back(placement)
         raise AssertionError("unreachable")
+
+    async def _leased(self, plan: Plan | None, need: Need) -> Placement:
+        """A placement whose slot this replica holds the shared lease of."""
+        while True:
+            placement = await self._scheduler.acquire(
+                self._decider(plan, need), plan.fp if plan else None
+            )
+            if await self._shared.take(placement):
+                return placement
+            self._scheduler.release(placement, clean=True, sent=False)
+            self._shared.mark_remote(placement)
 
     def _decider(self, plan: Plan | None, need: Need) -> Callable[[], Placement | NoPlacement]:
         if plan is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from proxy.config import HealthSettings, Settings
 from proxy.core.fleet import BackendPhase, Probe, SlotPhase
@@ -31,8 +31,10 @@ class Prober:
         scheduler: Scheduler,
         metrics: ProxyMetrics,
         clock: Callable[[], float],
+        on_restart: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self._backends = settings.backends
+        self._on_restart = on_restart
         self._health: HealthSettings = settings.health
         self._client = client
         self._scheduler = scheduler
@@ -47,18 +49,22 @@ class Prober:
     async def probe(self, index: int) -> None:
         started = self._clock()
         probe = await self._client.probe(self._backends[index].base_url)
-        self.fold(index, probe, started)
+        if self.fold(index, probe, started) and self._on_restart is not None:
+            await self._on_restart(index)
 
-    def fold(self, index: int, probe: Probe, started: float) -> None:
+    def fold(self, index: int, probe: Probe, started: float) -> bool:
+        """Apply a probe; True when the backend's slot contents were invalidated."""
         backend = self._fleet.backends[index]
         before = backend.phase
-        if self._fleet.apply_probe(index, probe, started) and before is not BackendPhase.UNKNOWN:
+        invalidated = self._fleet.apply_probe(index, probe, started)
+        if invalidated and before is not BackendPhase.UNKNOWN:
             self._metrics.backend_restarts.labels(backend.label).inc()
             log.warning("backend=%s slot state invalidated (restart or return)", backend.label)
         if before is not backend.phase:
             log.info("backend=%s phase=%s", backend.label, backend.phase.value)
         self._export(index)
         self._scheduler.wake()
+        return invalidated and before is not BackendPhase.UNKNOWN
 
     def _export(self, index: int) -> None:
         backend = self._fleet.backends[index]

@@ -5,7 +5,7 @@ its cache_key affinity from the state store, and hand the scheduler a ``decide``
 that runs the pure policy on the fleet as it is at that moment (so a queued request is
 routed on fresh state). After the response: the slot now holds prompt + reply, the
 affinity follows where the request went, and predicted vs actual reuse is counted.
-State-store failures never fail a request: they are counted, and the local view is used.
+State-store failures never fail a request (``SharedState`` degrades to local state).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from proxy.core.fleet import Fleet, NoPlacement, Placement
 from proxy.core.routing import Decision, Reason, RoutingParams, route
 from proxy.core.usage import Reply, Usage
 from proxy.metrics import ProxyMetrics
-from proxy.state import SlotRecord, StateStore, StateStoreUnavailable
+from proxy.shared_state import SharedState
 from proxy.tokenizer import TokenCounter
 
 log = logging.getLogger(__name__)
@@ -75,19 +75,17 @@ class Router:
         self,
         settings: Settings,
         fleet: Fleet,
-        store: StateStore,
+        shared: SharedState,
         counter: TokenCounter,
         metrics: ProxyMetrics,
         clock: Callable[[], float],
-        wall: Callable[[], float],
     ) -> None:
         self._settings = settings
         self._fleet = fleet
-        self._store = store
+        self._shared = shared
         self._counter = counter
         self._metrics = metrics
         self._clock = clock
-        self._wall = wall
         self.params = routing_params(settings)
         self._labels = {b.label: b.index for b in fleet.backends}
 
@@ -108,8 +106,9 @@ class Router:
         fp = self.fingerprint(body, chat)
         key = cache_key(self._settings.routing.cache_key_sources, body, request.headers)
         hint = None
+        await self._shared.refresh()
         if key is not None:
-            ref = await self._guard("get_affinity", self._store.get_affinity(key, self._wall()))
+            ref = await self._shared.get_affinity(key)
             if ref is not None and ref[0] in self._labels:
                 hint = (self._labels[ref[0]], ref[1])
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
@@ -160,18 +159,11 @@ class Router:
             self._count(decision, label, usage)
         if placement.pin is None:
             return
-        ref = (label, placement.pin)
         if plan.key is not None:
             ttl = self._settings.routing.affinity_ttl_seconds
-            await self._guard(
-                "set_affinity", self._store.set_affinity(plan.key, ref, ttl, self._wall())
-            )
+            await self._shared.set_affinity(plan.key, (label, placement.pin), ttl)
         slot = self._fleet.backends[placement.backend].slots[placement.pin]
-        record = SlotRecord(
-            content.hashes, content.tokens, content.anchor, slot.n_tokens, self._wall()
-        )
-        ttl = self._settings.routing.affinity_ttl_seconds
-        await self._guard("put_slot", self._store.put_slot(ref, record, ttl, self._wall()))
+        await self._shared.publish(placement.backend, placement.pin, content, slot.n_tokens)
 
     def _count(self, decision: Decision, label: str, usage: Usage | None) -> None:
         m = self._metrics
@@ -189,10 +181,3 @@ class Router:
         else:
             outcome = "over" if actual < predicted else "under"
         m.route_predictions.labels(outcome).inc()
-
-    async def _guard(self, op: str, call: Any) -> Any:
-        try:
-            return await call
-        except StateStoreUnavailable:
-            self._metrics.store_errors.labels(op).inc()
-            return None

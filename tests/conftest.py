@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from proxy.app import create_app
 from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer
+from tests.real.stack import RedisServer
 
 
 def make_settings(urls: list[str], **over: Any) -> Settings:
@@ -81,3 +82,11 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server (Debian package) on a free port, stopped at teardown."""
+    server = RedisServer().start()
+    yield server
+    server.stop()

@@ -10,6 +10,7 @@ its slots. Each slot is in one phase:
 - DRAINING: a request of ours was aborted; llama-server notices a closed connection only by
   polling (about 1 s), so the slot stays unpinnable until ``/slots`` shows it idle.
 - EXTERNAL: ``/slots`` shows it processing but we sent nothing: someone else uses the server.
+- REMOTE: another proxy replica holds its lease (shared state in Redis).
 
 The one safety rule, from llama-server's busy-slot pinning bug (a request pinned with
 ``id_slot`` to a slot that is generating can overwrite that slot's KV with another
@@ -50,6 +51,7 @@ class SlotPhase(StrEnum):
     BUSY = "busy"
     DRAINING = "draining"
     EXTERNAL = "external"
+    REMOTE = "remote"
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class SlotState:
     n_tokens: int = 0  # real KV length, from responses and /slots
     content: Fingerprint | None = None  # what the KV holds, as a prompt fingerprint
     pending: Fingerprint | None = None  # the prompt in flight on it, while BUSY
+    record_at: float = 0.0  # wall time of the shared record this content matches
 
     @property
     def expected(self) -> Fingerprint | None:
@@ -237,6 +240,22 @@ class Fleet:
             if slot.phase is SlotPhase.DRAINING:
                 slot.phase = SlotPhase.EXTERNAL
 
+    def fold_shared(
+        self,
+        index: int,
+        leased: set[int],
+        records: dict[int, tuple[Fingerprint, int, float]],
+    ) -> None:
+        """Fold other replicas' leases and newer slot records into this backend's slots."""
+        for slot in self.backends[index].slots:
+            if slot.phase is SlotPhase.IDLE and slot.id in leased:
+                slot.phase = SlotPhase.REMOTE
+            elif slot.phase is SlotPhase.REMOTE and slot.id not in leased:
+                slot.phase = SlotPhase.IDLE
+            found = records.get(slot.id)
+            if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
+                slot.content, slot.n_tokens, slot.record_at = found
+
     def mark_down(self, index: int) -> None:
         self.apply_probe(index, Probe(BackendPhase.DOWN), now=0.0)
 
@@ -274,8 +293,8 @@ class Fleet:
 
     @staticmethod
     def _fold_slot(slot: SlotState, seen: SlotProbe, started: float) -> None:
-        if slot.phase is SlotPhase.BUSY:
-            return  # ours; its own request ends the claim
+        if slot.phase in (SlotPhase.BUSY, SlotPhase.REMOTE):
+            return  # ours, or another replica's: their requests end the claim
         if seen.processing:
             # A probe that started before our last release may still see our own request.
             if slot.phase is SlotPhase.IDLE and slot.last_used < started:

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from tests.real.stack import LlamaServer, RedisServer, require_real_stack
+from tests.real.stack import LlamaServer, require_real_stack
 
 
 @pytest.fixture
@@ -22,14 +22,6 @@ def llama_servers() -> Iterator[Callable[..., LlamaServer]]:
     yield start
     for server in started:
         server.cleanup()
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    """A real redis-server (Debian package) on a free port, stopped at teardown."""
-    server = RedisServer().start()
-    yield server
-    server.stop()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

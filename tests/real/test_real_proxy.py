@@ -179,30 +179,3 @@ def test_cli_serves_the_readme_command(llama_servers: Any) -> None:
         proc.terminate()
         assert proc.wait(10) == 0
 
-
-def test_redis_url_is_validated_and_reported_as_not_yet_used(
-    llama_servers: Any, redis_server: Any
-) -> None:
-    server = llama_servers(slots=1)
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "proxy",
-            "serve",
-            "--backend",
-            server.url,
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--redis-url",
-            redis_server.url,
-        ],
-        stderr=subprocess.PIPE,
-    )
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/readyz", 30, proc)
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=10)
-    assert "state in this process" in err.decode()

@@ -1,0 +1,165 @@
+"""Coordination between proxy replicas through the state store.
+
+With Redis configured, a replica:
+- takes a *lease* on a slot after choosing it and before sending (atomic, so two replicas
+  never pin one slot at once); a lost race marks the slot REMOTE and the request is routed
+  again; leases are renewed every ``ttl/3`` while held and released when the request ends;
+  a replica that dies leaves leases that expire after ``lease_ttl_seconds``;
+- *refreshes* its view (at most every ``refresh_seconds`` per request, and in the
+  background): slots leased by others become REMOTE, and slot records written by others
+  (what their requests left in the KV) replace older local content;
+- *clears* the records of a backend it saw restart.
+
+Redis unavailable: every operation degrades to local state (leases are then only local
+claims), the outage is counted and logged once, and when Redis answers again the local slot
+table is written back (resync). A client request never fails because of Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from proxy.core.fingerprint import Fingerprint
+from proxy.core.fleet import Fleet, Placement, SlotPhase
+from proxy.metrics import ProxyMetrics
+from proxy.state import SlotRecord, SlotRef, StateStore, StateStoreUnavailable
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SharedState:
+    def __init__(
+        self,
+        store: StateStore,
+        fleet: Fleet,
+        metrics: ProxyMetrics,
+        wall: Callable[[], float],
+        clock: Callable[[], float],
+        *,
+        enabled: bool,
+        lease_ttl: float = 30.0,
+        refresh_seconds: float = 0.1,
+        record_ttl: float = 3600.0,
+    ) -> None:
+        self.store = store
+        self.enabled = enabled
+        self.owner = uuid.uuid4().hex[:12]
+        self._fleet = fleet
+        self._metrics = metrics
+        self._wall = wall
+        self._clock = clock
+        self._lease_ttl = lease_ttl
+        self._refresh_every = refresh_seconds
+        self._record_ttl = record_ttl
+        self._held: set[SlotRef] = set()
+        self._last_refresh = -1e9
+        self.up = True
+        metrics.store_up.set(1)
+
+    def _ref(self, backend: int, slot: int) -> SlotRef:
+        return (self._fleet.backends[backend].label, slot)
+
+    async def _call(self, op: str, call: Awaitable[T], default: T) -> T:
+        try:
+            result = await call
+        except StateStoreUnavailable as exc:
+            self._metrics.store_errors.labels(op).inc()
+            if self.up:
+                log.warning("state store unavailable (%s): routing on local state", exc)
+            self.up = False
+            self._metrics.store_up.set(0)
+            return default
+        return result
+
+    async def take(self, placement: Placement) -> bool:
+        """Lease the pinned slot; False when another replica holds it (slot now REMOTE)."""
+        if not self.enabled or placement.pin is None or not self.up:
+            return True
+        ref = self._ref(placement.backend, placement.pin)
+        taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
+        if await self._call("acquire_lease", taken, True):
+            self._held.add(ref)
+            return True
+        return False
+
+    def mark_remote(self, placement: Placement) -> None:
+        if placement.pin is not None:
+            self._fleet.backends[placement.backend].slots[placement.pin].phase = SlotPhase.REMOTE
+
+    async def give_back(self, placement: Placement) -> None:
+        if not self.enabled or placement.pin is None:
+            return
+        ref = self._ref(placement.backend, placement.pin)
+        if ref in self._held:
+            self._held.discard(ref)
+            await self._call("release_lease", self.store.release_lease(ref, self.owner), None)
+
+    async def get_affinity(self, key: str) -> SlotRef | None:
+        return await self._call("get_affinity", self.store.get_affinity(key, self._wall()), None)
+
+    async def set_affinity(self, key: str, ref: SlotRef, ttl: float) -> None:
+        await self._call("set_affinity", self.store.set_affinity(key, ref, ttl, self._wall()), None)
+
+    async def publish(self, backend: int, slot: int, content: Fingerprint, n_tokens: int) -> None:
+        if not self.enabled:
+            return
+        now = self._wall()
+        self._fleet.backends[backend].slots[slot].record_at = now
+        record = SlotRecord(content.hashes, content.tokens, content.anchor, n_tokens, now)
+        put = self.store.put_slot(self._ref(backend, slot), record, self._record_ttl, now)
+        await self._call("put_slot", put, None)
+
+    async def refresh(self, *, force: bool = False) -> None:
+        if not self.enabled or not self.up:
+            return
+        if not force and self._clock() - self._last_refresh < self._refresh_every:
+            return
+        self._last_refresh = self._clock()
+        refs = [(b.label, s.id) for b in self._fleet.backends for s in b.slots]
+        owners = await self._call("lease_owners", self.store.lease_owners(refs, self._wall()), {})
+        records = await self._call("get_slots", self.store.get_slots(refs, self._wall()), {})
+        for backend in self._fleet.backends:
+            leased = {
+                s for (label, s), o in owners.items() if label == backend.label and o != self.owner
+            }
+            mine = {
+                s: (Fingerprint(r.hashes, r.tokens, r.anchor), r.n_tokens, r.updated_at)
+                for (label, s), r in records.items()
+                if label == backend.label
+            }
+            self._fleet.fold_shared(backend.index, leased, mine)
+
+    async def forget_backend(self, index: int) -> None:
+        backend = self._fleet.backends[index]
+        refs = [(backend.label, s.id) for s in backend.slots]
+        await self._call("clear_slots", self.store.clear_slots(refs), None)
+
+    async def maintain(self, on_change: Callable[[], None], every: float = 0.5) -> None:
+        """Background: renew held leases, refresh the view, detect recovery and resync."""
+        while True:
+            await asyncio.sleep(every)
+            if not self.up:
+                await self._recover()
+                continue
+            for ref in list(self._held):
+                renew = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
+                await self._call("renew_lease", renew, True)
+            await self.refresh(force=True)
+            on_change()
+
+    async def _recover(self) -> None:
+        with contextlib.suppress(StateStoreUnavailable):
+            await self.store.ping()
+            self.up = True
+            self._metrics.store_up.set(1)
+            log.warning("state store back: resyncing the local slot table")
+            for backend in self._fleet.backends:
+                for slot in backend.slots:
+                    if slot.content is not None and slot.phase is SlotPhase.IDLE:
+                        await self.publish(backend.index, slot.id, slot.content, slot.n_tokens)

@@ -1,0 +1,71 @@
+"""Several proxy replicas sharing one real Redis, in front of fake llama-servers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tests.conftest import chat, metric
+from tests.integration.test_routing_fake import SYSTEM
+
+
+async def test_two_replicas_keep_a_session_on_its_slot(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    backends = [await fakes(n_slots=2) for _ in range(2)]
+    a = await proxy(backends, redis_url=redis_server.url)
+    b = await proxy(backends, redis_url=redis_server.url)
+    history: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    seen = []
+    for turn in range(6):
+        client = (a, b)[turn % 2]
+        history.append({"role": "user", "content": f"turn {turn} " + "word " * 30})
+        resp = await client.post(
+            "/v1/chat/completions", json={"messages": history, "max_tokens": 6}
+        )
+        body = await resp.json()
+        seen.append((resp.headers["X-Cache-Backend"], resp.headers["X-Cache-Slot"]))
+        if turn:
+            timings = body["timings"]
+            assert timings["cache_n"] > 0.9 * (timings["prompt_n"] + timings["cache_n"]) - 20
+        history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    assert len(set(seen)) == 1, seen
+
+
+async def test_replicas_never_pin_one_slot_at_once(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    backends = [await fakes(n_slots=2, gen_s_per_token=0.003) for _ in range(2)]
+    replicas = [await proxy(backends, redis_url=redis_server.url) for _ in range(3)]
+    bodies = [
+        chat(f"shared system prompt. request {i} " + "x " * 20, max_tokens=6, stream=i % 2 == 0)
+        for i in range(36)
+    ]
+    responses = await asyncio.gather(
+        *(replicas[i % 3].post("/v1/chat/completions", json=body) for i, body in enumerate(bodies))
+    )
+    assert [r.status for r in responses] == [200] * 36
+    assert all(f.violations == [] for f in backends)
+
+
+async def test_redis_outage_degrades_to_local_state_and_resyncs(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    backends = [await fakes(n_slots=2)]
+    client = await proxy(backends, redis_url=redis_server.url)
+    body = chat("before " * 40, max_tokens=4, prompt_cache_key="s1")
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    redis_server.stop()
+    statuses = [(await client.post("/v1/chat/completions", json=body)).status for _ in range(5)]
+    assert statuses == [200] * 5
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_state_store_up") == 0
+    assert metric(page, "llama_cache_proxy_state_store_errors_total") >= 1
+    redis_server.start()
+    for _ in range(40):
+        page = await (await client.get("/metrics")).text()
+        if metric(page, "llama_cache_proxy_state_store_up") == 1:
+            break
+        await asyncio.sleep(0.1)
+    assert metric(page, "llama_cache_proxy_state_store_up") == 1
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200

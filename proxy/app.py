@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from proxy.admin import AdminHandlers
 from proxy.config import Settings
 from proxy.core.fleet import Fleet
 from proxy.handlers import ProxyHandlers
@@ -71,6 +72,7 @@ def create_app(
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/admin/slots", AdminHandlers(settings, fleet, clock).slots)
     for path, route in ROUTES.items():
         app.router.add_route(route.method, path, handlers.forward)
 

@@ -41,7 +41,7 @@ class RequestRecord:
 
 
 RECORD = web.RequestKey("record", RequestRecord)
-_OWN = {"/healthz", "/readyz", "/metrics"}
+_OWN = {"/healthz", "/readyz", "/metrics", "/admin/slots"}
 
 
 def render(error: ProxyError, request_id: str) -> web.Response:

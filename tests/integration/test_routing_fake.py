@@ -141,3 +141,20 @@ async def test_cache_key_seed_000_cases(fakes: Any, proxy: Any) -> None:
     assert metric(page, "llama_cache_proxy_cache_key_total", outcome="unsafe") >= 1
     assert keyed_slot in ("0", "1")
     assert fake.violations == []
+
+
+async def test_admin_slot_table_needs_the_token(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=2)
+    off = await proxy([fake])
+    assert (await off.get("/admin/slots")).status == 404
+    client = await proxy([fake], admin_token="s3cret")
+    await client.post("/v1/chat/completions", json=session_turn(0, 1, []))
+    assert (await client.get("/admin/slots")).status == 401
+    bad = await client.get("/admin/slots", headers={"Authorization": "Bearer nope"})
+    assert bad.status == 401
+    resp = await client.get("/admin/slots", headers={"Authorization": "Bearer s3cret"})
+    table = await resp.json()
+    slots = table["backends"][0]["slots"]
+    assert sorted(s["phase"] for s in slots) == ["idle", "idle"]
+    assert max(s["estimated_tokens"] for s in slots) > 300
+    assert max(s["kv_tokens"] for s in slots) > 300

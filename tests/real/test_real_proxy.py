@@ -178,4 +178,3 @@ def test_cli_serves_the_readme_command(llama_servers: Any) -> None:
     finally:
         proc.terminate()
         assert proc.wait(10) == 0
-

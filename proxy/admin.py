@@ -1,0 +1,55 @@
+"""Admin endpoints: the slot table, behind a bearer token; absent (404) without one."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from proxy.config import Settings
+from proxy.core.fleet import Fleet
+from proxy.errors import NotFound, Unauthorized
+
+
+class AdminHandlers:
+    def __init__(self, settings: Settings, fleet: Fleet, clock: Callable[[], float]) -> None:
+        token = settings.admin_token
+        self._token = token.get_secret_value() if token is not None else None
+        self._fleet = fleet
+        self._clock = clock
+
+    def _check(self, request: web.Request) -> None:
+        if self._token is None:
+            raise NotFound("no such endpoint")
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
+            raise Unauthorized("admin endpoints need 'Authorization: Bearer <admin_token>'")
+
+    async def slots(self, request: web.Request) -> web.Response:
+        self._check(request)
+        now = self._clock()
+        return web.json_response(
+            {"backends": [self._backend(b, now) for b in self._fleet.backends]}
+        )
+
+    @staticmethod
+    def _backend(backend: Any, now: float) -> dict[str, Any]:
+        return {
+            "label": backend.label,
+            "phase": backend.phase.value,
+            "epoch": backend.epoch,
+            "exact_reuse_only": backend.exact,
+            "slots": [
+                {
+                    "id": s.id,
+                    "phase": s.phase.value,
+                    "kv_tokens": s.n_tokens,
+                    "segments": len(s.content.hashes) if s.content else 0,
+                    "estimated_tokens": s.content.total if s.content else 0,
+                    "idle_seconds": round(now - s.last_used, 3) if s.last_used else None,
+                }
+                for s in backend.slots
+            ],
+        }

@@ -48,7 +48,9 @@ def create_app(
 ) -> web.Application:
     metrics = ProxyMetrics(registry or CollectorRegistry())
     fleet = Fleet(
-        [b.label for b in settings.backends], [b.kv_reuse == "exact" for b in settings.backends]
+        [b.label for b in settings.backends],
+        [b.kv_reuse == "exact" for b in settings.backends],
+        [b.ram_cache for b in settings.backends],
     )
     scheduler = Scheduler(fleet, settings.queue, metrics, clock)
     if store is None:
@@ -58,7 +60,6 @@ def create_app(
         fleet,
         metrics,
         wall,
-        clock,
         enabled=settings.redis_url is not None,
         record_ttl=settings.routing.affinity_ttl_seconds,
     )
@@ -85,7 +86,7 @@ def create_app(
             await prober.probe_all()
             tasks = [asyncio.create_task(prober.run())] if probe_loop else []
             if shared.enabled:
-                await shared.refresh(force=True)
+                await shared.refresh()
                 tasks.append(asyncio.create_task(shared.maintain(scheduler.wake)))
             yield
             for task in tasks:

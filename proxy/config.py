@@ -52,6 +52,9 @@ class BackendSettings(_Frozen):
         default="prefix",
         description="exact: hybrid/recurrent/SWA model, reuse only an exact extension of a slot",
     )
+    ram_cache: bool = Field(
+        default=True, description="backend keeps llama-server's host-RAM prompt cache on"
+    )
 
     @property
     def label(self) -> str:

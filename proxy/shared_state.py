@@ -5,9 +5,10 @@ With Redis configured, a replica:
   never pin one slot at once); a lost race marks the slot REMOTE and the request is routed
   again; leases are renewed every ``ttl/3`` while held and released when the request ends;
   a replica that dies leaves leases that expire after ``lease_ttl_seconds``;
-- *refreshes* its view (at most every ``refresh_seconds`` per request, and in the
-  background): slots leased by others become REMOTE, and slot records written by others
-  (what their requests left in the KV) replace older local content;
+- *refreshes* its view before routing each request (one round trip for leases and slot
+  records), and in the background so queued requests see slots freed elsewhere: slots
+  leased by others become REMOTE, and slot records written by others (what their requests
+  left in the KV) replace older local content;
 - *clears* the records of a backend it saw restart.
 
 Redis unavailable: every operation degrades to local state (leases are then only local
@@ -40,11 +41,9 @@ class SharedState:
         fleet: Fleet,
         metrics: ProxyMetrics,
         wall: Callable[[], float],
-        clock: Callable[[], float],
         *,
         enabled: bool,
         lease_ttl: float = 30.0,
-        refresh_seconds: float = 0.1,
         record_ttl: float = 3600.0,
     ) -> None:
         self.store = store
@@ -53,12 +52,9 @@ class SharedState:
         self._fleet = fleet
         self._metrics = metrics
         self._wall = wall
-        self._clock = clock
         self._lease_ttl = lease_ttl
-        self._refresh_every = refresh_seconds
         self._record_ttl = record_ttl
         self._held: set[SlotRef] = set()
-        self._last_refresh = -1e9
         self.up = True
         metrics.store_up.set(1)
 
@@ -115,12 +111,9 @@ class SharedState:
         put = self.store.put_slot(self._ref(backend, slot), record, self._record_ttl, now)
         await self._call("put_slot", put, None)
 
-    async def refresh(self, *, force: bool = False) -> None:
+    async def refresh(self) -> None:
         if not self.enabled or not self.up:
             return
-        if not force and self._clock() - self._last_refresh < self._refresh_every:
-            return
-        self._last_refresh = self._clock()
         refs = [(b.label, s.id) for b in self._fleet.backends for s in b.slots]
         owners = await self._call("lease_owners", self.store.lease_owners(refs, self._wall()), {})
         records = await self._call("get_slots", self.store.get_slots(refs, self._wall()), {})
@@ -150,7 +143,7 @@ class SharedState:
             for ref in list(self._held):
                 renew = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
                 await self._call("renew_lease", renew, True)
-            await self.refresh(force=True)
+            await self.refresh()
             on_change()
 
     async def _recover(self) -> None:

@@ -11,6 +11,12 @@ them, at the level the proxy depends on:
   a busy pinned slot defers the task (and is recorded in ``violations``, since the real
   server can corrupt the running generation in that case);
 - ``n`` > slots is a 400; a prompt of ``n_ctx`` tokens or more is a 400;
+- the host-RAM prompt cache (``--cache-ram``, on by default, with ``--cache-idle-slots``):
+  when a task starts, every idle slot's tokens are saved there (an entry that is a prefix of
+  another is dropped); a slot chosen by LRU, or pinned while it would lose more than half
+  its tokens (``f_keep < 0.5``), first saves its tokens and then loads the best entry that
+  keeps at least a quarter of itself and beats the slot's own tokens (the entry moves into
+  the slot); a pinned *empty* slot skips this (upstream #28139);
 - ``/v1/messages`` ignores ``id_slot``; ``n_predict: 0`` still samples one token;
 - an aborted request keeps its slot busy for ``abort_release_s`` (the real server polls the
   socket once a second);
@@ -87,7 +93,12 @@ class FakeLlamaServer:
         gen_s_per_token: float = 0.0,
         abort_release_s: float = 0.2,
         model: str = "fake-model",
+        ram_cache: bool = True,
+        ram_entries: int = 64,
     ) -> None:
+        self.ram_cache = ram_cache
+        self.ram_entries = ram_entries
+        self.ram: list[list[str]] = []
         self.slots = [FakeSlot(i) for i in range(n_slots)]
         self.n_ctx = n_ctx
         self.prompt_s_per_token = prompt_s_per_token
@@ -258,9 +269,12 @@ class FakeLlamaServer:
         finally:
             await self._free(slots)
 
-    def _pick(self, prompt: list[str], pinned: int) -> FakeSlot | None:
+    def _pick(self, prompt: list[str], pinned: int) -> tuple[FakeSlot | None, bool]:
+        """The slot, and whether the RAM-cache hook runs (``update_cache``)."""
         if isinstance(pinned, int) and pinned >= 0:
-            return self.slots[pinned % len(self.slots)]
+            slot = self.slots[pinned % len(self.slots)]
+            keep = _lcp(slot.tokens, prompt) / len(slot.tokens) if slot.tokens else float("nan")
+            return slot, keep < 0.5  # NaN (empty slot) compares False: no cache load
         idle = [s for s in self.slots if not s.busy]
         best, best_sim = None, 0.1
         for slot in idle:
@@ -268,19 +282,51 @@ class FakeLlamaServer:
                 sim = _lcp(slot.tokens, prompt) / len(prompt)
                 if sim > best_sim:
                     best, best_sim = slot, sim
-        return best or min(idle, key=lambda s: s.last_used, default=None)
+        if best is not None:
+            return best, _lcp(best.tokens, prompt) / len(best.tokens) < 0.5
+        return min(idle, key=lambda s: s.last_used, default=None), True
+
+    def _ram_save(self, tokens: list[str]) -> None:
+        if not self.ram_cache or not tokens:
+            return
+        if any(_lcp(e, tokens) == len(tokens) for e in self.ram):
+            return  # an entry already contains it
+        self.ram = [e for e in self.ram if _lcp(e, tokens) < len(e)]
+        self.ram.insert(0, list(tokens))
+        del self.ram[self.ram_entries :]
+
+    def _ram_load(self, slot: FakeSlot, prompt: list[str]) -> None:
+        self._ram_save(slot.tokens)
+        if not self.ram_cache or not prompt:
+            return
+        cur_keep = _lcp(slot.tokens, prompt) / len(slot.tokens) if slot.tokens else 0.0
+        cur_sim = _lcp(slot.tokens, prompt) / len(prompt)
+        best = None
+        for entry in self.ram:
+            common = _lcp(entry, prompt)
+            keep, sim = common / len(entry), common / len(prompt)
+            if keep >= 0.25 and keep > cur_keep and sim > cur_sim:
+                best, cur_keep, cur_sim = entry, keep, sim
+        if best is not None:
+            self.ram.remove(best)
+            slot.tokens = list(best)
 
     async def _take_slots(self, prompt: list[str], pinned: int, n: int) -> list[FakeSlot]:
         async with self._changed:
             while True:
-                slot = self._pick(prompt, pinned)
+                slot, update_cache = self._pick(prompt, pinned)
                 if slot is not None and slot.busy:
                     self.violations.append(f"pinned busy slot {slot.id}")
                 others = [s for s in self.slots if not s.busy and s is not slot][: n - 1]
                 if slot is not None and not slot.busy and len(others) == n - 1:
                     self._task += 1
+                    if update_cache:
+                        self._ram_load(slot, prompt)
                     for s in [slot, *others]:
                         s.busy, s.task_id = True, self._task
+                    for idle in self.slots:  # --cache-idle-slots: save every idle slot
+                        if not idle.busy:
+                            self._ram_save(idle.tokens)
                     return [slot, *others]
                 await self._changed.wait()
 

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from proxy.core.fingerprint import Fingerprint
+from proxy.core.fingerprint import Fingerprint, common_segments
 
 
 class BackendPhase(StrEnum):
@@ -94,7 +94,9 @@ class BackendState:
     epoch: int = 0
     max_task_id: int = -1
     exact: bool = False  # reuse only as an exact extension (hybrid/recurrent/SWA models)
+    ram: bool = True  # runs llama-server's host-RAM prompt cache (default --cache-ram)
     slots: list[SlotState] = field(default_factory=list)
+    ghosts: list[Fingerprint] = field(default_factory=list)  # contents parked in that cache
 
     def idle_slots(self) -> list[SlotState]:
         return [s for s in self.slots if s.phase is SlotPhase.IDLE]
@@ -176,11 +178,23 @@ def why_not(backends: Sequence[BackendState], avoid: frozenset[int]) -> NoPlacem
 class Fleet:
     """Mutable table of backends and slots; every change is a method taking ``now``."""
 
-    def __init__(self, labels: Sequence[str], exact: Sequence[bool] = ()) -> None:
+    def __init__(
+        self,
+        labels: Sequence[str],
+        exact: Sequence[bool] = (),
+        ram: Sequence[bool] = (),
+        ghost_limit: int = 64,
+    ) -> None:
         self.backends = [
-            BackendState(i, label, exact=bool(exact[i]) if i < len(exact) else False)
+            BackendState(
+                i,
+                label,
+                exact=bool(exact[i]) if i < len(exact) else False,
+                ram=bool(ram[i]) if i < len(ram) else True,
+            )
             for i, label in enumerate(labels)
         ]
+        self._ghost_limit = ghost_limit
 
     def claim(self, placement: Placement, now: float, content: Fingerprint | None = None) -> None:
         """Mark the slots busy; the pinned slot will hold ``content`` (the prompt) after."""
@@ -223,9 +237,27 @@ class Fleet:
             if not clean or slot_id != placement.pin:
                 slot.content = None
                 continue
-            slot.content = content if content is not None else pending
+            before, slot.content = slot.content, content if content is not None else pending
+            if backend.ram:
+                self._park(backend, before, slot.content)
             if n_tokens is not None:
                 slot.n_tokens = n_tokens
+
+    def _park(
+        self, backend: BackendState, before: Fingerprint | None, after: Fingerprint | None
+    ) -> None:
+        """Model llama-server's RAM prompt cache: idle slot contents are saved there (and
+        stay when the slot is overwritten); an entry that is a prefix of a newer one is
+        dropped, and an entry loaded into a slot leaves the cache."""
+
+        def covered(entry: Fingerprint, by: Fingerprint | None) -> bool:
+            return by is not None and common_segments(entry.hashes, by.hashes) == len(entry.hashes)
+
+        ghosts = [g for g in backend.ghosts if not covered(g, after)]
+        if before is not None and not covered(before, after):
+            ghosts = [g for g in ghosts if not covered(g, before)]
+            ghosts.insert(0, before)
+        backend.ghosts = ghosts[: self._ghost_limit]
 
     def is_draining(self, index: int) -> bool:
         backend = self.backends[index]
@@ -273,6 +305,7 @@ class Fleet:
         if restarted:
             backend.epoch += 1
             backend.max_task_id = -1
+            backend.ghosts = []
             self._reset_slots(backend, len(probe.slots))
         for seen in probe.slots:
             self._fold_slot(backend.slots[seen.id], seen, now)

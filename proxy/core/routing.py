@@ -10,10 +10,16 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    re-evaluates a token). On backends marked ``exact`` (hybrid, recurrent, or sliding-window
    models without ``--swa-full``) a slot counts only if its whole content is a strict prefix
    of the request: those models cannot roll back into the middle of a cached sequence.
+   llama-server's host-RAM prompt cache is modelled per backend (``BackendState.ghosts``:
+   contents its slots held that were overwritten): pinning to a non-empty slot that would
+   lose more than half its content makes the server load the best RAM entry instead, so a
+   session parked there is predicted to come back whole (``predicted_reuse``).
 2. *Eviction damage* of s, weighted by recency ``0.5 ** (age / value_half_life_s)``: when
    the request continues s's conversation (the shared prefix reaches s's first user message,
    ``Fingerprint.same_conversation``), only the tail it overwrites (s's tokens beyond the
    shared prefix); otherwise s's whole content, since that conversation loses its slot.
+   Content of another conversation evicted on a backend with the RAM cache is parked, not
+   lost, so its damage is scaled by ``ram_discount``.
    *Score* = reuse - ``eviction_weight`` * damage. So a continuing session scores its whole
    history, while a new session that shares only the system prompt with another session's
    slot prefers an empty or stale slot to taking that one.
@@ -75,6 +81,7 @@ class RoutingParams:
     balance_rel: float = 1.5
     key_similarity: float = 0.5
     key_min_prefix: int = 32
+    ram_discount: float = 0.1  # eviction damage when the evicted content stays in host RAM
 
 
 @dataclass(frozen=True)
@@ -98,14 +105,35 @@ def _shared(fp: Fingerprint, content: Fingerprint | None) -> int:
     return common_segments(fp.hashes, content.hashes) if content is not None else 0
 
 
-def predicted_reuse(fp: Fingerprint, slot: SlotState, exact: bool) -> int:
-    content = slot.expected
-    if content is None or not fp.hashes:
-        return 0
+def _reuse(fp: Fingerprint, content: Fingerprint, exact: bool) -> int:
     shared = _shared(fp, content)
     if exact and (shared < len(content.hashes) or shared == len(fp.hashes)):
         return 0
     return max(0, min(fp.tokens_at(shared), fp.total - 1))
+
+
+def predicted_reuse(
+    fp: Fingerprint, slot: SlotState, exact: bool, ghosts: Sequence[Fingerprint] = ()
+) -> int:
+    """Tokens the server will reuse if the request is pinned to ``slot``.
+
+    Besides the slot's own content, llama-server's RAM prompt cache (``ghosts``) is
+    consulted when the pinned slot would lose more than half its content (``f_keep < 0.5``)
+    and is not empty (an empty pinned slot skips the cache, upstream #28139); an entry is
+    loaded only if the request keeps at least a quarter of it and it beats the slot's own.
+    """
+    content = slot.expected
+    if content is None or not fp.hashes:
+        return 0
+    direct = _reuse(fp, content, exact)
+    if not ghosts or content.total == 0 or direct / content.total >= 0.5:
+        return direct
+    best = direct
+    for ghost in ghosts:
+        reuse = _reuse(fp, ghost, exact)
+        if ghost.total and reuse / ghost.total >= 0.25 and reuse > best:
+            best = reuse
+    return best
 
 
 def _recency(slot: SlotState, now: float, params: RoutingParams) -> float:
@@ -116,13 +144,14 @@ def _recency(slot: SlotState, now: float, params: RoutingParams) -> float:
 def _candidate(
     fp: Fingerprint, backend: BackendState, slot: SlotState, now: float, params: RoutingParams
 ) -> _Candidate:
-    reuse = predicted_reuse(fp, slot, backend.exact)
+    reuse = predicted_reuse(fp, slot, backend.exact, backend.ghosts if backend.ram else ())
     content = slot.content
     if content is None:
         return _Candidate(backend, slot, reuse, float(reuse))
     ours = content.same_conversation(_shared(fp, content))
     lost = max(0, content.total - reuse) if ours else content.total
-    damage = lost * _recency(slot, now, params)
+    parked = backend.ram and not ours  # another conversation's content stays in host RAM
+    damage = lost * _recency(slot, now, params) * (params.ram_discount if parked else 1.0)
     return _Candidate(backend, slot, reuse, reuse - params.eviction_weight * damage)
 
 

@@ -33,6 +33,15 @@ async def _observations(url: str) -> dict[str, Any]:
     seen["n_over_slots_status"] = status
     _, wrapped = await _post(url + "/completion", {**base, "id_slot": 3})
     seen["id_slot_wraps_to"] = wrapped["id_slot"]
+    other = {
+        "prompt": "Completely unrelated text about tides and moons. " * 12,
+        "n_predict": 4,
+        "temperature": 0,
+        "id_slot": 0,
+    }
+    await _post(url + "/completion", other)  # slot 0: A's tokens go to the RAM cache
+    _, back = await _post(url + "/completion", base)  # f_keep < 0.5: A loaded from RAM
+    seen["ram_cache_restores_parked_prompt"] = back["timings"]["cache_n"] >= prompt - 1
     async with aiohttp.ClientSession() as session, session.get(url + "/slots") as resp:
         slots = await resp.json()
     seen["slots_fields"] = all({"id", "n_ctx", "is_processing"} <= s.keys() for s in slots)
@@ -55,3 +64,4 @@ async def test_fake_matches_real_server(llama_servers: Any) -> None:
     assert expected["cache_prompt_false"] == 0
     assert expected["n_over_slots_status"] == 400
     assert expected["id_slot_wraps_to"] == 1
+    assert expected["ram_cache_restores_parked_prompt"] is True

@@ -1,0 +1,201 @@
+"""Prefix-aware routing against real llama-servers (SmolLM2-135M, CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import urllib.request
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import metric
+from tests.real.stack import _wait_http, free_port
+
+SYSTEM = (
+    "You are a careful assistant for a small software team. Answer briefly, use plain "
+    "words, and never invent facts. "
+) * 4
+TOPICS = ["gardening", "sailing", "baking", "chess", "astronomy", "cycling"]
+
+
+def opening(session: int) -> str:
+    topic = TOPICS[session]
+    return (
+        f"Session {session}. We will talk about {topic}. "
+        + f"Some notes on {topic}: "
+        + " ".join(f"{topic} fact number {i} is worth remembering." for i in range(12))
+    )
+
+
+async def run_sessions(clients: list[Any], sessions: int, turns: int) -> list[tuple[int, int, int]]:
+    """Interleaved multi-turn sessions; returns (session, cache_n, previous prompt) per turn."""
+    histories: dict[int, list[dict[str, Any]]] = {
+        s: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(s)}]
+        for s in range(sessions)
+    }
+    previous: dict[int, int] = {}
+    out = []
+    rng = random.Random(3)
+    for turn in range(turns):
+        order = rng.sample(range(sessions), sessions)
+        for s in order:
+            client = clients[(turn + s) % len(clients)]
+            body = {
+                "messages": histories[s],
+                "max_tokens": 12,
+                "temperature": 0,
+                "prompt_cache_key": f"session-{s}",
+            }
+            resp = await client.post("/v1/chat/completions", json=body)
+            assert resp.status == 200, await resp.text()
+            data = await resp.json()
+            timings = data["timings"]
+            if s in previous:
+                out.append((s, timings["cache_n"], previous[s]))
+            previous[s] = timings["prompt_n"] + timings["cache_n"]
+            histories[s] += [
+                {"role": "assistant", "content": data["choices"][0]["message"]["content"]},
+                {"role": "user", "content": f"Turn {turn}: tell me more."},
+            ]
+    return out
+
+
+async def test_six_interleaved_sessions_on_two_by_two_slots(llama_servers: Any, proxy: Any) -> None:
+    servers = [llama_servers(slots=2) for _ in range(2)]
+    client = await proxy(
+        [s.url for s in servers], queue={"max_wait_seconds": 120}, timeouts={"read_seconds": 120}
+    )
+    results = await run_sessions([client], sessions=6, turns=3)
+    assert len(results) == 12
+    for session, cache_n, previous in results:
+        assert cache_n >= 0.9 * previous, (session, cache_n, previous)
+    page = await (await client.get("/metrics")).text()
+    accurate = metric(page, "llama_cache_proxy_route_predictions_total", outcome="accurate")
+    assert accurate >= 0.9 * metric(page, "llama_cache_proxy_route_predictions_total")
+
+
+async def test_seed_000_cache_key_cases(
+    llama_servers: Any, proxy: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = llama_servers(slots=2)
+    client = await proxy(
+        [server.url], routing={"slot_cache_key_similarity": 0.5, "slot_cache_key_min_prefix": 32}
+    )
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(0)}]
+    body = {"messages": history, "max_tokens": 8, "temperature": 0, "prompt_cache_key": "k"}
+    first = await client.post("/v1/chat/completions", json=body)
+    reply = (await first.json())["choices"][0]["message"]["content"]
+    history = [
+        *history,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "More, please."},
+    ]
+    again = await client.post("/v1/chat/completions", json={**body, "messages": history})
+    assert again.headers["X-Cache-Route"] == "affinity"
+    assert again.headers["X-Cache-Slot"] == first.headers["X-Cache-Slot"]
+    timings = (await again.json())["timings"]
+    assert timings["cache_n"] > 0.9 * (timings["prompt_n"] + timings["cache_n"]) - 16
+    # an unrelated prompt under the same key: tiny overlap, no keyed reuse
+    unrelated = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "prompt_cache_key": "k",
+    }
+    other = await client.post("/v1/chat/completions", json=unrelated)
+    assert other.headers["X-Cache-Route"] != "affinity"
+    # the mapping followed the request; now make the mapped slot busy
+    busy_slot = other.headers["X-Cache-Slot"]
+    long = {
+        "messages": [{"role": "user", "content": "Count from 1 to 200."}],
+        "max_tokens": 200,
+        "temperature": 0,
+        "id_slot": int(busy_slot),
+    }
+    caplog.set_level(logging.INFO, logger="proxy.router")
+    async with aiohttp.ClientSession() as session:
+        hold = asyncio.create_task(session.post(server.url + "/v1/chat/completions", json=long))
+        await _until_busy(server.url, int(busy_slot))
+        await asyncio.sleep(0.5)  # the proxy sees foreign traffic at its next probe (0.2 s)
+        third = await client.post("/v1/chat/completions", json=unrelated)
+        (await hold).release()
+    assert third.status == 200
+    assert third.headers["X-Cache-Slot"] != busy_slot
+    assert "ignoring busy cache_key slot" in caplog.text
+    page = await (await client.get("/metrics")).text()
+    for outcome in ("reuse", "unsafe", "busy"):
+        assert metric(page, "llama_cache_proxy_cache_key_total", outcome=outcome) >= 1
+
+
+async def _until_busy(url: str, slot: int) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(200):
+            async with session.get(url + "/slots") as resp:
+                if (await resp.json())[slot]["is_processing"]:
+                    return
+            await asyncio.sleep(0.02)
+    raise AssertionError("slot never became busy")
+
+
+def test_two_proxy_processes_share_redis_and_keep_a_session(
+    llama_servers: Any, redis_server: Any
+) -> None:
+    servers = [llama_servers(slots=2) for _ in range(2)]
+    ports = [free_port(), free_port()]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "serve",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--redis-url",
+                redis_server.url,
+                *[arg for s in servers for arg in ("--backend", s.url)],
+            ],
+            env={**os.environ, "LLAMA_CACHE_PROXY_LOG_LEVEL": "WARNING"},
+        )
+        for port in ports
+    ]
+    try:
+        for port, proc in zip(ports, procs, strict=True):
+            _wait_http(f"http://127.0.0.1:{port}/readyz", 30, proc)
+        history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(1)}]
+        placed = []
+        previous = 0
+        for turn in range(4):
+            port = ports[turn % 2]
+            body = {"messages": history, "max_tokens": 8, "temperature": 0}
+            data, headers = _post(f"http://127.0.0.1:{port}/v1/chat/completions", body)
+            placed.append((headers["X-Cache-Backend"], headers["X-Cache-Slot"]))
+            if turn:
+                timings = data["timings"]
+                assert timings["cache_n"] >= 0.9 * previous, (turn, timings, placed, dict(headers))
+            previous = data["timings"]["prompt_n"] + data["timings"]["cache_n"]
+            history = [
+                *history,
+                {"role": "assistant", "content": data["choices"][0]["message"]["content"]},
+                {"role": "user", "content": f"Turn {turn}: continue."},
+            ]
+        assert len(set(placed)) == 1, placed
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        return json.loads(resp.read()), resp.headers

@@ -16,8 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.config import Settings
 from proxy.core.fingerprint import Fingerprint
-from proxy.core.fleet import BackendPhase, Need, NoPlacement, Placement, pick_backend, place
+from proxy.core.fleet import BackendPhase, NoPlacement, Placement
 from proxy.core.headers import upstream_request_headers
+from proxy.core.placement import Need, pick_backend, place
 from proxy.core.request_body import ParsedBody, decode_json_object, parse_body, pin_body
 from proxy.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
 from proxy.health import Prober

@@ -18,8 +18,9 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    the request continues s's conversation (the shared prefix reaches s's first user message,
    ``Fingerprint.same_conversation``), only the tail it overwrites (s's tokens beyond the
    shared prefix); otherwise s's whole content, since that conversation loses its slot.
-   Content of another conversation evicted on a backend with the RAM cache is parked, not
-   lost, so its damage is scaled by ``ram_discount``.
+   Content of another conversation evicted on a backend with the RAM cache, by a request
+   that keeps less than half of it, is parked there rather than lost (and comes back the
+   same way), so its damage is scaled by ``ram_discount``.
    *Score* = reuse - ``eviction_weight`` * damage. So a continuing session scores its whole
    history, while a new session that shares only the system prompt with another session's
    slot prefers an empty or stale slot to taking that one.
@@ -59,8 +60,8 @@ from proxy.core.fleet import (
     Placement,
     SlotPhase,
     SlotState,
-    why_not,
 )
+from proxy.core.placement import why_not
 
 
 class Reason(StrEnum):
@@ -150,7 +151,10 @@ def _candidate(
         return _Candidate(backend, slot, reuse, float(reuse))
     ours = content.same_conversation(_shared(fp, content))
     lost = max(0, content.total - reuse) if ours else content.total
-    parked = backend.ram and not ours  # another conversation's content stays in host RAM
+    # Another conversation's content is parked in host RAM, and can come back later, only
+    # when this request keeps less than half of it (the server's own f_keep < 0.5 rule).
+    direct = _reuse(fp, content, backend.exact)
+    parked = backend.ram and not ours and direct < 0.5 * content.total
     damage = lost * _recency(slot, now, params) * (params.ram_discount if parked else 1.0)
     return _Candidate(backend, slot, reuse, reuse - params.eviction_weight * damage)
 

@@ -7,15 +7,13 @@ from hypothesis import strategies as st
 from proxy.core.fleet import (
     BackendPhase,
     Fleet,
-    Need,
     NoPlacement,
     Placement,
     Probe,
     SlotPhase,
     SlotProbe,
-    pick_backend,
-    place,
 )
+from proxy.core.placement import Need, pick_backend, place
 
 
 def ready_fleet(*slot_counts: int) -> Fleet:

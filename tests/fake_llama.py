@@ -109,7 +109,8 @@ class FakeLlamaServer:
         self.received: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.violations: list[str] = []
         self.faults: list[tuple[str, Any]] = []
-        self.tokens_processed = 0
+        self.tokens_processed = 0  # prompt tokens computed (prompt_n), all requests
+        self.tokens_prompt = 0  # prompt tokens seen (prompt_n + cache_n)
         self._clock = 0
         self._task = 0
         self._changed = asyncio.Condition()
@@ -362,6 +363,7 @@ class FakeLlamaServer:
         slot.tokens = prompt[:n_past]
         processed = len(prompt) - n_past
         self.tokens_processed += processed
+        self.tokens_prompt += len(prompt)
         if self.prompt_s_per_token:
             await asyncio.sleep(processed * self.prompt_s_per_token)
         slot.tokens = list(prompt)

@@ -37,10 +37,11 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    ``balance_abs`` above the least loaded one, the idle slot with the best score (empty or
    least valuable first, then the less loaded backend). "balance" does the same restricted
    to the least loaded backends.
-6. *Waiting*: if a slot that is busy (in flight, draining, or used elsewhere) would save at
-   least ``wait_min_tokens`` more than the best idle choice, and waiting is allowed, the
-   decision is to wait for that slot ("wait"); the caller bounds the wait and then decides
-   again without it.
+6. *Waiting*: if a slot that is busy (in flight, draining, or used elsewhere), or a backend
+   with no idle slot whose RAM cache holds the request's prefix (``wait_for`` slot -1: any
+   of its slots), would save at least ``wait_min_tokens`` more than the best idle choice,
+   and waiting is allowed, the decision is to wait ("wait"); the caller re-decides whenever
+   a slot frees, bounds the wait, and then decides again without it.
 
 Never is a slot that is not IDLE placed (property-tested). Ties break by backend index and
 slot id, so the same inputs always give the same decision.
@@ -250,6 +251,16 @@ def _with_key(decision: Decision, key: str | None) -> Decision:
     return Decision(decision.placement, decision.reason, decision.predicted, key_outcome=key)
 
 
+def _ghost_reuse(fp: Fingerprint, backend: BackendState) -> int:
+    """What the backend's RAM prompt cache could restore for this request."""
+    best = 0
+    for ghost in backend.ghosts if backend.ram else ():
+        reuse = _reuse(fp, ghost, backend.exact)
+        if ghost.total and reuse / ghost.total >= 0.25:
+            best = max(best, reuse)
+    return best
+
+
 def _worth_waiting(
     fp: Fingerprint,
     backends: Sequence[BackendState],
@@ -257,15 +268,21 @@ def _worth_waiting(
     params: RoutingParams,
     now: float,
 ) -> tuple[tuple[int, int], int] | None:
+    """A busy slot, or a full backend whose RAM cache holds the request's prefix, that would
+    save at least ``wait_min_tokens`` more than the best idle choice."""
     floor = (best.reuse if best is not None else 0) + params.wait_min_tokens
     found: tuple[tuple[int, int], int] | None = None
     for backend in backends:
         if backend.phase is not BackendPhase.READY:
             continue
-        for slot in backend.slots:
-            if slot.phase is SlotPhase.IDLE:
-                continue
-            reuse = predicted_reuse(fp, slot, backend.exact)
+        options = [
+            ((backend.index, slot.id), predicted_reuse(fp, slot, backend.exact))
+            for slot in backend.slots
+            if slot.phase is not SlotPhase.IDLE
+        ]
+        if backend.slots and not backend.idle_slots():
+            options.append(((backend.index, -1), _ghost_reuse(fp, backend)))
+        for where, reuse in options:
             if reuse >= floor and (found is None or reuse > found[1]):
-                found = ((backend.index, slot.id), reuse)
+                found = (where, reuse)
     return found

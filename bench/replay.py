@@ -1,0 +1,204 @@
+"""Trace replay: token-weighted prompt-cache hit rate of routing policies, side by side.
+
+Each policy gets a fresh fleet of fake llama-servers (``tests/fake_llama.py``: real slot
+LCP semantics and the host-RAM prompt cache) and the same workload: every session runs its
+prompts one after another, all sessions at once. The hit rate is read from the backends'
+own counters (cached / prompt tokens), so every router is measured the same way.
+
+Policies: ``ideal`` (infinite cache: the longest prefix any earlier prompt had, computed
+offline), ``round-robin`` (backends in turn, llama-server picks the slot), ``ours``
+(this proxy), ``ours-lru`` (this proxy without prefix routing), and the peer routers in
+``bench/peers.py`` when installed.
+
+    python -m bench.replay [--backends 4] [--slots 4] [--peers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import platform
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from bench.workloads import Workload, lmcache, mooncake
+from proxy.app import create_app
+from proxy.config import Settings
+from tests.fake_llama import FakeLlamaServer, tokenize
+
+RESULTS = Path(__file__).parent / "results"
+Send = Callable[[aiohttp.ClientSession, str], Awaitable[None]]
+
+
+def ideal_hit_rate(workload: Workload) -> float:
+    """Infinite cache: each prompt reuses its longest prefix seen in any earlier prompt."""
+    seen: set[int] = set()
+    cached = total = 0
+    order = itertools.zip_longest(*workload.sessions)
+    for prompt in (p for round_ in order for p in round_ if p is not None):
+        tokens = tokenize(prompt)
+        h, best, prefixes = 0, 0, []
+        for i, token in enumerate(tokens, 1):
+            h = hash((h, token))
+            prefixes.append(h)
+            if best == i - 1 and h in seen:
+                best = i
+        seen.update(prefixes)
+        cached += min(best, len(tokens) - 1)
+        total += len(tokens)
+    return cached / total
+
+
+async def _run_sessions(workload: Workload, send: Send) -> None:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def run(prompts: list[str]) -> None:
+            for prompt in prompts:
+                await send(session, prompt)
+
+        await asyncio.gather(*(run(s) for s in workload.sessions))
+
+
+async def _post(session: aiohttp.ClientSession, url: str, prompt: str) -> None:
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
+
+
+async def _fleet(backends: int, slots: int) -> list[FakeLlamaServer]:
+    fakes = []
+    for _ in range(backends):
+        fake = FakeLlamaServer(n_slots=slots, n_ctx=10**7, gen_s_per_token=0.0005)
+        await fake.start()
+        fakes.append(fake)
+    return fakes
+
+
+def _hit(fakes: list[FakeLlamaServer]) -> tuple[float, int]:
+    prompt = sum(f.tokens_prompt for f in fakes)
+    computed = sum(f.tokens_processed for f in fakes)
+    return 1 - computed / prompt, computed
+
+
+async def run_policy(
+    policy: str, workload: Workload, backends: int, slots: int, peers: dict[str, Any]
+) -> tuple[float, int]:
+    fakes = await _fleet(backends, slots)
+    urls = [f.url for f in fakes]
+    try:
+        if policy == "round-robin":
+            turn = itertools.count()
+            await _run_sessions(workload, lambda s, p: _post(s, urls[next(turn) % len(urls)], p))
+        elif policy in ("ours", "ours-lru"):
+            settings = Settings.model_validate(
+                {
+                    "backends": urls,
+                    "routing": {"prefix_aware": policy == "ours"},
+                    "queue": {"max_wait_seconds": 600},
+                    "log_level": "WARNING",
+                }
+            )
+            runner = web.AppRunner(create_app(settings, registry=CollectorRegistry()))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            await _run_sessions(workload, lambda s, p: _post(s, url, p))
+            await runner.cleanup()
+        else:
+            async with peers[policy](urls) as url:
+                await _run_sessions(workload, lambda s, p: _post(s, url, p))
+        return _hit(fakes)
+    finally:
+        for fake in fakes:
+            await fake.stop()
+
+
+def scenarios(full: bool) -> list[Workload]:
+    few = 8
+    out = [
+        lmcache("miniswe"),
+        lmcache("magagent"),
+        lmcache("taubench"),
+        mooncake("conversation_trace", 600, 24),
+        mooncake("synthetic_trace", 600, 24),
+    ]
+    out += [Workload(w.name + f" ({few} sessions)", w.sessions[:few]) for w in out[:3]]
+    return out if full else out[:1] + out[5:6]
+
+
+async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from bench.peers import available_peers
+
+    peers = available_peers() if args.peers else {}
+    policies = ["round-robin", "ours-lru", "ours", *peers]
+    rows = []
+    for workload in scenarios(not args.quick):
+        row: dict[str, Any] = {
+            "workload": workload.name,
+            "sessions": len(workload.sessions),
+            "requests": sum(len(s) for s in workload.sessions),
+            "ideal": ideal_hit_rate(workload),
+        }
+        for policy in policies:
+            row[policy], row[policy + "_prefill"] = await run_policy(
+                policy, workload, args.backends, args.slots, peers
+            )
+        rows.append(row)
+        print(
+            json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+            flush=True,
+        )
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], backends: int, slots: int) -> None:
+    policies = [
+        k
+        for k in rows[0]
+        if k not in ("workload", "sessions", "requests", "ideal") and not k.endswith("_prefill")
+    ]
+    print(
+        f"\nfleet: {backends} fake llama-servers x {slots} slots ({platform.machine()}); "
+        "token-weighted hit rate (prefill tokens computed)"
+    )
+    print("| workload | sessions | requests | ideal | " + " | ".join(policies) + " |")
+    print("|---" * (4 + len(policies)) + "|")
+    for r in rows:
+        cells = [f"{r[p]:.3f} ({r[p + '_prefill'] / 1000:.0f}k)" for p in policies]
+        print(
+            f"| {r['workload']} | {r['sessions']} | {r['requests']} | {r['ideal']:.3f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backends", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--peers", action="store_true", help="also run installed peer routers")
+    parser.add_argument("--quick", action="store_true", help="two small scenarios")
+    args = parser.parse_args()
+    rows = asyncio.run(main_async(args))
+    print_table(rows, args.backends, args.slots)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "replay.json").write_text(json.dumps(rows, indent=1))
+    from bench.plots import plot_replay
+
+    plot_replay(rows, RESULTS / "replay.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Replay workloads built from ../shared/data/traces.
+
+- LMCache agent traces: one session per file, one call per line; ``input`` is sent as a raw
+  completion prompt (it is a flattening of the conversation, not chat messages).
+- Mooncake FAST'25: requests with prefix-chained 512-token block ids; each block becomes
+  ``words_per_block`` distinct words (scaled down: hit rates are ratios), replayed in order.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    sessions: list[list[str]]  # each session: prompts sent one after another
+
+
+def lmcache(kind: str, limit_sessions: int | None = None, max_chars: int = 60_000) -> Workload:
+    sessions = []
+    for path in sorted((TRACES / "lmcache_agent_trace" / kind).glob("*.jsonl")):
+        calls = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        calls.sort(key=lambda c: c["timestamp"])
+        prompts = [c["input"][:max_chars] for c in calls if c.get("input")]
+        if prompts:
+            sessions.append(prompts)
+    return Workload(f"lmcache/{kind}", sessions[:limit_sessions])
+
+
+def mooncake(
+    name: str = "conversation_trace",
+    requests: int = 600,
+    streams: int = 16,
+    words_per_block: int = 16,
+) -> Workload:
+    """Requests in trace order, dealt round-robin onto ``streams`` sequential streams."""
+    lines = (TRACES / "mooncake_fast25" / f"{name}.jsonl").read_text().splitlines()[:requests]
+    streams_out: list[list[str]] = [[] for _ in range(streams)]
+    for i, line in enumerate(lines):
+        ids = json.loads(line)["hash_ids"]
+        text = " ".join(f"m{b}w{j}" for b in ids for j in range(words_per_block))
+        streams_out[i % streams].append(text)
+    return Workload(f"mooncake/{name}", [s for s in streams_out if s])

@@ -20,7 +20,8 @@ def plot_replay(rows: list[dict[str, Any]], path: Path) -> None:
         *[
             k
             for k in rows[0]
-            if k not in ("workload", "sessions", "requests", "ideal") and not k.endswith("_prefill")
+            if k not in ("workload", "sessions", "requests", "ideal")
+            and not k.endswith(("_prefill", "_seconds"))
         ],
     ]
     fig, ax = plt.subplots(figsize=(12, 5))

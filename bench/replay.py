@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import json
 import platform
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,9 @@ from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer, tokenize
 
 RESULTS = Path(__file__).parent / "results"
-Send = Callable[[aiohttp.ClientSession, str], Awaitable[None]]
+Send = Callable[[aiohttp.ClientSession, tuple[str, int]], Awaitable[None]]
+PREFILL_S_PER_TOKEN = 2e-5  # one device per backend; prefill serialized across its slots
+DECODE_S_PER_TOKEN = 0.005  # decoding in parallel across slots
 
 
 def ideal_hit_rate(workload: Workload) -> float:
@@ -42,7 +45,7 @@ def ideal_hit_rate(workload: Workload) -> float:
     seen: set[int] = set()
     cached = total = 0
     order = itertools.zip_longest(*workload.sessions)
-    for prompt in (p for round_ in order for p in round_ if p is not None):
+    for prompt, _ in (p for round_ in order for p in round_ if p is not None):
         tokens = tokenize(prompt)
         h, best, prefixes = 0, 0, []
         for i, token in enumerate(tokens, 1):
@@ -61,15 +64,16 @@ async def _run_sessions(workload: Workload, send: Send) -> None:
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
-        async def run(prompts: list[str]) -> None:
+        async def run(prompts: list[tuple[str, int]]) -> None:
             for prompt in prompts:
                 await send(session, prompt)
 
         await asyncio.gather(*(run(s) for s in workload.sessions))
 
 
-async def _post(session: aiohttp.ClientSession, url: str, prompt: str) -> None:
-    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+async def _post(session: aiohttp.ClientSession, url: str, request: tuple[str, int]) -> None:
+    prompt, reply = request
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": reply, "temperature": 0}
     async with session.post(url + "/v1/completions", json=body) as resp:
         await resp.read()
         if resp.status != 200:
@@ -79,7 +83,12 @@ async def _post(session: aiohttp.ClientSession, url: str, prompt: str) -> None:
 async def _fleet(backends: int, slots: int) -> list[FakeLlamaServer]:
     fakes = []
     for _ in range(backends):
-        fake = FakeLlamaServer(n_slots=slots, n_ctx=10**7, gen_s_per_token=0.0005)
+        fake = FakeLlamaServer(
+            n_slots=slots,
+            n_ctx=10**7,
+            prompt_s_per_token=PREFILL_S_PER_TOKEN,
+            gen_s_per_token=DECODE_S_PER_TOKEN,
+        )
         await fake.start()
         fakes.append(fake)
     return fakes
@@ -93,9 +102,11 @@ def _hit(fakes: list[FakeLlamaServer]) -> tuple[float, int]:
 
 async def run_policy(
     policy: str, workload: Workload, backends: int, slots: int, peers: dict[str, Any]
-) -> tuple[float, int]:
+) -> tuple[float, int, float]:
+    """(hit rate, prefill tokens computed, wall seconds) of one policy on a fresh fleet."""
     fakes = await _fleet(backends, slots)
     urls = [f.url for f in fakes]
+    started = time.perf_counter()
     try:
         if policy == "round-robin":
             turn = itertools.count()
@@ -118,8 +129,9 @@ async def run_policy(
             await runner.cleanup()
         else:
             async with peers[policy](urls) as url:
+                started = time.perf_counter()
                 await _run_sessions(workload, lambda s, p: _post(s, url, p))
-        return _hit(fakes)
+        return (*_hit(fakes), time.perf_counter() - started)
     finally:
         for fake in fakes:
             await fake.stop()
@@ -152,7 +164,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
             "ideal": ideal_hit_rate(workload),
         }
         for policy in policies:
-            row[policy], row[policy + "_prefill"] = await run_policy(
+            row[policy], row[policy + "_prefill"], row[policy + "_seconds"] = await run_policy(
                 policy, workload, args.backends, args.slots, peers
             )
         rows.append(row)
@@ -167,16 +179,22 @@ def print_table(rows: list[dict[str, Any]], backends: int, slots: int) -> None:
     policies = [
         k
         for k in rows[0]
-        if k not in ("workload", "sessions", "requests", "ideal") and not k.endswith("_prefill")
+        if k not in ("workload", "sessions", "requests", "ideal")
+        and not k.endswith(("_prefill", "_seconds"))
     ]
     print(
         f"\nfleet: {backends} fake llama-servers x {slots} slots ({platform.machine()}); "
-        "token-weighted hit rate (prefill tokens computed)"
+        "token-weighted hit rate (prefill tokens computed, wall seconds); prefill "
+        f"{PREFILL_S_PER_TOKEN * 1e6:.0f} us/token serialized per backend, decode "
+        f"{DECODE_S_PER_TOKEN * 1e3:.0f} ms/token"
     )
     print("| workload | sessions | requests | ideal | " + " | ".join(policies) + " |")
     print("|---" * (4 + len(policies)) + "|")
     for r in rows:
-        cells = [f"{r[p]:.3f} ({r[p + '_prefill'] / 1000:.0f}k)" for p in policies]
+        cells = [
+            f"{r[p]:.3f} ({r[p + '_prefill'] / 1000:.0f}k, {r[p + '_seconds']:.0f}s)"
+            for p in policies
+        ]
         print(
             f"| {r['workload']} | {r['sessions']} | {r['requests']} | {r['ideal']:.3f} | "
             + " | ".join(cells)
@@ -190,11 +208,15 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--peers", action="store_true", help="also run installed peer routers")
     parser.add_argument("--quick", action="store_true", help="two small scenarios")
+    parser.add_argument("--from-json", action="store_true", help="re-print the last results")
     args = parser.parse_args()
-    rows = asyncio.run(main_async(args))
+    if args.from_json:
+        rows = json.loads((RESULTS / "replay.json").read_text())
+    else:
+        rows = asyncio.run(main_async(args))
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "replay.json").write_text(json.dumps(rows, indent=1))
     print_table(rows, args.backends, args.slots)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "replay.json").write_text(json.dumps(rows, indent=1))
     from bench.plots import plot_replay
 
     plot_replay(rows, RESULTS / "replay.png")

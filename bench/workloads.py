@@ -18,7 +18,7 @@ TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "trace
 @dataclass(frozen=True)
 class Workload:
     name: str
-    sessions: list[list[str]]  # each session: prompts sent one after another
+    sessions: list[list[tuple[str, int]]]  # per session: (prompt, reply tokens), in order
 
 
 def lmcache(kind: str, limit_sessions: int | None = None, max_chars: int = 60_000) -> Workload:
@@ -26,7 +26,11 @@ def lmcache(kind: str, limit_sessions: int | None = None, max_chars: int = 60_00
     for path in sorted((TRACES / "lmcache_agent_trace" / kind).glob("*.jsonl")):
         calls = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         calls.sort(key=lambda c: c["timestamp"])
-        prompts = [c["input"][:max_chars] for c in calls if c.get("input")]
+        prompts = [
+            (c["input"][:max_chars], max(1, min(64, len(c.get("output") or "") // 4)))
+            for c in calls
+            if c.get("input")
+        ]
         if prompts:
             sessions.append(prompts)
     return Workload(f"lmcache/{kind}", sessions[:limit_sessions])
@@ -40,9 +44,11 @@ def mooncake(
 ) -> Workload:
     """Requests in trace order, dealt round-robin onto ``streams`` sequential streams."""
     lines = (TRACES / "mooncake_fast25" / f"{name}.jsonl").read_text().splitlines()[:requests]
-    streams_out: list[list[str]] = [[] for _ in range(streams)]
+    streams_out: list[list[tuple[str, int]]] = [[] for _ in range(streams)]
     for i, line in enumerate(lines):
-        ids = json.loads(line)["hash_ids"]
+        request = json.loads(line)
+        ids = request["hash_ids"]
         text = " ".join(f"m{b}w{j}" for b in ids for j in range(words_per_block))
-        streams_out[i % streams].append(text)
+        reply = max(1, min(64, request["output_length"] // 32))
+        streams_out[i % streams].append((text, reply))
     return Workload(f"mooncake/{name}", [s for s in streams_out if s])

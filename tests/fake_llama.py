@@ -18,6 +18,8 @@ them, at the level the proxy depends on:
   keeps at least a quarter of itself and beats the slot's own tokens (the entry moves into
   the slot); a pinned *empty* slot skips this (upstream #28139);
 - ``/v1/messages`` ignores ``id_slot``; ``n_predict: 0`` still samples one token;
+- prefill is serialized per server (one compute device: ``prompt_s_per_token`` per processed
+  token, one request at a time), decoding runs in parallel across slots;
 - an aborted request keeps its slot busy for ``abort_release_s`` (the real server polls the
   socket once a second);
 - responses carry ``timings`` (``prompt_n``, ``cache_n``) like the real ones, streamed
@@ -114,6 +116,7 @@ class FakeLlamaServer:
         self._clock = 0
         self._task = 0
         self._changed = asyncio.Condition()
+        self._compute = asyncio.Lock()
         self._vocab: dict[str, int] = {}
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -344,7 +347,7 @@ class FakeLlamaServer:
 
     def _reply(self, prompt: list[str], body: dict[str, Any]) -> list[str]:
         limit = body.get("max_completion_tokens", body.get("max_tokens", body.get("n_predict")))
-        count = 8 if limit is None or limit < 0 else max(1, min(int(limit), 64))
+        count = 8 if limit is None or limit < 0 else max(1, min(int(limit), 256))
         seed = hashlib.sha256("".join(prompt).encode()).digest()
         return [f" w{seed[i % 32] + i}" for i in range(count)]
 
@@ -365,7 +368,8 @@ class FakeLlamaServer:
         self.tokens_processed += processed
         self.tokens_prompt += len(prompt)
         if self.prompt_s_per_token:
-            await asyncio.sleep(processed * self.prompt_s_per_token)
+            async with self._compute:
+                await asyncio.sleep(processed * self.prompt_s_per_token)
         slot.tokens = list(prompt)
         reply = self._reply(prompt, body)
         timings = {

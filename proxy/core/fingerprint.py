@@ -30,11 +30,12 @@ while real reuse is read back from llama-server's ``cache_n``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 MESSAGE_OVERHEAD = 4  # role markers and separators of a typical chat template
 _MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
@@ -77,8 +78,7 @@ class Fingerprint:
 
 
 def _hash(previous: int, key: bytes) -> int:
-    digest = hashlib.blake2b(previous.to_bytes(8, "little") + key, digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    return int(xxhash.xxh3_64_intdigest(key, seed=previous))
 
 
 def _append(
@@ -116,6 +116,12 @@ def _content_text(content: Any) -> str:
 
 def message_segment(message: dict[str, Any]) -> Segment:
     kept = {k: message[k] for k in _MESSAGE_KEYS if message.get(k)}  # "" and null render alike
+    content = kept.get("content")
+    if len(kept) <= 2 and isinstance(content, str) and isinstance(kept.get("role"), str):
+        # fast path for plain text messages: no JSON encoding (a leading 0x01 byte keeps
+        # these keys apart from canonical JSON, which starts with '{')
+        key = b"\x01" + kept["role"].encode() + b"\x00" + content.encode()
+        return Segment(key, kept["role"] + content)
     text = _content_text(message.get("content"))
     if message.get("tool_calls"):
         text += json.dumps(message["tool_calls"], separators=(",", ":"))

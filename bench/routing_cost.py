@@ -1,0 +1,82 @@
+"""The proxy's own cost per request: fingerprint plus routing decision, by prompt size.
+
+A chat prompt of N tokens (a system prompt and alternating turns) is fingerprinted and
+routed against a 4 x 4 fleet whose slots hold other sessions. "seen" means the same
+prompt's prefix was fingerprinted before (token counts come from the per-text cache), which
+is the steady state of an agent session; "cold" clears that cache first.
+
+    python -m bench.routing_cost
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+from proxy.core.fingerprint import fingerprint_chat
+from proxy.core.fleet import BackendPhase, Fleet, Probe, SlotProbe
+from proxy.core.routing import RoutingParams, route
+from proxy.tokenizer import TokenCounter
+
+WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy",
+    "dog", "while", "agents", "call", "tools", "and", "read", "files",
+]  # fmt: skip
+
+
+def conversation(tokens: int, turn_tokens: int = 400) -> dict[str, object]:
+    messages = [{"role": "system", "content": " ".join(WORDS * 60)}]
+    i = 0
+    while sum(len(str(m["content"])) for m in messages) / 4 < tokens:
+        role = "user" if i % 2 == 0 else "assistant"
+        text = f"turn {i} " + " ".join(WORDS[(i + j) % len(WORDS)] for j in range(turn_tokens))
+        messages.append({"role": role, "content": text})
+        i += 1
+    return {"messages": messages}
+
+
+def fleet_with_sessions(counter: TokenCounter) -> Fleet:
+    fleet = Fleet([f"b{i}" for i in range(4)])
+    for index in range(4):
+        probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(4)))
+        fleet.apply_probe(index, probe, now=0.0)
+        for slot in fleet.backends[index].slots:
+            slot.content = fingerprint_chat(conversation(2000 + 100 * slot.id), counter.count)
+    return fleet
+
+
+def measure(tokens: int, seen: bool, repeats: int = 30) -> float:
+    counter = TokenCounter()
+    fleet = fleet_with_sessions(counter)
+    body = conversation(tokens)
+    params = RoutingParams()
+    samples = []
+    for _ in range(repeats):
+        if not seen:
+            counter = TokenCounter()
+        else:
+            fingerprint_chat(body, counter.count)  # the earlier turn
+        started = time.perf_counter()
+        fp = fingerprint_chat(body, counter.count)
+        route(fp, fleet.backends, params, now=1.0)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1000
+
+
+def main() -> None:
+    print(
+        f"machine: {platform.machine()}, Python {platform.python_version()}; "
+        "median of 30, fingerprint + routing decision over a 4 x 4 fleet"
+    )
+    print("| prompt tokens | prefix seen (ms) | cold (ms) |")
+    print("|---|---|---|")
+    for tokens in (8_000, 32_000, 128_000):
+        print(
+            f"| {tokens // 1000}k | {measure(tokens, True):.2f} | "
+            f"{measure(tokens, False, repeats=5):.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

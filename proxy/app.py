@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.admin import AdminHandlers
 from proxy.config import Settings
-from proxy.core.fleet import Fleet
+from proxy.core.fleet import BackendPhase, Fleet
 from proxy.handlers import ProxyHandlers
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
@@ -83,6 +83,8 @@ def create_app(
             client = LlamaServerClient(session, settings.timeouts)
             prober = Prober(settings, client, scheduler, metrics, clock, shared.forget_backend)
             handlers.client, handlers.prober, app[PROBER] = client, prober, prober
+            if settings.routing.tokenizer == "backend":
+                router.backend_tokens = _backend_counter(client, settings, fleet)
             await prober.probe_all()
             tasks = [asyncio.create_task(prober.run())] if probe_loop else []
             if shared.enabled:
@@ -98,3 +100,17 @@ def create_app(
 
     app.cleanup_ctx.append(upstream_ctx)
     return app
+
+
+def _backend_counter(
+    client: LlamaServerClient, settings: Settings, fleet: Fleet
+) -> Callable[[str], Awaitable[int | None]]:
+    """Count with the first ready backend's tokenizer (all backends serve one model)."""
+
+    async def count(text: str) -> int | None:
+        for backend in fleet.backends:
+            if backend.phase is BackendPhase.READY:
+                return await client.count_tokens(settings.backends[backend.index].base_url, text)
+        return None
+
+    return count

@@ -38,15 +38,26 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", help="shared state in Redis; omit for embedded state")
     serve.add_argument("--config", type=Path, help="YAML or TOML config file")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--admin-token", help="bearer token for /admin/*; none = admin off")
+    serve.add_argument("--tokenizer", choices=["tiktoken", "backend"])
+    serve.add_argument("--slot-cache-key-similarity", type=float, metavar="F")
+    serve.add_argument("--slot-cache-key-min-prefix", type=int, metavar="TOKENS")
     return parser
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Settings:
+    routing = {
+        "tokenizer": args.tokenizer,
+        "slot_cache_key_similarity": args.slot_cache_key_similarity,
+        "slot_cache_key_min_prefix": args.slot_cache_key_min_prefix,
+    }
     cli: dict[str, Any] = {
         "backends": args.backends,
         "listen": args.listen,
         "redis_url": args.redis_url,
         "log_level": args.log_level,
+        "admin_token": args.admin_token,
+        "routing": {k: v for k, v in routing.items() if v is not None} or None,
     }
     return load_settings(cli=cli, environ=environ, config_file=args.config)
 

@@ -11,7 +11,7 @@ State-store failures never fail a request (``SharedState`` degrades to local sta
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from aiohttp import web
 from proxy.config import Settings
 from proxy.core.fingerprint import (
     Fingerprint,
+    chat_segments,
     fingerprint_chat,
     fingerprint_tokens,
     reply_segment,
@@ -88,6 +89,8 @@ class Router:
         self._clock = clock
         self.params = routing_params(settings)
         self._labels = {b.label: b.index for b in fleet.backends}
+        # with ``tokenizer: backend``: counts a text with a ready backend's tokenizer
+        self.backend_tokens: Callable[[str], Awaitable[int | None]] | None = None
 
     def fingerprint(self, body: dict[str, Any], chat: bool) -> Fingerprint:
         if chat:
@@ -103,6 +106,9 @@ class Router:
 
     async def plan(self, request: web.Request, body: dict[str, Any]) -> Plan:
         chat = "messages" in body or "input" in body
+        if chat and self.backend_tokens is not None:
+            texts = [segment.text for segment in chat_segments(body)]
+            await self._counter.prepare(texts, self.backend_tokens)
         fp = self.fingerprint(body, chat)
         key = cache_key(self._settings.routing.cache_key_sources, body, request.headers)
         hint = None

@@ -118,6 +118,19 @@ class LlamaServerClient:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return Probe(BackendPhase.DOWN)
 
+    async def count_tokens(self, base_url: str, text: str) -> int | None:
+        """Tokens of ``text`` by the backend's own tokenizer (``/tokenize``); None on failure."""
+        body = {"content": text, "add_special": False}
+        try:
+            async with self._session.post(
+                base_url + "/tokenize", json=body, timeout=self._probe_timeout
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                return len((await resp.json())["tokens"])
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+            return None
+
     async def slot_states(self, base_url: str) -> tuple[SlotProbe, ...] | None:
         """Just ``/slots``; None when the backend cannot say."""
         try:

@@ -113,6 +113,7 @@ class FakeLlamaServer:
         self.faults: list[tuple[str, Any]] = []
         self.tokens_processed = 0  # prompt tokens computed (prompt_n), all requests
         self.tokens_prompt = 0  # prompt tokens seen (prompt_n + cache_n)
+        self.tokenize_calls = 0
         self._clock = 0
         self._task = 0
         self._changed = asyncio.Condition()
@@ -216,6 +217,7 @@ class FakeLlamaServer:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self.tokenize_calls += 1
         ids = [self._vocab.setdefault(t, len(self._vocab)) for t in tokenize(body["content"])]
         return web.json_response({"tokens": ids})
 

@@ -158,3 +158,17 @@ async def test_admin_slot_table_needs_the_token(fakes: Any, proxy: Any) -> None:
     assert sorted(s["phase"] for s in slots) == ["idle", "idle"]
     assert max(s["estimated_tokens"] for s in slots) > 300
     assert max(s["kv_tokens"] for s in slots) > 300
+
+
+async def test_backend_tokenizer_counts_segments_with_the_backend(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=1)
+    client = await proxy([fake], routing={"tokenizer": "backend"})
+    body = session_turn(0, 1, [])
+    await client.post("/v1/chat/completions", json=body)
+    first_calls = fake.tokenize_calls
+    again = await client.post("/v1/chat/completions", json=body)
+    assert first_calls >= 2  # system and user segments counted by the backend
+    assert fake.tokenize_calls == first_calls  # cached per text afterwards
+    predicted = int(again.headers["X-Cache-Predicted-Tokens"])
+    actual = (await again.json())["timings"]["cache_n"]
+    assert abs(predicted - actual) <= 16  # backend counts plus template overhead

@@ -1,0 +1,109 @@
+"""Sweep the cache_key thresholds on the traces (seed 000: 0.25/0.5/0.75/0.9 x 16/32/64).
+
+Every request carries its trace session id as ``prompt_cache_key``; the proxy (prefix routing
+on) runs against a fresh 4 x 4 fake fleet per setting. Reported: token-weighted hit rate and
+the share of keyed requests whose mapped slot was reused ("reuse"), refused as unrelated
+("unsafe") or busy.
+
+    python -m bench.sweep_cache_key
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+
+from bench.replay import RESULTS, _fleet, _hit
+from bench.workloads import Workload, lmcache
+from proxy.app import create_app
+from proxy.config import Settings
+from tests.conftest import metric
+
+SIMILARITY = (0.25, 0.5, 0.75, 0.9)
+MIN_PREFIX = (16, 32, 64)
+
+
+async def _run(workload: Workload, similarity: float, min_prefix: int) -> dict[str, float]:
+    fakes = await _fleet(4, 4)
+    registry = CollectorRegistry()
+    settings = Settings.model_validate(
+        {
+            "backends": [f.url for f in fakes],
+            "log_level": "WARNING",
+            "queue": {"max_wait_seconds": 600},
+            "routing": {
+                "slot_cache_key_similarity": similarity,
+                "slot_cache_key_min_prefix": min_prefix,
+            },
+        }
+    )
+    runner = web.AppRunner(create_app(settings, registry=registry))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+
+    async def session(index: int, prompts: list[tuple[str, int]]) -> None:
+        async with aiohttp.ClientSession() as client:
+            for prompt, reply in prompts:
+                body = {
+                    "model": "fake-model",
+                    "prompt": prompt,
+                    "max_tokens": reply,
+                    "prompt_cache_key": f"s{index}",
+                }
+                async with client.post(url, json=body) as resp:
+                    await resp.read()
+
+    try:
+        await asyncio.gather(*(session(i, s) for i, s in enumerate(workload.sessions)))
+        page = generate_latest(registry).decode()
+        keyed = metric(page, "llama_cache_proxy_cache_key_total") or 1.0
+        out = {"hit": _hit(fakes)[0]}
+        for outcome in ("reuse", "unsafe", "busy"):
+            out[outcome] = (
+                metric(page, "llama_cache_proxy_cache_key_total", outcome=outcome) / keyed
+            )
+        return out
+    finally:
+        await runner.cleanup()
+        for fake in fakes:
+            await fake.stop()
+
+
+async def main_async() -> list[dict[str, Any]]:
+    rows = []
+    for workload in (lmcache("miniswe"), lmcache("magagent"), lmcache("taubench")):
+        for similarity, min_prefix in itertools.product(SIMILARITY, MIN_PREFIX):
+            result = await _run(workload, similarity, min_prefix)
+            row = {
+                "workload": workload.name,
+                "similarity": similarity,
+                "min_prefix": min_prefix,
+                **result,
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    rows = asyncio.run(main_async())
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "sweep_cache_key.json").write_text(json.dumps(rows, indent=1))
+    print("| workload | similarity | min prefix | hit rate | keyed reuse | unsafe | busy |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['workload']} | {r['similarity']} | {r['min_prefix']} | {r['hit']:.3f} | "
+            f"{r['reuse']:.2f} | {r['unsafe']:.2f} | {r['busy']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -27,37 +27,7 @@ def _bin(name: str, exe: str) -> Path:
 
 
 def _command(name: str, urls: list[str], port: int) -> list[str]:
-    if name == "sglang-router":
-        return [
-            str(_bin(name, "python")),
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            "cache_aware",
-        ]
-    if name == "smg":
-        return [
-            str(_bin(name, "smg")),
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            "cache_aware",
-            "--model-alias",
-            "local=fake-model",
-        ]
-    return [
-        str(_bin(name, "vllm-router")),
+    common = [
         "--host",
         "127.0.0.1",
         "--port",
@@ -67,6 +37,11 @@ def _command(name: str, urls: list[str], port: int) -> list[str]:
         "--policy",
         "cache_aware",
     ]
+    if name == "sglang-router":
+        return [str(_bin(name, "python")), "-m", "sglang_router.launch_router", *common]
+    if name == "smg":
+        return [str(_bin(name, "smg")), "launch", *common, "--model-alias", "local=fake-model"]
+    return [str(_bin(name, "vllm-router")), *common]
 
 
 async def _until_workers(url: str) -> None:

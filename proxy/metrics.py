@@ -2,13 +2,17 @@
 
 Hit rate (token-weighted) = rate(cached_tokens_total) / rate(prompt_tokens_total), from each
 backend response's ``timings`` (``cache_n`` and ``prompt_n + cache_n``). Labels are bounded:
-endpoint (the fixed route table), status, backend label, error kind, slot phase.
+endpoint (the fixed route table), status, backend label, error kind, slot phase, decision
+reason, prediction outcome, cache_key outcome, state-store operation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+PREFIX = "llama_cache_proxy_"
 _LATENCY_BUCKETS = (
     0.0005,
     0.001,
@@ -34,90 +38,59 @@ _LATENCY_BUCKETS = (
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        p = "llama_cache_proxy_"
-        self.requests = Counter(
-            p + "requests",
-            "Client requests by endpoint and status",
-            ["endpoint", "status"],
-            registry=registry,
+
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=registry)
+
+        def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, ["endpoint"], buckets=_LATENCY_BUCKETS, registry=registry
+            )
+
+        self.requests = counter(
+            "requests", "Client requests by endpoint and status", ["endpoint", "status"]
         )
-        self.duration = Histogram(
-            p + "request_duration_seconds",
-            "Time from request to last byte",
-            ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+        self.duration = histogram("request_duration_seconds", "Time from request to last byte")
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time from request to first streamed body byte"
         )
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds",
-            "Time from request to first streamed body byte",
-            ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+        self.upstream_errors = counter(
+            "upstream_errors", "Backend failures by kind", ["backend", "kind"]
         )
-        self.upstream_errors = Counter(
-            p + "upstream_errors",
-            "Backend failures by kind",
-            ["backend", "kind"],
-            registry=registry,
+        self.in_flight = gauge("requests_in_flight", "Requests being served")
+        self.queued = gauge("requests_queued", "Requests waiting for a slot")
+        self.rejected = counter(
+            "queue_rejections", "Requests answered 503 by the queue", ["reason"]
         )
-        self.in_flight = Gauge(p + "requests_in_flight", "Requests being served", registry=registry)
-        self.queued = Gauge(p + "requests_queued", "Requests waiting for a slot", registry=registry)
-        self.rejected = Counter(
-            p + "queue_rejections",
-            "Requests answered 503 by the queue",
-            ["reason"],
-            registry=registry,
+        self.backend_ready = gauge("backend_ready", "1 when the backend is ready", ["backend"])
+        self.backend_restarts = counter(
+            "backend_restarts", "Times a backend's slot state was invalidated", ["backend"]
         )
-        self.backend_ready = Gauge(
-            p + "backend_ready", "1 when the backend is ready", ["backend"], registry=registry
+        self.slots = gauge("slots", "Slots by phase", ["backend", "phase"])
+        self.route_decisions = counter("route_decisions", "Routing decisions by reason", ["reason"])
+        self.cache_key = counter(
+            "cache_key", "Keyed requests by outcome: reuse, unsafe, busy", ["outcome"]
         )
-        self.backend_restarts = Counter(
-            p + "backend_restarts",
-            "Times a backend's slot state was invalidated",
-            ["backend"],
-            registry=registry,
-        )
-        self.slots = Gauge(p + "slots", "Slots by phase", ["backend", "phase"], registry=registry)
-        self.route_decisions = Counter(
-            p + "route_decisions", "Routing decisions by reason", ["reason"], registry=registry
-        )
-        self.cache_key = Counter(
-            p + "cache_key",
-            "Keyed requests by outcome: reuse, unsafe, busy",
-            ["outcome"],
-            registry=registry,
-        )
-        self.predicted_tokens = Counter(
-            p + "predicted_cached_tokens",
+        self.predicted_tokens = counter(
+            "predicted_cached_tokens",
             "Prompt tokens the router expected to be cached",
             ["backend"],
-            registry=registry,
         )
-        self.route_predictions = Counter(
-            p + "route_predictions",
+        self.route_predictions = counter(
+            "route_predictions",
             "Routed requests by prediction outcome: accurate (actual within 10%), over, under",
             ["outcome"],
-            registry=registry,
         )
-        self.store_errors = Counter(
-            p + "state_store_errors",
-            "State-store operations that failed",
-            ["op"],
-            registry=registry,
+        self.store_errors = counter(
+            "state_store_errors", "State-store operations that failed", ["op"]
         )
-        self.store_up = Gauge(
-            p + "state_store_up", "1 when the state store answers", registry=registry
+        self.store_up = gauge("state_store_up", "1 when the state store answers")
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens of completed requests", ["backend"]
         )
-        self.prompt_tokens = Counter(
-            p + "prompt_tokens",
-            "Prompt tokens of completed requests",
-            ["backend"],
-            registry=registry,
-        )
-        self.cached_tokens = Counter(
-            p + "cached_tokens",
-            "Prompt tokens served from a slot's KV cache",
-            ["backend"],
-            registry=registry,
+        self.cached_tokens = counter(
+            "cached_tokens", "Prompt tokens served from a slot's KV cache", ["backend"]
         )

@@ -10,7 +10,8 @@ requests (the caller then routes on local state).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
 
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
@@ -26,6 +27,17 @@ _TAKE = (
     "if v == false or v == ARGV[1] then redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) "
     "return 1 end return 0"
 )
+
+
+T = TypeVar("T")
+
+
+async def _call(operation: Awaitable[T]) -> T:
+    """Await a redis call; any redis error becomes ``StateStoreUnavailable``."""
+    try:
+        return await operation
+    except RedisError as exc:
+        raise StateStoreUnavailable(str(exc)) from None
 
 
 def _bytes(value: bytes | str) -> bytes:
@@ -45,56 +57,35 @@ class RedisStateStore:
         self._release = self._redis.register_script(_RELEASE)
 
     async def get_affinity(self, key: str, now: float) -> SlotRef | None:
-        try:
-            raw = await self._redis.get(keys.affinity(key))
-        except RedisError as exc:
-            raise StateStoreUnavailable(str(exc)) from None
+        raw = await _call(self._redis.get(keys.affinity(key)))
         if raw is None:
             return None
         backend, _, slot = _bytes(raw).decode().rpartition("|")
         return (backend, int(slot))
 
     async def set_affinity(self, key: str, ref: SlotRef, ttl: float, now: float) -> None:
-        try:
-            await self._redis.set(keys.affinity(key), f"{ref[0]}|{ref[1]}", px=_ms(ttl))
-        except RedisError as exc:
-            raise StateStoreUnavailable(str(exc)) from None
+        await _call(self._redis.set(keys.affinity(key), f"{ref[0]}|{ref[1]}", px=_ms(ttl)))
 
     async def acquire_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool:
-        try:
-            return bool(await self._take(keys=[keys.lease(*ref)], args=[owner, _ms(ttl)]))
-        except RedisError as exc:
-            raise StateStoreUnavailable(str(exc)) from None
+        return bool(await _call(self._take(keys=[keys.lease(*ref)], args=[owner, _ms(ttl)])))
 
     async def release_lease(self, ref: SlotRef, owner: str) -> None:
-        try:
-            await self._release(keys=[keys.lease(*ref)], args=[owner])
-        except RedisError as exc:
-            raise StateStoreUnavailable(str(exc)) from None
+        await _call(self._release(keys=[keys.lease(*ref)], args=[owner]))
 
     async def lease_owners(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, str]:
         if not refs:
             return {}
-        try:
-            values = await self._redis.mget([keys.lease(*ref) for ref in refs])
-        except RedisError as exc:
-            raise StateStoreUnavailable(str(exc)) from None
+        values = await _call(self._redis.mget([keys.lease(*ref) for ref in refs]))
         pairs = zip(refs, values, strict=True)
         return {ref: _bytes(v).decode() for ref, v in pairs if v is not None}
 
     async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None:
-        try:
-            await self._redis.set(keys.slot(*ref), record.pack(), px=_ms(ttl))
-        except RedisError as exc:
-            raise StateStoreUnavailable(str(exc)) from None
+        await _call(self._redis.set(keys.slot(*ref), record.pack(), px=_ms(ttl)))
 
     async def get_slots(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, SlotRecord]:
         if not refs:
             return {}
-        try:
-            values = await self._redis.mget([keys.slot(*ref) for ref in refs])
-        except RedisError as exc:
-            raise StateStoreUnavailable(str(exc)) from None
+        values = await _call(self._redis.mget([keys.slot(*ref) for ref in refs]))
         return {
             ref: SlotRecord.unpack(_bytes(v))
             for ref, v in zip(refs, values, strict=True)
@@ -104,10 +95,7 @@ class RedisStateStore:
     async def clear_slots(self, refs: Sequence[SlotRef]) -> None:
         if not refs:
             return
-        try:
-            await self._redis.delete(*(keys.slot(*ref) for ref in refs))
-        except RedisError as exc:
-            raise StateStoreUnavailable(str(exc)) from None
+        await _call(self._redis.delete(*(keys.slot(*ref) for ref in refs)))
 
     async def push_window(
         self, name: str, entry: bytes, limit: int, ttl: float, now: float
@@ -119,21 +107,15 @@ class RedisStateStore:
                 pipe.ltrim(key, 0, limit - 1)
                 pipe.pexpire(key, _ms(ttl))
                 await pipe.execute()
-        except RedisError as exc:
+        except RedisError as exc:  # the pipeline context itself can raise too
             raise StateStoreUnavailable(str(exc)) from None
 
     async def window(self, name: str, now: float) -> list[bytes]:
-        try:
-            values = await self._redis.lrange(keys.window(name), 0, -1)
-            return [_bytes(v) for v in values]
-        except RedisError as exc:
-            raise StateStoreUnavailable(str(exc)) from None
+        values = await _call(self._redis.lrange(keys.window(name), 0, -1))
+        return [_bytes(v) for v in values]
 
     async def ping(self) -> None:
-        try:
-            await self._redis.ping()
-        except RedisError as exc:
-            raise StateStoreUnavailable(str(exc)) from None
+        await _call(self._redis.ping())
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -111,11 +111,17 @@ async def run_policy(
         if policy == "round-robin":
             turn = itertools.count()
             await _run_sessions(workload, lambda s, p: _post(s, urls[next(turn) % len(urls)], p))
-        elif policy in ("ours", "ours-lru"):
+        elif policy.startswith("ours"):
+            routing: dict[str, Any] = {
+                "prefix_aware": policy != "ours-lru",
+                "pin_slots": policy != "ours-unpinned",
+            }
+            if policy == "ours-patient":
+                routing.update(wait_min_tokens=128, max_slot_wait_seconds=30, balance_abs=4)
             settings = Settings.model_validate(
                 {
                     "backends": urls,
-                    "routing": {"prefix_aware": policy == "ours"},
+                    "routing": routing,
                     "queue": {"max_wait_seconds": 600},
                     "log_level": "WARNING",
                 }
@@ -137,7 +143,7 @@ async def run_policy(
             await fake.stop()
 
 
-def scenarios(full: bool) -> list[Workload]:
+def scenarios(full: bool, only: str | None = None) -> list[Workload]:
     few = 8
     out = [
         lmcache("miniswe"),
@@ -147,6 +153,8 @@ def scenarios(full: bool) -> list[Workload]:
         mooncake("synthetic_trace", 600, 24),
     ]
     out += [Workload(w.name + f" ({few} sessions)", w.sessions[:few]) for w in out[:3]]
+    if only:
+        return [w for w in out if w.name == only]
     return out if full else out[:1] + out[5:6]
 
 
@@ -154,9 +162,11 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     from bench.peers import available_peers
 
     peers = available_peers() if args.peers else {}
-    policies = ["round-robin", "ours-lru", "ours", *peers]
+    policies = (
+        [*args.policies, *peers] if args.policies else ["round-robin", "ours-lru", "ours", *peers]
+    )
     rows = []
-    for workload in scenarios(not args.quick):
+    for workload in scenarios(not args.quick, args.only):
         row: dict[str, Any] = {
             "workload": workload.name,
             "sessions": len(workload.sessions),
@@ -209,17 +219,20 @@ def main() -> None:
     parser.add_argument("--peers", action="store_true", help="also run installed peer routers")
     parser.add_argument("--quick", action="store_true", help="two small scenarios")
     parser.add_argument("--from-json", action="store_true", help="re-print the last results")
+    parser.add_argument("--only", help="one workload by name, e.g. lmcache/magagent")
+    parser.add_argument("--policies", nargs="*", help="run only these of ours, e.g. ours-patient")
     args = parser.parse_args()
+    stem = "replay-partial" if (args.only or args.policies or args.quick) else "replay"
     if args.from_json:
-        rows = json.loads((RESULTS / "replay.json").read_text())
+        rows = json.loads((RESULTS / f"{stem}.json").read_text())
     else:
         rows = asyncio.run(main_async(args))
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "replay.json").write_text(json.dumps(rows, indent=1))
+        (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     print_table(rows, args.backends, args.slots)
     from bench.plots import plot_replay
 
-    plot_replay(rows, RESULTS / "replay.png")
+    plot_replay(rows, RESULTS / f"{stem}.png")
 
 
 if __name__ == "__main__":

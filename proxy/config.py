@@ -97,6 +97,10 @@ class RoutingSettings(_Frozen):
     """Prefix-aware routing (algorithm: proxy/core/routing.py)."""
 
     prefix_aware: bool = Field(default=True, description="false: least-busy backend, LRU slot")
+    pin_slots: bool = Field(
+        default=True,
+        description="send id_slot; false: choose the backend, let llama-server choose the slot",
+    )
     honor_client_id_slot: bool = Field(
         default=False, description="pin to the id_slot a client sends instead of choosing"
     )

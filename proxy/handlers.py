@@ -104,7 +104,8 @@ class ProxyHandlers:
             plan = await self._router.plan(request, parsed.data)
         for attempt in (1, 2):
             placement = await self._leased(plan, need)
-            body = pin_body(parsed.data, placement.pin)
+            pin = placement.pin if self._settings.routing.pin_slots or plan is None else None
+            body = pin_body(parsed.data, pin)
             try:
                 return await self._send(request, placement.backend, body, placement, plan)
             except UpstreamConnectError:

@@ -121,7 +121,7 @@ class RoutingSettings(_Frozen):
         description="where a session key comes from, first found wins",
     )
     slot_cache_key_similarity: float = Field(default=0.5, ge=0, le=1)
-    slot_cache_key_min_prefix: int = Field(default=32, ge=0)
+    slot_cache_key_min_prefix: int = Field(default=64, ge=0)
     affinity_ttl_seconds: float = Field(default=3600.0, gt=0)
 
 

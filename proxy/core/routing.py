@@ -82,7 +82,7 @@ class RoutingParams:
     balance_abs: int = 2
     balance_rel: float = 1.5
     key_similarity: float = 0.5
-    key_min_prefix: int = 32
+    key_min_prefix: int = 64
     ram_discount: float = 0.1  # eviction damage when the evicted content stays in host RAM
 
 
@@ -101,41 +101,35 @@ class _Candidate:
     slot: SlotState
     reuse: int
     score: float
+    load: int  # busy slots of the backend when the decision was made
 
 
 def _shared(fp: Fingerprint, content: Fingerprint | None) -> int:
     return common_segments(fp.hashes, content.hashes) if content is not None else 0
 
 
-def _reuse(fp: Fingerprint, content: Fingerprint, exact: bool) -> int:
-    shared = _shared(fp, content)
+def _reuse(fp: Fingerprint, content: Fingerprint, exact: bool, shared: int | None = None) -> int:
+    shared = _shared(fp, content) if shared is None else shared
     if exact and (shared < len(content.hashes) or shared == len(fp.hashes)):
         return 0
     return max(0, min(fp.tokens_at(shared), fp.total - 1))
 
 
-def predicted_reuse(
-    fp: Fingerprint, slot: SlotState, exact: bool, ghosts: Sequence[Fingerprint] = ()
-) -> int:
+def predicted_reuse(fp: Fingerprint, slot: SlotState, exact: bool, parked: int = 0) -> int:
     """Tokens the server will reuse if the request is pinned to ``slot``.
 
-    Besides the slot's own content, llama-server's RAM prompt cache (``ghosts``) is
-    consulted when the pinned slot would lose more than half its content (``f_keep < 0.5``)
-    and is not empty (an empty pinned slot skips the cache, upstream #28139); an entry is
-    loaded only if the request keeps at least a quarter of it and it beats the slot's own.
+    Besides the slot's own content, llama-server's RAM prompt cache (``parked``: the best
+    reuse any entry parked there offers, ``_ghost_reuse``) is consulted when the pinned slot
+    would lose more than half its content (``f_keep < 0.5``) and is not empty (an empty pinned
+    slot skips the cache, upstream #28139).
     """
     content = slot.expected
     if content is None or not fp.hashes:
         return 0
     direct = _reuse(fp, content, exact)
-    if not ghosts or content.total == 0 or direct / content.total >= 0.5:
-        return direct
-    best = direct
-    for ghost in ghosts:
-        reuse = _reuse(fp, ghost, exact)
-        if ghost.total and reuse / ghost.total >= 0.25 and reuse > best:
-            best = reuse
-    return best
+    if parked > direct and content.total and direct / content.total < 0.5:
+        return parked
+    return direct
 
 
 def _recency(slot: SlotState, now: float, params: RoutingParams) -> float:
@@ -144,20 +138,28 @@ def _recency(slot: SlotState, now: float, params: RoutingParams) -> float:
 
 
 def _candidate(
-    fp: Fingerprint, backend: BackendState, slot: SlotState, now: float, params: RoutingParams
+    fp: Fingerprint,
+    backend: BackendState,
+    slot: SlotState,
+    now: float,
+    params: RoutingParams,
+    parked: int = 0,
+    load: int = 0,
 ) -> _Candidate:
-    reuse = predicted_reuse(fp, slot, backend.exact, backend.ghosts if backend.ram else ())
-    content = slot.content
-    if content is None:
-        return _Candidate(backend, slot, reuse, float(reuse))
-    ours = content.same_conversation(_shared(fp, content))
+    content = slot.content  # an idle slot: what its KV holds
+    if content is None or not fp.hashes:
+        return _Candidate(backend, slot, 0, 0.0, load)
+    shared = _shared(fp, content)
+    direct = _reuse(fp, content, backend.exact, shared)
+    keeps_half = content.total > 0 and direct >= 0.5 * content.total
+    reuse = parked if parked > direct and not keeps_half and content.total else direct
+    ours = content.same_conversation(shared)
     lost = max(0, content.total - reuse) if ours else content.total
     # Another conversation's content is parked in host RAM, and can come back later, only
     # when this request keeps less than half of it (the server's own f_keep < 0.5 rule).
-    direct = _reuse(fp, content, backend.exact)
-    parked = backend.ram and not ours and direct < 0.5 * content.total
-    damage = lost * _recency(slot, now, params) * (params.ram_discount if parked else 1.0)
-    return _Candidate(backend, slot, reuse, reuse - params.eviction_weight * damage)
+    discount = params.ram_discount if backend.ram and not ours and not keeps_half else 1.0
+    damage = lost * _recency(slot, now, params) * discount
+    return _Candidate(backend, slot, reuse, reuse - params.eviction_weight * damage, load)
 
 
 def _imbalanced(loads: Sequence[int], params: RoutingParams) -> bool:
@@ -167,7 +169,7 @@ def _imbalanced(loads: Sequence[int], params: RoutingParams) -> bool:
 
 def _rank(candidate: _Candidate) -> tuple[float, int, int, float, int]:
     c = candidate
-    return (c.score, -c.backend.busy_count(), -c.backend.index, -c.slot.last_used, -c.slot.id)
+    return (c.score, -c.load, -c.backend.index, -c.slot.last_used, -c.slot.id)
 
 
 def _cold(
@@ -177,12 +179,13 @@ def _cold(
     params: RoutingParams,
     reason: Reason,
 ) -> Decision:
-    least = min(b.busy_count() for b in ready)
+    loads = {b.index: b.busy_count() for b in ready}
+    least = min(loads.values())
     limit = least if reason is Reason.BALANCE else least + params.balance_abs
     options = [
-        _candidate(fp, b, s, now, params)
+        _candidate(fp, b, s, now, params, _ghost_reuse(fp, b), loads[b.index])
         for b in ready
-        if b.busy_count() <= limit
+        if loads[b.index] <= limit
         for s in b.idle_slots()
     ]
     return _place(max(options, key=_rank), reason)
@@ -206,7 +209,9 @@ def _affinity(
     backend, slot = backends[index], backends[index].slots[slot_id]
     if backend.phase is not BackendPhase.READY or slot.phase is not SlotPhase.IDLE:
         return None, "busy"
-    found = _candidate(fp, backend, slot, now, params)
+    found = _candidate(
+        fp, backend, slot, now, params, _ghost_reuse(fp, backend), backend.busy_count()
+    )
     similar = fp.total > 0 and found.reuse / fp.total >= params.key_similarity
     if similar and found.reuse >= params.key_min_prefix:
         return found, "reuse"
@@ -230,15 +235,21 @@ def route(
         chosen, key = _affinity(fp, backends, affinity, now, params)
         if chosen is not None:
             return _place(chosen, Reason.AFFINITY, key)
-    idle = [_candidate(fp, b, s, now, params) for b in ready for s in b.idle_slots()]
-    best = max(idle, key=_rank, default=None)  # fmt: skip
-    waiting = _worth_waiting(fp, usable, best, params, now) if allow_wait else None
+    parked = {b.index: _ghost_reuse(fp, b) for b in usable if b.phase is BackendPhase.READY}
+    load = {b.index: b.busy_count() for b in usable if b.phase is BackendPhase.READY}
+    idle = [
+        _candidate(fp, b, s, now, params, parked[b.index], load[b.index])
+        for b in ready
+        for s in b.idle_slots()
+    ]
+    best = max(idle, key=_rank, default=None)
+    waiting = _worth_waiting(fp, usable, best, params, parked) if allow_wait else None
     if waiting is not None:
         return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
     if best is None:
         return why_not(backends, avoid)
-    loads = [b.busy_count() for b in usable if b.phase is BackendPhase.READY]
-    if _imbalanced(loads, params) and best.backend.busy_count() > min(loads) + params.balance_abs:
+    loads = list(load.values())
+    if _imbalanced(loads, params) and best.load > min(loads) + params.balance_abs:
         return _with_key(_cold(fp, ready, now, params, Reason.BALANCE), key)
     if best.reuse >= params.min_prefix_tokens and best.score > 0:
         return _place(best, Reason.PREFIX, key)
@@ -266,7 +277,7 @@ def _worth_waiting(
     backends: Sequence[BackendState],
     best: _Candidate | None,
     params: RoutingParams,
-    now: float,
+    parked: dict[int, int],
 ) -> tuple[tuple[int, int], int] | None:
     """A busy slot, or a full backend whose RAM cache holds the request's prefix, that would
     save at least ``wait_min_tokens`` more than the best idle choice."""
@@ -281,7 +292,7 @@ def _worth_waiting(
             if slot.phase is not SlotPhase.IDLE
         ]
         if backend.slots and not backend.idle_slots():
-            options.append(((backend.index, -1), _ghost_reuse(fp, backend)))
+            options.append(((backend.index, -1), parked[backend.index]))
         for where, reuse in options:
             if reuse >= floor and (found is None or reuse > found[1]):
                 found = (where, reuse)

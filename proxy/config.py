@@ -108,7 +108,7 @@ class RoutingSettings(_Frozen):
         default=True, description="add X-Cache-Route, -Predicted-Tokens, -Backend, -Slot"
     )
     tokenizer: Literal["tiktoken", "backend"] = "tiktoken"
-    block_tokens: int = Field(default=64, ge=8, description="raw-prompt fingerprint block size")
+    block_tokens: int = Field(default=16, ge=4, description="raw-prompt fingerprint block size")
     min_prefix_tokens: int = Field(default=16, ge=0)
     wait_min_tokens: int = Field(default=1024, ge=0, description="saving worth waiting for")
     max_slot_wait_seconds: float = Field(default=5.0, ge=0, description="wait for a busy slot")

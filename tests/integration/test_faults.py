@@ -46,11 +46,12 @@ async def test_full_queue_answers_503_with_retry_after(fakes: Any, proxy: Any) -
 
 
 async def test_wait_past_limit_answers_503(fakes: Any, proxy: Any) -> None:
-    fake = await fakes(n_slots=1, gen_s_per_token=0.05)
+    fake = await fakes(n_slots=1, gen_s_per_token=0.1)
     client = await proxy([fake], queue={"max_wait_seconds": 0.1})
-    body = chat("slow", max_tokens=10)
+    body = chat("slow", max_tokens=20)
     first = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-    await asyncio.sleep(0.05)
+    while not fake.slots[0].busy:  # the first request holds the only slot
+        await asyncio.sleep(0.01)
     second = await client.post("/v1/chat/completions", json=body)
     assert second.status == 503
     assert (await second.json())["error"]["code"] == "wait_timeout"

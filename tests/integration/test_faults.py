@@ -50,7 +50,9 @@ async def test_wait_past_limit_answers_503(fakes: Any, proxy: Any) -> None:
     client = await proxy([fake], queue={"max_wait_seconds": 0.1})
     body = chat("slow", max_tokens=20)
     first = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-    while not fake.slots[0].busy:  # the first request holds the only slot
+    for _ in range(500):  # until the first request holds the only slot
+        if fake.slots[0].busy:
+            break
         await asyncio.sleep(0.01)
     second = await client.post("/v1/chat/completions", json=body)
     assert second.status == 503

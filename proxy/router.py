@@ -89,6 +89,8 @@ class Router:
         self._clock = clock
         self.params = routing_params(settings)
         self._labels = {b.label: b.index for b in fleet.backends}
+        # backend tokens per estimated token, learned from responses (1.0 until then)
+        self._scale: dict[int, float] = {}
         # with ``tokenizer: backend``: counts a text with a ready backend's tokenizer
         self.backend_tokens: Callable[[str], Awaitable[int | None]] | None = None
 
@@ -149,12 +151,24 @@ class Router:
         segment = reply_segment(reply.content, reply.tool_calls or None)
         return plan.fp.extend([segment], self._counter.count)
 
+    def _in_backend_tokens(self, decision: Decision) -> int:
+        """The prediction in the chosen backend's tokens (estimates x the learned ratio)."""
+        backend = decision.placement.backend if decision.placement is not None else -1
+        return round(decision.predicted * self._scale.get(backend, 1.0))
+
+    def _learn_scale(self, backend: int, plan: Plan, usage: Usage) -> None:
+        if plan.fp.total > 0 and usage.prompt_tokens > 0:
+            ratio = usage.prompt_tokens / plan.fp.total
+            previous = self._scale.get(backend)
+            self._scale[backend] = ratio if previous is None else 0.8 * previous + 0.2 * ratio
+
     def headers(self, plan: Plan) -> dict[str, str]:
         decision = plan.decision
         if decision is None:
             return {}
         reason = Reason.WAIT.value + "+" + decision.reason.value if plan.waits else decision.reason
-        return {"X-Cache-Route": str(reason), "X-Cache-Predicted-Tokens": str(decision.predicted)}
+        predicted = str(self._in_backend_tokens(decision))
+        return {"X-Cache-Route": str(reason), "X-Cache-Predicted-Tokens": predicted}
 
     async def record(
         self, plan: Plan, placement: Placement, content: Fingerprint, usage: Usage | None
@@ -163,6 +177,8 @@ class Router:
         label = self._fleet.backends[placement.backend].label
         if decision is not None:
             self._count(decision, label, usage)
+        if usage is not None:
+            self._learn_scale(placement.backend, plan, usage)
         if placement.pin is None:
             return
         if plan.key is not None:
@@ -178,10 +194,11 @@ class Router:
             m.cache_key.labels(decision.key_outcome).inc()
             if decision.key_outcome == "busy":
                 log.info("ignoring busy cache_key slot; routed by %s", decision.reason.value)
-        m.predicted_tokens.labels(label).inc(decision.predicted)
+        predicted = self._in_backend_tokens(decision)
+        m.predicted_tokens.labels(label).inc(predicted)
         if usage is None:
             return
-        actual, predicted = usage.cached_tokens, decision.predicted
+        actual = usage.cached_tokens
         if actual >= 0.9 * predicted and actual <= predicted + max(16, predicted // 10):
             outcome = "accurate"
         else:

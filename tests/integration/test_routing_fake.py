@@ -48,6 +48,7 @@ async def test_interleaved_sessions_keep_their_slots(fakes: Any, proxy: Any) -> 
     previous: dict[int, int] = {}
     order = [s for _ in range(4) for s in random.Random(7).sample(range(4), 4)]
     turns = {s: 0 for s in range(4)}
+    errors = []
     for session in order:
         body = session_turn(session, turns[session], histories[session])
         reply, timings, headers = await _run_turn(client, body)
@@ -55,10 +56,13 @@ async def test_interleaved_sessions_keep_their_slots(fakes: Any, proxy: Any) -> 
         if session in previous:
             assert timings["cache_n"] >= 0.9 * previous[session], (session, timings)
             assert headers["X-Cache-Route"] in ("prefix", "affinity")
+            predicted = int(headers["X-Cache-Predicted-Tokens"])  # in the backend's tokens
+            errors.append(abs(predicted - timings["cache_n"]) / timings["cache_n"])
         previous[session] = prompt
         histories[session] += [body["messages"][-1], {"role": "assistant", "content": reply}]
         turns[session] += 1
     assert all(b.violations == [] for b in backends)
+    assert sorted(errors)[len(errors) // 2] < 0.15  # tiktoken estimates, calibrated per backend
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_route_decisions_total", reason="prefix") >= 12
 

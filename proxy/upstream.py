@@ -131,13 +131,6 @@ class LlamaServerClient:
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
             return None
 
-    async def slot_states(self, base_url: str) -> tuple[SlotProbe, ...] | None:
-        """Just ``/slots``; None when the backend cannot say."""
-        try:
-            return await self._slots(base_url)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return None
-
     async def _slots(self, base_url: str) -> tuple[SlotProbe, ...]:
         async with self._session.get(base_url + "/slots", timeout=self._probe_timeout) as resp:
             if resp.status == 200:

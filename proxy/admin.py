@@ -1,4 +1,5 @@
-"""Admin endpoints: the slot table, behind a bearer token; absent (404) without one."""
+"""Admin endpoints: the slot table and the disk tier's status, behind a bearer token;
+absent (404) without one."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.core.fleet import Fleet
+from proxy.disk_tier import DiskTier
 from proxy.errors import NotFound, Unauthorized
 
 
 class AdminHandlers:
-    def __init__(self, settings: Settings, fleet: Fleet, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, settings: Settings, fleet: Fleet, clock: Callable[[], float], disk: DiskTier
+    ) -> None:
+        self._disk = disk
         token = settings.admin_token
         self._token = token.get_secret_value() if token is not None else None
         self._fleet = fleet
@@ -33,6 +38,30 @@ class AdminHandlers:
         return web.json_response(
             {"backends": [self._backend(b, now) for b in self._fleet.backends]}
         )
+
+    async def disk(self, request: web.Request) -> web.Response:
+        """Policy, per-backend layout and speeds, and the index: size, bytes, entries."""
+        self._check(request)
+        entries = await self._disk.index.all()
+        status = self._disk.status()
+        status["index"] = {
+            "entries": len(entries),
+            "bytes": sum(e.nbytes for e in entries),
+            "bad": sum(1 for e in entries if e.bad),
+            "snapshots": [
+                {
+                    "name": e.name,
+                    "directory": e.directory,
+                    "tokens": e.tokens,
+                    "bytes": e.nbytes,
+                    "hits": e.hits,
+                    "bad": e.bad,
+                    "last_used": e.last_used,
+                }
+                for e in sorted(entries, key=lambda e: -e.last_used)[:100]
+            ],
+        }
+        return web.json_response(status)
 
     @staticmethod
     def _backend(backend: Any, now: float) -> dict[str, Any]:

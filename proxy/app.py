@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from proxy.admin import AdminHandlers
 from proxy.config import Settings
 from proxy.core.fleet import BackendPhase, Fleet
+from proxy.disk_tier import DiskTier
 from proxy.handlers import ProxyHandlers
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
@@ -63,8 +64,9 @@ def create_app(
         enabled=settings.redis_url is not None,
         record_ttl=settings.routing.affinity_ttl_seconds,
     )
-    router = Router(settings, fleet, shared, TokenCounter(), metrics, clock)
-    handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock)
+    disk = DiskTier(settings, fleet, shared, metrics, wall, clock)
+    router = Router(settings, fleet, shared, TokenCounter(), metrics, clock, disk)
+    handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock, disk)
 
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[make_middleware(metrics, clock)]
@@ -73,7 +75,9 @@ def create_app(
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/metrics", handlers.metrics)
-    app.router.add_get("/admin/slots", AdminHandlers(settings, fleet, clock).slots)
+    admin = AdminHandlers(settings, fleet, clock, disk)
+    app.router.add_get("/admin/slots", admin.slots)
+    app.router.add_get("/admin/disk", admin.disk)
     for path, route in ROUTES.items():
         app.router.add_route(route.method, path, handlers.forward)
 
@@ -83,6 +87,7 @@ def create_app(
             client = LlamaServerClient(session, settings.timeouts)
             prober = Prober(settings, client, scheduler, metrics, clock, shared.forget_backend)
             handlers.client, handlers.prober, app[PROBER] = client, prober, prober
+            disk.attach(client)
             if settings.routing.tokenizer == "backend":
                 router.backend_tokens = _backend_counter(client, settings, fleet)
             await prober.probe_all()

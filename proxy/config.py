@@ -30,6 +30,8 @@ from pydantic import (
     field_validator,
 )
 
+from proxy.core.disk_scope import parse_scope
+
 ENV_PREFIX = "LLAMA_CACHE_PROXY_"
 
 
@@ -54,6 +56,13 @@ class BackendSettings(_Frozen):
     )
     ram_cache: bool = Field(
         default=True, description="backend keeps llama-server's host-RAM prompt cache on"
+    )
+    slot_save_dir: str | None = Field(
+        default=None,
+        description="its --slot-save-path as the proxy sees it (default: disk.slot_save_dir)",
+    )
+    kv_unified: bool | None = Field(
+        default=None, description="started with unified KV (-kvu); recorded with snapshots"
     )
 
     @property
@@ -125,6 +134,29 @@ class RoutingSettings(_Frozen):
     affinity_ttl_seconds: float = Field(default=3600.0, gt=0)
 
 
+class DiskSettings(_Frozen):
+    """The disk tier of KV snapshots (algorithms: proxy/core/disk_scope.py, snapshots.py)."""
+
+    prefix_cache: str = Field(
+        default="auto", description="scope: off | full | auto (= auto:30) | auto:N | N tokens"
+    )
+    min_tokens: int = Field(default=256, ge=1, description="smallest prefix worth a snapshot")
+    max_bytes: int = Field(
+        default=20 * 1024**3, ge=0, description="budget per save directory; LRU evicted"
+    )
+    slot_save_dir: str | None = Field(
+        default=None,
+        description="the --slot-save-path every backend shares, as the proxy sees it",
+    )
+    park: bool = Field(default=True, description="save a warm session before evicting it")
+    park_min_tokens: int = Field(default=1024, ge=1, description="smallest session parked")
+
+    @field_validator("prefix_cache")
+    @classmethod
+    def _scope(cls, value: str) -> str:
+        return str(parse_scope(value))
+
+
 class Settings(_Frozen):
     """Root of the settings tree."""
 
@@ -138,6 +170,7 @@ class Settings(_Frozen):
     timeouts: TimeoutSettings = TimeoutSettings()
     health: HealthSettings = HealthSettings()
     routing: RoutingSettings = RoutingSettings()
+    disk: DiskSettings = DiskSettings()
 
     @field_validator("backends", mode="before")
     @classmethod

@@ -20,6 +20,7 @@ from proxy.core.fleet import BackendPhase, NoPlacement, Placement
 from proxy.core.headers import upstream_request_headers
 from proxy.core.placement import Need, pick_backend, place
 from proxy.core.request_body import ParsedBody, decode_json_object, parse_body, pin_body
+from proxy.disk_tier import DiskTier
 from proxy.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
@@ -40,8 +41,10 @@ class ProxyHandlers:
         shared: SharedState,
         metrics: ProxyMetrics,
         clock: Callable[[], float],
+        disk: DiskTier,
     ) -> None:
         self._settings = settings
+        self._disk = disk
         self._scheduler = scheduler
         self._router = router
         self._shared = shared
@@ -101,12 +104,23 @@ class ProxyHandlers:
     ) -> web.StreamResponse:
         plan = None
         if self._settings.routing.prefix_aware and not need.exclusive and need.slot is None:
-            plan = await self._router.plan(request, parsed.data)
+            plan = await self._router.plan(request, parsed.data, parsed.prefix_cache)
         for attempt in (1, 2):
             placement = await self._leased(plan, need)
             pin = placement.pin if self._settings.routing.pin_slots or plan is None else None
             body = pin_body(parsed.data, pin)
             try:
+                if plan is not None and plan.disk is not None and plan.decision is not None:
+                    decision = plan.decision
+                    await self._disk.before(
+                        plan.disk,
+                        plan.fp,
+                        decision.restore,
+                        decision.predicted,
+                        placement,
+                        parsed.data,
+                        plan.chat,
+                    )
                 return await self._send(request, placement.backend, body, placement, plan)
             except UpstreamConnectError:
                 self._backend_failed(placement.backend, "connect")
@@ -184,6 +198,7 @@ class ProxyHandlers:
                     self._clock,
                 )
                 self._record(index, outcome, request)
+                await self._disk_after(plan, placement, outcome)
         except UpstreamConnectError:
             released = True  # nothing reached the backend; the caller retries and releases
             raise
@@ -194,6 +209,16 @@ class ProxyHandlers:
         if placement is not None and plan is not None and content is not None:
             await self._router.record(plan, placement, content, outcome.usage)
         return outcome.response
+
+    async def _disk_after(
+        self, plan: Plan | None, placement: Placement | None, outcome: Outcome
+    ) -> None:
+        """Disk-tier work on a complete response, while the slot is still ours."""
+        if plan is None or plan.disk is None or placement is None:
+            return
+        if outcome.complete and outcome.response.status == 200:
+            content = self._router.content_after(plan, outcome.reply)
+            await self._disk.after(plan.disk, placement, outcome.usage, content)
 
     def _release(
         self, placement: Placement, outcome: Outcome | None, plan: Plan | None

@@ -3,7 +3,14 @@
 Hit rate (token-weighted) = rate(cached_tokens_total) / rate(prompt_tokens_total), from each
 backend response's ``timings`` (``cache_n`` and ``prompt_n + cache_n``). Labels are bounded:
 endpoint (the fixed route table), status, backend label, error kind, slot phase, decision
-reason, prediction outcome, cache_key outcome, state-store operation.
+reason, prediction outcome, cache_key outcome, state-store operation, disk event and refusal
+reason.
+
+Disk tier: ``disk_events_total{event}`` counts hits (a restore that the next request reused),
+misses (a request the disk tier was asked to serve, with no snapshot of any prefix of it),
+saves (scoped, full and park), restores, bad (restores not reused, snapshot marked bad),
+refusals (layout mismatch, or a failed restore) and evictions (budget); the index size and
+bytes are gauges, and ``disk_policy_info{policy}`` names the default scope.
 """
 
 from __future__ import annotations
@@ -94,3 +101,18 @@ class ProxyMetrics:
         self.cached_tokens = counter(
             "cached_tokens", "Prompt tokens served from a slot's KV cache", ["backend"]
         )
+        self.disk_events = counter(
+            "disk_events",
+            "Disk tier events: hit, miss, save, restore, bad, refusal, eviction",
+            ["event"],
+        )
+        self.disk_saves = counter("disk_saves", "Snapshots written, by kind", ["kind"])
+        self.disk_refusals = counter(
+            "disk_refusals", "Restores refused or failed, by reason", ["reason"]
+        )
+        self.disk_entries = gauge("disk_index_entries", "Snapshots in the index")
+        self.disk_bytes = gauge("disk_bytes", "Bytes of indexed snapshots")
+        self.disk_restored_tokens = counter(
+            "disk_restored_tokens", "Tokens loaded into slots from disk snapshots"
+        )
+        self.disk_policy = gauge("disk_policy_info", "The default disk scope", ["policy"])

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.config import Settings
+from proxy.core.disk_scope import Scope
 from proxy.core.fingerprint import (
     Fingerprint,
     chat_segments,
@@ -28,6 +29,7 @@ from proxy.core.fingerprint import (
 from proxy.core.fleet import Fleet, NoPlacement, Placement
 from proxy.core.routing import Decision, Reason, RoutingParams, route
 from proxy.core.usage import Reply, Usage
+from proxy.disk_tier import DiskPlan, DiskTier
 from proxy.metrics import ProxyMetrics
 from proxy.shared_state import SharedState
 from proxy.tokenizer import TokenCounter
@@ -44,6 +46,7 @@ class Plan:
     wait_until: float
     decision: Decision | None = None
     waits: int = field(default=0)
+    disk: DiskPlan | None = None
 
 
 def routing_params(settings: Settings) -> RoutingParams:
@@ -80,8 +83,10 @@ class Router:
         counter: TokenCounter,
         metrics: ProxyMetrics,
         clock: Callable[[], float],
+        disk: DiskTier | None = None,
     ) -> None:
         self._settings = settings
+        self._disk = disk
         self._fleet = fleet
         self._shared = shared
         self._counter = counter
@@ -106,7 +111,9 @@ class Router:
             ids = self._counter.encode(prompt if isinstance(prompt, str) else str(prompt or ""))
         return fingerprint_tokens(ids, self._settings.routing.block_tokens)
 
-    async def plan(self, request: web.Request, body: dict[str, Any]) -> Plan:
+    async def plan(
+        self, request: web.Request, body: dict[str, Any], scope: Scope | None = None
+    ) -> Plan:
         chat = "messages" in body or "input" in body
         if chat and self.backend_tokens is not None:
             texts = [segment.text for segment in chat_segments(body)]
@@ -120,7 +127,10 @@ class Router:
             if ref is not None and ref[0] in self._labels:
                 hint = (self._labels[ref[0]], ref[1])
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
-        return Plan(fp, chat, key, hint, wait_until)
+        plan = Plan(fp, chat, key, hint, wait_until)
+        if self._disk is not None and self._settings.routing.pin_slots:
+            plan.disk = await self._disk.plan(fp, body, scope)
+        return plan
 
     def decider(self, plan: Plan, avoid: frozenset[int]) -> Callable[[], Placement | NoPlacement]:
         def decide() -> Placement | NoPlacement:
@@ -133,6 +143,7 @@ class Router:
                 affinity=plan.hint,
                 allow_wait=now < plan.wait_until,
                 avoid=avoid,
+                disk=plan.disk.offers if plan.disk is not None else None,
             )
             if isinstance(decision, NoPlacement):
                 return decision

@@ -61,7 +61,8 @@ class SharedState:
     def _ref(self, backend: int, slot: int) -> SlotRef:
         return (self._fleet.backends[backend].label, slot)
 
-    async def _call(self, op: str, call: Awaitable[T], default: T) -> T:
+    async def call(self, op: str, call: Awaitable[T], default: T) -> T:
+        """Await a store operation; on an outage count it, log once, return ``default``."""
         try:
             result = await call
         except StateStoreUnavailable as exc:
@@ -79,7 +80,7 @@ class SharedState:
             return True
         ref = self._ref(placement.backend, placement.pin)
         taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
-        if await self._call("acquire_lease", taken, True):
+        if await self.call("acquire_lease", taken, True):
             self._held.add(ref)
             return True
         return False
@@ -94,13 +95,13 @@ class SharedState:
         ref = self._ref(placement.backend, placement.pin)
         if ref in self._held:
             self._held.discard(ref)
-            await self._call("release_lease", self.store.release_lease(ref, self.owner), None)
+            await self.call("release_lease", self.store.release_lease(ref, self.owner), None)
 
     async def get_affinity(self, key: str) -> SlotRef | None:
-        return await self._call("get_affinity", self.store.get_affinity(key, self._wall()), None)
+        return await self.call("get_affinity", self.store.get_affinity(key, self._wall()), None)
 
     async def set_affinity(self, key: str, ref: SlotRef, ttl: float) -> None:
-        await self._call("set_affinity", self.store.set_affinity(key, ref, ttl, self._wall()), None)
+        await self.call("set_affinity", self.store.set_affinity(key, ref, ttl, self._wall()), None)
 
     async def publish(self, backend: int, slot: int, content: Fingerprint, n_tokens: int) -> None:
         if not self.enabled:
@@ -109,14 +110,14 @@ class SharedState:
         self._fleet.backends[backend].slots[slot].record_at = now
         record = SlotRecord(content.hashes, content.tokens, content.anchor, n_tokens, now)
         put = self.store.put_slot(self._ref(backend, slot), record, self._record_ttl, now)
-        await self._call("put_slot", put, None)
+        await self.call("put_slot", put, None)
 
     async def refresh(self) -> None:
         if not self.enabled or not self.up:
             return
         refs = [(b.label, s.id) for b in self._fleet.backends for s in b.slots]
-        owners = await self._call("lease_owners", self.store.lease_owners(refs, self._wall()), {})
-        records = await self._call("get_slots", self.store.get_slots(refs, self._wall()), {})
+        owners = await self.call("lease_owners", self.store.lease_owners(refs, self._wall()), {})
+        records = await self.call("get_slots", self.store.get_slots(refs, self._wall()), {})
         for backend in self._fleet.backends:
             leased = {
                 s for (label, s), o in owners.items() if label == backend.label and o != self.owner
@@ -131,7 +132,7 @@ class SharedState:
     async def forget_backend(self, index: int) -> None:
         backend = self._fleet.backends[index]
         refs = [(backend.label, s.id) for s in backend.slots]
-        await self._call("clear_slots", self.store.clear_slots(refs), None)
+        await self.call("clear_slots", self.store.clear_slots(refs), None)
 
     async def maintain(self, on_change: Callable[[], None], every: float = 0.5) -> None:
         """Background: renew held leases, refresh the view, detect recovery and resync."""
@@ -142,7 +143,7 @@ class SharedState:
                 continue
             for ref in list(self._held):
                 renew = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
-                await self._call("renew_lease", renew, True)
+                await self.call("renew_lease", renew, True)
             await self.refresh()
             on_change()
 

@@ -9,6 +9,10 @@ and template endpoints and the GET metadata endpoints use no slot. Nothing else 
 aiohttp client errors are translated here: a failed connect (no byte sent) is
 ``UpstreamConnectError`` so the caller may retry elsewhere; silence past the read timeout is
 ``GatewayTimeout``; anything else before the response is ``BadGateway``.
+
+The disk tier's calls (``props``, ``render``, ``tokenize``, ``warm``, ``slot_action``) are
+here too: each returns the decoded JSON answer, or raises ``SlotActionFailed`` with the
+server's message, so the caller never handles aiohttp errors.
 """
 
 from __future__ import annotations
@@ -62,6 +66,10 @@ ROUTES: dict[str, Route] = {
 
 class UpstreamConnectError(BadGateway):
     """The backend refused or could not be reached; nothing was sent."""
+
+
+class SlotActionFailed(Exception):
+    """A disk-tier call (render, tokenize, warm, save, restore) did not succeed."""
 
 
 class LlamaServerClient:
@@ -130,6 +138,57 @@ class LlamaServerClient:
                 return len((await resp.json())["tokens"])
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
             return None
+
+    async def _call(self, base_url: str, path: str, body: dict[str, Any] | None) -> Any:
+        try:
+            if body is None:
+                request = self._session.get(base_url + path, timeout=self._request_timeout)
+            else:
+                request = self._session.post(
+                    base_url + path, json=body, timeout=self._request_timeout
+                )
+            async with request as resp:
+                answer = await resp.json(content_type=None)
+                if resp.status != 200:
+                    error = answer.get("error") if isinstance(answer, dict) else None
+                    message = error.get("message") if isinstance(error, dict) else answer
+                    raise SlotActionFailed(f"{path}: {resp.status} {message}")
+                return answer
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise SlotActionFailed(f"{path}: {type(exc).__name__}") from None
+
+    async def props(self, base_url: str) -> dict[str, Any]:
+        answer = await self._call(base_url, "/props", None)
+        if not isinstance(answer, dict):
+            raise SlotActionFailed("/props: not an object")
+        return answer
+
+    async def render(self, base_url: str, body: dict[str, Any], *, generation: bool) -> str:
+        """The prompt text the chat template renders for ``body`` (``/apply-template``)."""
+        answer = await self._call(
+            base_url, "/apply-template", {**body, "add_generation_prompt": generation}
+        )
+        return str(answer["prompt"])
+
+    async def tokenize(self, base_url: str, text: str) -> list[int]:
+        """Token ids exactly as a chat request tokenizes its rendered prompt (with BOS)."""
+        answer = await self._call(base_url, "/tokenize", {"content": text, "add_special": True})
+        return [int(t) for t in answer["tokens"]]
+
+    async def warm(self, base_url: str, tokens: list[int], slot: int) -> dict[str, Any]:
+        """Prefill ``tokens`` into ``slot`` and nothing else (``n_predict: 0`` leaves exactly
+        the prompt in the KV, reference §7)."""
+        body = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True}
+        answer: dict[str, Any] = await self._call(base_url, "/completion", body)
+        return answer
+
+    async def slot_action(
+        self, base_url: str, slot: int, action: str, filename: str
+    ) -> dict[str, Any]:
+        """``save`` or ``restore`` a slot to or from ``filename`` in the server's save path."""
+        path = f"/slots/{slot}?action={action}"
+        answer: dict[str, Any] = await self._call(base_url, path, {"filename": filename})
+        return answer
 
     async def _slots(self, base_url: str) -> tuple[SlotProbe, ...]:
         async with self._session.get(base_url + "/slots", timeout=self._probe_timeout) as resp:

@@ -34,9 +34,9 @@ def make_settings(urls: list[str], **over: Any) -> Settings:
 async def fakes() -> AsyncIterator[Callable[..., Awaitable[FakeLlamaServer]]]:
     started: list[FakeLlamaServer] = []
 
-    async def start(**kwargs: Any) -> FakeLlamaServer:
+    async def start(port: int = 0, **kwargs: Any) -> FakeLlamaServer:
         server = FakeLlamaServer(**kwargs)
-        await server.start()
+        await server.start(port)
         started.append(server)
         return server
 

@@ -23,11 +23,19 @@ them, at the level the proxy depends on:
 - an aborted request keeps its slot busy for ``abort_release_s`` (the real server polls the
   socket once a second);
 - responses carry ``timings`` (``prompt_n``, ``cache_n``) like the real ones, streamed
-  (last chunk) and not.
+  (last chunk) and not;
+- slot save/restore (``POST /slots/{id}?action=save|restore``, reference §5): 501 without a
+  save directory; filenames with ``/``, ``\\`` or ``..`` are a 400; an action on a busy slot
+  waits until it is idle; a file records the slot's tokens and its KV layout (``n_stream`` =
+  1 with unified KV, else the slot count, and ``n_ctx``) and a restore into another layout,
+  of a missing file, or of more tokens than fit, is a 400 that *wipes the slot*; restores
+  are all or nothing and bypass the RAM cache; token-array prompts are used verbatim
+  (``/tokenize`` ids map back to words).
 
-Tokens are whitespace-led words. Service time is injectable (``prompt_s_per_token``,
-``gen_s_per_token``), and so are faults (``fail_next``, ``hang_next``, ``drop_next``,
-``loading``). No randomness.
+Tokens are whitespace-led words, and template markers (``<|im_end|>``) on their own, so a
+rendering cut at a message boundary tokenizes to a prefix of the whole. Service time is
+injectable (``prompt_s_per_token``, ``gen_s_per_token``), and so are faults (``fail_next``,
+``hang_next``, ``drop_next``, ``loading``). No randomness.
 """
 
 from __future__ import annotations
@@ -36,12 +44,14 @@ import asyncio
 import hashlib
 import json
 import re
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-_TOKEN = re.compile(r"\s*\S+|\s+")
+_TOKEN = re.compile(r"<\|[a-z_]+\|>|\s*(?:(?!<\|)\S)+|\s+")  # special markers alone
 
 
 def tokenize(text: str) -> list[str]:
@@ -54,7 +64,7 @@ def _text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def render_chat(body: dict[str, Any]) -> str:
+def render_chat(body: dict[str, Any], generation: bool = True) -> str:
     out = []
     if body.get("tools"):
         out.append("<|tools|> " + json.dumps(body["tools"], sort_keys=True) + "\n")
@@ -63,7 +73,8 @@ def render_chat(body: dict[str, Any]) -> str:
         out.append(
             f"<|im_start|>{message['role']}\n{_text(message.get('content'))}{calls}<|im_end|>\n"
         )
-    out.append("<|im_start|>assistant\n")
+    if generation:
+        out.append("<|im_start|>assistant\n")
     return "".join(out)
 
 
@@ -97,7 +108,13 @@ class FakeLlamaServer:
         model: str = "fake-model",
         ram_cache: bool = True,
         ram_entries: int = 64,
+        save_dir: Path | None = None,
+        unified: bool = False,
     ) -> None:
+        self.save_dir = save_dir
+        self.unified = unified
+        self.tokens_restored = 0
+        self.slot_actions: list[tuple[str, int, str]] = []
         self.ram_cache = ram_cache
         self.ram_entries = ram_entries
         self.ram: list[list[str]] = []
@@ -144,6 +161,7 @@ class FakeLlamaServer:
             "/embeddings",
         ):
             r.add_post(path, self.complete)
+        r.add_post("/slots/{id}", self.slot_action)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
         r.add_post("/apply-template", self.apply_template)
@@ -227,7 +245,56 @@ class FakeLlamaServer:
         return web.json_response({"content": "".join(words.get(i, "") for i in body["tokens"])})
 
     async def apply_template(self, request: web.Request) -> web.Response:
-        return web.json_response({"prompt": render_chat(await request.json())})
+        body = await request.json()
+        generation = body.get("add_generation_prompt", True) is not False
+        return web.json_response({"prompt": render_chat(body, generation)})
+
+    # -- slot save / restore ---------------------------------------------------------------
+    @property
+    def n_stream(self) -> int:
+        return 1 if self.unified else len(self.slots)
+
+    async def slot_action(self, request: web.Request) -> web.Response:
+        if self.save_dir is None:
+            return self._error(
+                501, "This server does not support slots action.", "not_supported_error"
+            )
+        action = request.query.get("action", "")
+        if action not in ("save", "restore", "erase"):
+            return self._error(400, "Invalid action", "invalid_request_error")
+        slot = self.slots[int(request.match_info["id"]) % len(self.slots)]
+        name = str((await request.json()).get("filename", "")) if action != "erase" else ""
+        if action != "erase" and (not name or "/" in name or "\\" in name or ".." in name):
+            return self._error(400, "Invalid filename", "invalid_request_error")
+        async with self._changed:  # deferred until the slot is idle
+            await self._changed.wait_for(lambda: not slot.busy)
+        self.slot_actions.append((action, slot.id, name))
+        started = time.perf_counter()
+        path = self.save_dir / name
+        if action == "erase":
+            n, slot.tokens = len(slot.tokens), []
+            return web.json_response({"id_slot": slot.id, "n_erased": n})
+        if action == "save":
+            layout = {"n_stream": self.n_stream, "n_ctx": self.n_ctx}
+            data = json.dumps({"layout": layout, "tokens": slot.tokens}).encode()
+            path.write_bytes(data)
+            return _slot_answer(slot.id, name, "saved", "written", len(slot.tokens), data, started)
+        try:
+            data = path.read_bytes()
+            saved = json.loads(data)
+            ok = saved["layout"] == {"n_stream": self.n_stream, "n_ctx": self.n_ctx}
+            ok = ok and len(saved["tokens"]) < self.n_ctx
+        except (OSError, ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            slot.tokens = []  # a failed restore wipes the slot
+            message = (
+                "Unable to restore slot: No available space in KV cache or invalid slot save file"
+            )
+            return self._error(400, message, "invalid_request_error")
+        slot.tokens = list(saved["tokens"])
+        self.tokens_restored += len(slot.tokens)
+        return _slot_answer(slot.id, name, "restored", "read", len(slot.tokens), data, started)
 
     # -- completion -----------------------------------------------------------------------
     def _prompt(self, path: str, body: dict[str, Any]) -> str:
@@ -237,6 +304,9 @@ class FakeLlamaServer:
             text = body.get("input")
             return text if isinstance(text, str) else json.dumps(text)
         prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            words = {v: k for k, v in self._vocab.items()}
+            return "".join(words.get(t, f" <{t}>") for t in prompt)
         if path == "/infill":
             prompt = body.get("input_prefix", "") + str(prompt) + body.get("input_suffix", "")
         return prompt if isinstance(prompt, str) else json.dumps(prompt)
@@ -419,6 +489,23 @@ class FakeLlamaServer:
             await response.write(_sse(event))
         await response.write_eof()
         return response
+
+
+def _slot_answer(
+    slot: int, name: str, verb: str, io: str, tokens: int, data: bytes, started: float
+) -> web.Response:
+    """The answer to a save or restore, shaped like llama-server's (reference §5)."""
+    ms = (time.perf_counter() - started) * 1000
+    timing = "save_ms" if verb == "saved" else "restore_ms"
+    return web.json_response(
+        {
+            "id_slot": slot,
+            "filename": name,
+            f"n_{verb}": tokens,
+            f"n_{io}": len(data),
+            "timings": {timing: ms},
+        }
+    )
 
 
 def _sse(obj: Any) -> bytes:

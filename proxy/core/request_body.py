@@ -4,7 +4,9 @@ The proxy is transparent: it checks only the types of the fields it must underst
 route the request (``stream``, ``n``/``n_cmpl``, ``id_slot``, ``messages``, ``prompt``,
 token limits, ``model``) and leaves every other field, known or not, to llama-server.
 It owns exactly two fields, ``id_slot`` and ``cache_prompt``: ``pin_body`` sets them and
-nothing else, so the forwarded body is the client's body plus those two keys.
+nothing else, so the forwarded body is the client's body plus those two keys — minus
+``prefix_cache`` (``{"scope": "auto:8", "window": 8}``), the proxy's own per-request disk
+policy, which is validated here and never forwarded.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.core.disk_scope import Scope, parse_scope, with_window
 from proxy.errors import InvalidRequest
 
 _INT_FIELDS = ("n", "n_cmpl", "max_tokens", "max_completion_tokens", "n_predict", "id_slot")
@@ -26,6 +29,7 @@ class ParsedBody:
     stream: bool
     completions: int
     client_id_slot: int | None
+    prefix_cache: Scope | None = None  # per-request disk scope (stripped from ``data``)
 
 
 def _type_error(field: str, expected: str) -> InvalidRequest:
@@ -86,7 +90,29 @@ def parse_body(raw: bytes, *, chat: bool) -> ParsedBody:
         stream=bool(data.get("stream", False)),
         completions=completions or 1,
         client_id_slot=data.get("id_slot"),
+        prefix_cache=_prefix_cache(data.pop("prefix_cache", None)),
     )
+
+
+def _prefix_cache(value: Any) -> Scope | None:
+    """``{"scope": ..., "window": N}`` -> Scope; either key may be absent."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"scope", "window"}:
+        raise _type_error("prefix_cache", "an object with 'scope' and/or 'window'")
+    scope, window = value.get("scope", "auto"), value.get("window")
+    if not isinstance(scope, str):
+        raise _type_error("prefix_cache.scope", "a string")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise _type_error("prefix_cache.window", "an integer")
+    try:
+        parsed = parse_scope(scope)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="prefix_cache.scope", code="invalid_value") from None
+    try:
+        return with_window(parsed, window)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="prefix_cache.window", code="invalid_value") from None
 
 
 def pin_body(data: dict[str, Any], slot: int | None) -> bytes:

@@ -5,39 +5,23 @@ Inputs: the request's fingerprint (hash chain + cumulative token estimates), the
 hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
 ``NoPlacement`` when nothing can run now.
 
-1. *Predicted reuse* of slot s: the tokens of the longest common segment prefix of the
-   request and s's content, capped at the prompt length minus one (llama-server always
-   re-evaluates a token). On backends marked ``exact`` (hybrid, recurrent, or sliding-window
-   models without ``--swa-full``) a slot counts only if its whole content is a strict prefix
-   of the request: those models cannot roll back into the middle of a cached sequence.
-   llama-server's host-RAM prompt cache is modelled per backend (``BackendState.ghosts``:
-   contents its slots held that were overwritten): pinning to a non-empty slot that would
-   lose more than half its content makes the server load the best RAM entry instead, so a
-   session parked there is predicted to come back whole (``predicted_reuse``).
-2. *Eviction damage* of s, weighted by recency ``0.5 ** (age / value_half_life_s)``: when
-   the request continues s's conversation (the shared prefix reaches s's first user message,
-   ``Fingerprint.same_conversation``), only the tail it overwrites (s's tokens beyond the
-   shared prefix); otherwise s's whole content, since that conversation loses its slot.
-   Content of another conversation evicted on a backend with the RAM cache, by a request
-   that keeps less than half of it, is parked there rather than lost (and comes back the
-   same way), so its damage is scaled by ``ram_discount``.
-   *Score* = reuse - ``eviction_weight`` * damage. So a continuing session scores its whole
-   history, while a new session that shares only the system prompt with another session's
-   slot prefers an empty or stale slot to taking that one.
-3. *cache_key affinity* (seed 000, done outside the server): a keyed request whose mapped
+1. *Scores* (``core.scoring``): per idle slot, predicted reuse (the slot's KV, the backend's
+   RAM prompt cache, or a disk snapshot restored into it) minus restore cost and the recency-
+   weighted damage of evicting what the slot holds.
+2. *cache_key affinity* (seed 000, done outside the server): a keyed request whose mapped
    slot is idle reuses it only when the overlap is real — predicted reuse / prompt tokens
    >= ``key_similarity`` and reuse >= ``key_min_prefix`` tokens ("reuse"). A busy mapped slot is
    skipped ("busy"); a too-small overlap ("unsafe") routes normally.
-4. *Load gate* (like SGLang's cache-aware policy): with ``load`` = busy slots of a backend,
+3. *Load gate* (like SGLang's cache-aware policy): with ``load`` = busy slots of a backend,
    the fleet is imbalanced when ``max - min > balance_abs`` and ``max > balance_rel * min``.
    Then a best candidate on a backend loaded above ``min + balance_abs`` is dropped for the
    least loaded backend ("balance"), so a hot prefix does not pile onto one backend.
-5. Best idle candidate by (score, -backend load, -age) with reuse >= ``min_prefix_tokens``
+4. Best idle candidate by (score, -backend load, -age) with reuse >= ``min_prefix_tokens``
    and a positive score: "prefix". Otherwise "cold": among backends loaded at most
    ``balance_abs`` above the least loaded one, the idle slot with the best score (empty or
    least valuable first, then the less loaded backend). "balance" does the same restricted
    to the least loaded backends.
-6. *Waiting*: if a slot that is busy (in flight, draining, or used elsewhere), or a backend
+5. *Waiting*: if a slot that is busy (in flight, draining, or used elsewhere), or a backend
    with no idle slot whose RAM cache holds the request's prefix (``wait_for`` slot -1: any
    of its slots), would save at least ``wait_min_tokens`` more than the best idle choice,
    and waiting is allowed, the decision is to wait ("wait"); the caller re-decides whenever
@@ -49,41 +33,38 @@ slot id, so the same inputs always give the same decision.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from proxy.core.fingerprint import Fingerprint, common_segments
+from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import (
     BackendPhase,
     BackendState,
     NoPlacement,
     Placement,
     SlotPhase,
-    SlotState,
 )
 from proxy.core.placement import why_not
+from proxy.core.scoring import (
+    Candidate,
+    RoutingParams,
+    candidate,
+    ghost_reuse,
+    predicted_reuse,
+)
+from proxy.core.snapshots import Offer
+
+__all__ = ["Decision", "Reason", "RoutingParams", "predicted_reuse", "route"]
 
 
 class Reason(StrEnum):
     AFFINITY = "affinity"
     PREFIX = "prefix"
+    DISK = "disk"  # best served by restoring a disk snapshot
     COLD = "cold"
     BALANCE = "balance"
     WAIT = "wait"
-
-
-@dataclass(frozen=True)
-class RoutingParams:
-    min_prefix_tokens: int = 16
-    wait_min_tokens: int = 1024
-    eviction_weight: float = 1.0
-    value_half_life_s: float = 600.0
-    balance_abs: int = 2
-    balance_rel: float = 1.5
-    key_similarity: float = 0.5
-    key_min_prefix: int = 64
-    ram_discount: float = 0.1  # eviction damage when the evicted content stays in host RAM
 
 
 @dataclass(frozen=True)
@@ -93,73 +74,7 @@ class Decision:
     predicted: int
     wait_for: tuple[int, int] | None = None
     key_outcome: str | None = None  # reuse | busy | unsafe, for keyed requests
-
-
-@dataclass(frozen=True)
-class _Candidate:
-    backend: BackendState
-    slot: SlotState
-    reuse: int
-    score: float
-    load: int  # busy slots of the backend when the decision was made
-
-
-def _shared(fp: Fingerprint, content: Fingerprint | None) -> int:
-    return common_segments(fp.hashes, content.hashes) if content is not None else 0
-
-
-def _reuse(fp: Fingerprint, content: Fingerprint, exact: bool, shared: int | None = None) -> int:
-    shared = _shared(fp, content) if shared is None else shared
-    if exact and (shared < len(content.hashes) or shared == len(fp.hashes)):
-        return 0
-    return max(0, min(fp.tokens_at(shared), fp.total - 1))
-
-
-def predicted_reuse(fp: Fingerprint, slot: SlotState, exact: bool, parked: int = 0) -> int:
-    """Tokens the server will reuse if the request is pinned to ``slot``.
-
-    Besides the slot's own content, llama-server's RAM prompt cache (``parked``: the best
-    reuse any entry parked there offers, ``_ghost_reuse``) is consulted when the pinned slot
-    would lose more than half its content (``f_keep < 0.5``) and is not empty (an empty pinned
-    slot skips the cache, upstream #28139).
-    """
-    content = slot.expected
-    if content is None or not fp.hashes:
-        return 0
-    direct = _reuse(fp, content, exact)
-    if parked > direct and content.total and direct / content.total < 0.5:
-        return parked
-    return direct
-
-
-def _recency(slot: SlotState, now: float, params: RoutingParams) -> float:
-    age = max(0.0, now - slot.last_used)
-    return float(0.5 ** (age / params.value_half_life_s))
-
-
-def _candidate(
-    fp: Fingerprint,
-    backend: BackendState,
-    slot: SlotState,
-    now: float,
-    params: RoutingParams,
-    parked: int = 0,
-    load: int = 0,
-) -> _Candidate:
-    content = slot.content  # an idle slot: what its KV holds
-    if content is None or not fp.hashes:
-        return _Candidate(backend, slot, 0, 0.0, load)
-    shared = _shared(fp, content)
-    direct = _reuse(fp, content, backend.exact, shared)
-    keeps_half = content.total > 0 and direct >= 0.5 * content.total
-    reuse = parked if parked > direct and not keeps_half and content.total else direct
-    ours = content.same_conversation(shared)
-    lost = max(0, content.total - reuse) if ours else content.total
-    # Another conversation's content is parked in host RAM, and can come back later, only
-    # when this request keeps less than half of it (the server's own f_keep < 0.5 rule).
-    discount = params.ram_discount if backend.ram and not ours and not keeps_half else 1.0
-    damage = lost * _recency(slot, now, params) * discount
-    return _Candidate(backend, slot, reuse, reuse - params.eviction_weight * damage, load)
+    restore: Offer | None = None  # restore this disk snapshot into the slot first
 
 
 def _imbalanced(loads: Sequence[int], params: RoutingParams) -> bool:
@@ -167,7 +82,7 @@ def _imbalanced(loads: Sequence[int], params: RoutingParams) -> bool:
     return high - low > params.balance_abs and high > params.balance_rel * low
 
 
-def _rank(candidate: _Candidate) -> tuple[float, int, int, float, int]:
+def _rank(candidate: Candidate) -> tuple[float, int, int, float, int]:
     c = candidate
     return (c.score, -c.load, -c.backend.index, -c.slot.last_used, -c.slot.id)
 
@@ -178,12 +93,13 @@ def _cold(
     now: float,
     params: RoutingParams,
     reason: Reason,
+    disk: Mapping[int, Offer],
 ) -> Decision:
     loads = {b.index: b.busy_count() for b in ready}
     least = min(loads.values())
     limit = least if reason is Reason.BALANCE else least + params.balance_abs
     options = [
-        _candidate(fp, b, s, now, params, _ghost_reuse(fp, b), loads[b.index])
+        candidate(fp, b, s, now, params, ghost_reuse(fp, b), loads[b.index], disk.get(b.index))
         for b in ready
         if loads[b.index] <= limit
         for s in b.idle_slots()
@@ -191,9 +107,11 @@ def _cold(
     return _place(max(options, key=_rank), reason)
 
 
-def _place(candidate: _Candidate, reason: Reason, key: str | None = None) -> Decision:
+def _place(candidate: Candidate, reason: Reason, key: str | None = None) -> Decision:
     placement = Placement(candidate.backend.index, (candidate.slot.id,), candidate.slot.id)
-    return Decision(placement, reason, candidate.reuse, key_outcome=key)
+    if candidate.restore is not None and reason is Reason.PREFIX:
+        reason = Reason.DISK
+    return Decision(placement, reason, candidate.reuse, key_outcome=key, restore=candidate.restore)
 
 
 def _affinity(
@@ -202,16 +120,16 @@ def _affinity(
     hint: tuple[int, int],
     now: float,
     params: RoutingParams,
-) -> tuple[_Candidate | None, str]:
+    disk: Mapping[int, Offer],
+) -> tuple[Candidate | None, str]:
     index, slot_id = hint
     if index >= len(backends) or slot_id >= len(backends[index].slots):
         return None, "unsafe"
     backend, slot = backends[index], backends[index].slots[slot_id]
     if backend.phase is not BackendPhase.READY or slot.phase is not SlotPhase.IDLE:
         return None, "busy"
-    found = _candidate(
-        fp, backend, slot, now, params, _ghost_reuse(fp, backend), backend.busy_count()
-    )
+    parked, load = ghost_reuse(fp, backend), backend.busy_count()
+    found = candidate(fp, backend, slot, now, params, parked, load, disk.get(index))
     similar = fp.total > 0 and found.reuse / fp.total >= params.key_similarity
     if similar and found.reuse >= params.key_min_prefix:
         return found, "reuse"
@@ -227,18 +145,21 @@ def route(
     affinity: tuple[int, int] | None = None,
     allow_wait: bool = True,
     avoid: frozenset[int] = frozenset(),
+    disk: Mapping[int, Offer] | None = None,
 ) -> Decision | NoPlacement:
+    """The decision for ``fp``; ``disk``: per backend, the best snapshot it could restore."""
+    disk = disk or {}
     usable = [b for b in backends if b.index not in avoid]
     ready = [b for b in usable if b.phase is BackendPhase.READY and b.idle_slots()]
     key = None
     if affinity is not None and affinity[0] not in avoid:
-        chosen, key = _affinity(fp, backends, affinity, now, params)
+        chosen, key = _affinity(fp, backends, affinity, now, params, disk)
         if chosen is not None:
             return _place(chosen, Reason.AFFINITY, key)
-    parked = {b.index: _ghost_reuse(fp, b) for b in usable if b.phase is BackendPhase.READY}
+    parked = {b.index: ghost_reuse(fp, b) for b in usable if b.phase is BackendPhase.READY}
     load = {b.index: b.busy_count() for b in usable if b.phase is BackendPhase.READY}
     idle = [
-        _candidate(fp, b, s, now, params, parked[b.index], load[b.index])
+        candidate(fp, b, s, now, params, parked[b.index], load[b.index], disk.get(b.index))
         for b in ready
         for s in b.idle_slots()
     ]
@@ -250,32 +171,22 @@ def route(
         return why_not(backends, avoid)
     loads = list(load.values())
     if _imbalanced(loads, params) and best.load > min(loads) + params.balance_abs:
-        return _with_key(_cold(fp, ready, now, params, Reason.BALANCE), key)
+        return _with_key(_cold(fp, ready, now, params, Reason.BALANCE, disk), key)
     if best.reuse >= params.min_prefix_tokens and best.score > 0:
         return _place(best, Reason.PREFIX, key)
-    return _with_key(_cold(fp, ready, now, params, Reason.COLD), key)
+    return _with_key(_cold(fp, ready, now, params, Reason.COLD, disk), key)
 
 
 def _with_key(decision: Decision, key: str | None) -> Decision:
     if key is None:
         return decision
-    return Decision(decision.placement, decision.reason, decision.predicted, key_outcome=key)
-
-
-def _ghost_reuse(fp: Fingerprint, backend: BackendState) -> int:
-    """What the backend's RAM prompt cache could restore for this request."""
-    best = 0
-    for ghost in backend.ghosts if backend.ram else ():
-        reuse = _reuse(fp, ghost, backend.exact)
-        if ghost.total and reuse / ghost.total >= 0.25:
-            best = max(best, reuse)
-    return best
+    return replace(decision, key_outcome=key)
 
 
 def _worth_waiting(
     fp: Fingerprint,
     backends: Sequence[BackendState],
-    best: _Candidate | None,
+    best: Candidate | None,
     params: RoutingParams,
     parked: dict[int, int],
 ) -> tuple[tuple[int, int], int] | None:

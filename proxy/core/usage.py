@@ -33,6 +33,7 @@ class Usage:
     cached_tokens: int
     slot_tokens: int | None = None  # KV length of the slot after the request, when reported
     completion_tokens: int | None = None
+    prompt_ms: float | None = None  # time the server spent on the processed prompt tokens
 
     @property
     def kv_tokens(self) -> int:
@@ -53,7 +54,11 @@ def _from_timings(timings: Any, obj: dict[str, Any]) -> Usage | None:
     if processed is None or cached is None:
         return None
     completion = _as_int(timings.get("predicted_n"))
-    return Usage(processed + cached, cached, _as_int(obj.get("tokens_cached")), completion)
+    ms = timings.get("prompt_ms")
+    prompt_ms = float(ms) if isinstance(ms, int | float) and not isinstance(ms, bool) else None
+    return Usage(
+        processed + cached, cached, _as_int(obj.get("tokens_cached")), completion, prompt_ms
+    )
 
 
 def _from_usage(usage: Any) -> Usage | None:

@@ -7,7 +7,9 @@ What it holds (every key has a TTL or a bound):
 - *leases*: (backend, slot) -> owner, taken before a request is pinned and released after,
   with a TTL that frees the slot of a replica that died; ``acquire_lease`` is atomic
   (set-if-absent), so two replicas never pin one slot at once;
-- *windows*: per model, the last N request fingerprints (bounded list), for the disk tier.
+- *windows*: per model, the last N request fingerprints (bounded list), for the disk tier;
+- *snapshots*: the disk tier's index, index key -> packed entries (``core.snapshots``),
+  bounded by the disk budget (entries are deleted with their files), so it has no TTL.
 
 Semantics both implementations keep (``tests/contract``): a lease can be taken by one owner
 at a time and renewed or released only by it; expired entries read as absent; a window keeps
@@ -82,6 +84,14 @@ class StateStore(Protocol):
     ) -> None: ...
 
     async def window(self, name: str, now: float) -> list[bytes]: ...
+
+    async def get_snapshots(self, keys: Sequence[str]) -> dict[str, bytes]: ...
+
+    async def put_snapshots(self, key: str, value: bytes) -> None: ...
+
+    async def delete_snapshots(self, keys: Sequence[str]) -> None: ...
+
+    async def all_snapshots(self) -> dict[str, bytes]: ...
 
     async def ping(self) -> None: ...
 

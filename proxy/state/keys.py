@@ -1,4 +1,5 @@
-"""Redis key names, in one versioned namespace. Every key written has a TTL."""
+"""Redis key names, in one versioned namespace. Every key written has a TTL, except the
+snapshot index, which the disk budget bounds."""
 
 from __future__ import annotations
 
@@ -19,3 +20,6 @@ def slot(backend: str, slot_id: int) -> str:
 
 def window(name: str) -> str:
     return f"{PREFIX}win:{name}"
+
+
+SNAPSHOTS = f"{PREFIX}snapshots"

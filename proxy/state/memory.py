@@ -17,6 +17,7 @@ class InMemoryStateStore:
     def __init__(self, *, max_entries: int = 100_000) -> None:
         self._data: dict[tuple[str, Any], tuple[Any, float]] = {}
         self._max = max_entries
+        self._snapshots: dict[str, bytes] = {}
 
     def _get(self, key: tuple[str, Any], now: float) -> Any:
         found = self._data.get(key)
@@ -74,6 +75,19 @@ class InMemoryStateStore:
     async def window(self, name: str, now: float) -> list[bytes]:
         entries: list[bytes] = self._get(("win", name), now) or []
         return list(entries)
+
+    async def get_snapshots(self, keys: Sequence[str]) -> dict[str, bytes]:
+        return {k: self._snapshots[k] for k in keys if k in self._snapshots}
+
+    async def put_snapshots(self, key: str, value: bytes) -> None:
+        self._snapshots[key] = value
+
+    async def delete_snapshots(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._snapshots.pop(key, None)
+
+    async def all_snapshots(self) -> dict[str, bytes]:
+        return dict(self._snapshots)
 
     async def ping(self) -> None:
         return None

@@ -3,7 +3,8 @@
 Leases are ``SET key owner NX PX ttl`` (atomic take), renewed by the same owner with a Lua
 compare-and-set and released with a Lua compare-and-delete, so one replica can never free
 another's lease. Slot records are packed binary values; windows are capped lists
-(``LPUSH`` + ``LTRIM``). Reads of many slots use one ``MGET``. Every redis error becomes
+(``LPUSH`` + ``LTRIM``); the snapshot index is one hash (``HMGET``/``HSET``/``HDEL``).
+Reads of many slots use one ``MGET``. Every redis error becomes
 ``StateStoreUnavailable`` here; short socket timeouts keep a dead Redis from stalling
 requests (the caller then routes on local state).
 """
@@ -113,6 +114,23 @@ class RedisStateStore:
     async def window(self, name: str, now: float) -> list[bytes]:
         values = await _call(self._redis.lrange(keys.window(name), 0, -1))
         return [_bytes(v) for v in values]
+
+    async def get_snapshots(self, keys_: Sequence[str]) -> dict[str, bytes]:
+        if not keys_:
+            return {}
+        values = await _call(self._redis.hmget(keys.SNAPSHOTS, list(keys_)))
+        return {k: _bytes(v) for k, v in zip(keys_, values, strict=True) if v is not None}
+
+    async def put_snapshots(self, key: str, value: bytes) -> None:
+        await _call(self._redis.hset(keys.SNAPSHOTS, key, value))
+
+    async def delete_snapshots(self, keys_: Sequence[str]) -> None:
+        if keys_:
+            await _call(self._redis.hdel(keys.SNAPSHOTS, *keys_))
+
+    async def all_snapshots(self) -> dict[str, bytes]:
+        found = await _call(self._redis.hgetall(keys.SNAPSHOTS))
+        return {_bytes(k).decode(): _bytes(v) for k, v in found.items()}
 
     async def ping(self) -> None:
         await _call(self._redis.ping())

@@ -97,3 +97,16 @@ async def test_unreachable_redis_raises_unavailable() -> None:
     with pytest.raises(StateStoreUnavailable):
         await store.acquire_lease(("b", 0), "r", 1, now())
     await store.close()
+
+
+async def test_snapshot_index_put_get_delete_list(store: StateStore) -> None:
+    assert await store.get_snapshots(["a", "b"]) == {}
+    await store.put_snapshots("a", b"[1]")
+    await store.put_snapshots("b", b"[2]")
+    await store.put_snapshots("a", b"[3]")  # replaces
+    assert await store.get_snapshots(["a", "b", "c"]) == {"a": b"[3]", "b": b"[2]"}
+    assert await store.all_snapshots() == {"a": b"[3]", "b": b"[2]"}
+    await store.delete_snapshots(["a", "missing"])
+    assert await store.all_snapshots() == {"b": b"[2]"}
+    await store.delete_snapshots([])
+    assert await store.get_snapshots([]) == {}

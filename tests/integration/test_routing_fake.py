@@ -166,7 +166,7 @@ async def test_admin_slot_table_needs_the_token(fakes: Any, proxy: Any) -> None:
 
 async def test_backend_tokenizer_counts_segments_with_the_backend(fakes: Any, proxy: Any) -> None:
     fake = await fakes(n_slots=1)
-    client = await proxy([fake], routing={"tokenizer": "backend"})
+    client = await proxy([fake], routing={"tokenizer": "backend"}, disk={"prefix_cache": "off"})
     body = session_turn(0, 1, [])
     await client.post("/v1/chat/completions", json=body)
     first_calls = fake.tokenize_calls

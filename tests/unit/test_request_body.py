@@ -49,3 +49,35 @@ def test_pin_body_sets_only_owned_fields() -> None:
     }
     assert json.loads(pin_body(data, None)) == {"prompt": "x", "cache_prompt": True, "z": "é"}
     assert data["id_slot"] == 9  # the client's dict is not modified
+
+
+def test_prefix_cache_is_parsed_and_stripped() -> None:
+    parsed = parse_body(
+        b'{"prompt": "x", "prefix_cache": {"scope": "auto:8"}, "temperature": 0}', chat=False
+    )
+    assert str(parsed.prefix_cache) == "auto:8"
+    assert "prefix_cache" not in parsed.data
+    assert b"prefix_cache" not in pin_body(parsed.data, 0)
+    windowed = parse_body(b'{"prompt": "x", "prefix_cache": {"window": 4}}', chat=False)
+    assert str(windowed.prefix_cache) == "auto:4"
+    fixed = parse_body(b'{"prompt": "x", "prefix_cache": {"scope": "1000"}}', chat=False)
+    assert str(fixed.prefix_cache) == "1000"
+    assert parse_body(b'{"prompt": "x"}', chat=False).prefix_cache is None
+
+
+@pytest.mark.parametrize(
+    ("value", "param"),
+    [
+        ('{"scope": "sometimes"}', "prefix_cache.scope"),
+        ('{"scope": "auto:0"}', "prefix_cache.scope"),
+        ('{"scope": 5}', "prefix_cache.scope"),
+        ('{"window": 0}', "prefix_cache.window"),
+        ('{"window": "8"}', "prefix_cache.window"),
+        ('{"other": 1}', "prefix_cache"),
+        ('"auto"', "prefix_cache"),
+    ],
+)
+def test_bad_prefix_cache_is_a_400_naming_the_field(value: str, param: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_body(f'{{"prompt": "x", "prefix_cache": {value}}}'.encode(), chat=False)
+    assert caught.value.param == param

@@ -1,0 +1,177 @@
+"""The disk tier's slot operations: park, restore, scoped save, whole-slot save.
+
+Each runs while the proxy holds the slot (claimed and leased, nothing of a client's in
+flight on it) and talks to llama-server only through ``upstream``. None raises: a failure is
+logged, counted, and leaves the fleet's picture of the slot true (a failed restore wipes the
+slot in llama-server, so the slot is then marked empty).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from proxy.core.fingerprint import Fingerprint, common_segments
+from proxy.core.snapshots import Layout, Snapshot, file_name
+from proxy.metrics import ProxyMetrics
+from proxy.upstream import LlamaServerClient, SlotActionFailed
+
+if TYPE_CHECKING:
+    from proxy.disk_tier import DiskPlan, DiskTier
+
+log = logging.getLogger(__name__)
+SAFE_BOUNDARY_TRIES = 3  # boundaries stepped down when a template rewrites earlier turns
+
+
+def prefix_of(fp: Fingerprint, segments: int) -> Fingerprint:
+    return Fingerprint(fp.hashes[:segments], fp.tokens[:segments], fp.anchor)
+
+
+class DiskSteps:
+    def __init__(self, client: LlamaServerClient, tier: DiskTier, metrics: ProxyMetrics) -> None:
+        self._client = client
+        self._tier = tier
+        self._metrics = metrics
+
+    def _url(self, index: int) -> str:
+        return self._tier.settings.backends[index].base_url
+
+    def _unsupported(self, index: int, exc: SlotActionFailed) -> None:
+        if " 501 " in str(exc):
+            log.warning("[disk-cache] backend %d has no --slot-save-path: disk tier off", index)
+            self._tier.backends[index].supported = False
+
+    async def save_slot(
+        self,
+        dp: DiskPlan,
+        content: Fingerprint,
+        segments: int,
+        index: int,
+        slot: int,
+        layout: Layout,
+        kind: str,
+    ) -> Snapshot | None:
+        """Save the slot as it is now, indexed as the first ``segments`` of ``content``."""
+        if segments == 0 or content.tokens_at(segments) < self._tier.settings.disk.min_tokens:
+            return None
+        chain = content.hashes[segments - 1]
+        if any(s.directory == self._tier.directory(index) for s in dp.lookup_chain(chain)):
+            return None  # already on disk
+        try:
+            answer = await self._client.slot_action(
+                self._url(index), slot, "save", file_name(layout, chain)
+            )
+        except SlotActionFailed as exc:
+            log.warning("[disk-cache] %s save on slot %d failed: %s", kind, slot, exc)
+            self._unsupported(index, exc)
+            return None
+        snapshot = self._tier.snapshot(layout, index, content, segments, answer)
+        await self._tier.index.put(snapshot)
+        dp.saved[chain] = snapshot
+        self._metrics.disk_events.labels("save").inc()
+        self._metrics.disk_saves.labels(kind).inc()
+        log.info(
+            "[disk-cache] %s save: %d tokens, %d bytes -> %s",
+            kind,
+            snapshot.tokens,
+            snapshot.nbytes,
+            snapshot.name,
+        )
+        await self._tier.index.enforce_budget(snapshot.directory)
+        return snapshot
+
+    async def park(
+        self, dp: DiskPlan, fp: Fingerprint, index: int, slot_id: int, layout: Layout
+    ) -> None:
+        """Save another conversation's long, recently used content before it is overwritten."""
+        disk = self._tier.settings.disk
+        slot = self._tier.fleet.backends[index].slots[slot_id]
+        content = slot.content
+        if not disk.park or content is None or content.total < disk.park_min_tokens:
+            return
+        shared = common_segments(fp.hashes, content.hashes)
+        if content.same_conversation(shared) or content.tokens_at(shared) >= content.total / 2:
+            return  # the request continues it, or keeps most of it
+        half_life = self._tier.settings.routing.value_half_life_seconds
+        if self._tier.now() - slot.last_used > half_life:
+            return  # not recently active: not worth a file
+        found = await self._tier.index.find(content, [layout.model_id], content.total)
+        dp.found.extend(e for entries in found.values() for e in entries)
+        await self.save_slot(dp, content, len(content.hashes), index, slot_id, layout, "park")
+
+    async def restore(self, dp: DiskPlan, snapshot: Snapshot, index: int, slot_id: int) -> None:
+        exists = self._tier.index.file_exists(snapshot)
+        slot = self._tier.fleet.backends[index].slots[slot_id]
+        if exists is False:
+            log.warning("[disk-cache] %s is gone from disk: forgotten", snapshot.name)
+            await self._tier.index.forget(snapshot)
+            return
+        try:
+            answer = await self._client.slot_action(
+                self._url(index), slot_id, "restore", snapshot.name
+            )
+        except SlotActionFailed as exc:
+            # llama-server wipes the slot on any failed restore
+            slot.content, slot.n_tokens = None, 0
+            self._metrics.disk_refusals.labels("failed").inc()
+            self._metrics.disk_events.labels("refusal").inc()
+            log.warning("[disk-cache] restore of %s failed: %s", snapshot.name, exc)
+            self._unsupported(index, exc)
+            await self._tier.index.put(replace(snapshot, bad=True))
+            return
+        restored = int(answer.get("n_restored", 0))
+        timings = answer.get("timings") or {}
+        self._tier.learn_restore(
+            index, int(answer.get("n_read", 0)), float(timings.get("restore_ms", 0))
+        )
+        slot.content, slot.n_tokens = prefix_of(dp.fp, snapshot.segments), restored
+        dp.restored, dp.restored_tokens = snapshot, restored
+        self._metrics.disk_events.labels("restore").inc()
+        self._metrics.disk_restored_tokens.inc(restored)
+        log.info(
+            "[disk-cache] restored %d tokens from %s into slot %d", restored, snapshot.name, slot_id
+        )
+
+    async def scoped_save(
+        self,
+        dp: DiskPlan,
+        fp: Fingerprint,
+        segments: int,
+        index: int,
+        slot_id: int,
+        body: dict[str, Any],
+        layout: Layout,
+    ) -> None:
+        """Prefill exactly the selected prefix (stepping down to a safe boundary), save it."""
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return
+        url = self._url(index)
+        try:
+            full = await self._client.render(url, body, generation=True)
+            full_ids = await self._client.tokenize(url, full)
+            for k in range(segments, max(1, segments - SAFE_BOUNDARY_TRIES), -1):
+                chain = fp.hashes[k - 1]
+                if any(s.directory == self._tier.directory(index) for s in dp.lookup_chain(chain)):
+                    return  # this prefix is on disk already
+                prefix = await self._client.render(
+                    url, {**body, "messages": messages[: k - 1]}, generation=False
+                )
+                if not full.startswith(prefix):
+                    continue  # the template renders earlier turns differently later on
+                ids = await self._client.tokenize(url, prefix)
+                if ids != full_ids[: len(ids)] or len(ids) >= len(full_ids):
+                    continue
+                if dp.scope.tokens and len(ids) > dp.scope.tokens:
+                    continue  # fixed N: align down
+                if len(ids) < self._tier.settings.disk.min_tokens:
+                    return
+                await self._client.warm(url, ids, slot_id)
+                slot = self._tier.fleet.backends[index].slots[slot_id]
+                slot.content, slot.n_tokens = prefix_of(fp, k), len(ids)
+                await self.save_slot(dp, fp, k, index, slot_id, layout, "scoped")
+                return
+        except SlotActionFailed as exc:
+            log.warning("[disk-cache] scoped save skipped: %s", exc)
+            self._unsupported(index, exc)

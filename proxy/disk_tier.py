@@ -1,0 +1,310 @@
+"""The disk tier: KV snapshots of stable prefixes through llama-server's slot save/restore.
+
+Per routed request whose scope is not ``off`` (``--disk-prefix-cache``, or the request's
+``prefix_cache``):
+
+1. ``plan`` (before routing): read the window of recent requests of the model and look up
+   snapshots of every prefix of the request; routing weighs them (``core.scoring``).
+2. ``before`` (the slot is ours, nothing sent yet), in order:
+   - *park before evict*: if the slot holds another conversation's long, recently used
+     content that this request will overwrite and no snapshot of it exists, save it first;
+   - *restore* the snapshot routing chose into the slot (a failure wipes the slot: it is
+     then marked empty, the entry forgotten if its file is gone, else marked bad);
+   - *scoped save* (``auto:N``/``N``, chat requests): select the prefix
+     (``core.disk_scope``), check its boundary is safe (the rendering of the first k
+     messages is a true prefix of the full rendering, and so are its tokens), prefill exactly
+     that prefix into the slot (``/completion`` with the prefix tokens and ``n_predict: 0``),
+     save the slot, then let the real request reuse it: every prompt token is computed once.
+3. ``after`` (the response is complete, the slot still ours): check a restore was reused
+   (else the snapshot is marked bad), save the whole slot for ``full``, learn the backend's
+   prefill speed.
+
+Snapshots live in the state store's index (``SnapshotIndex``); a backend's layout comes
+from its ``/props`` (read again whenever the fleet sees it restart). A backend without
+``--slot-save-path`` answers 501 and is left out of the disk tier until it restarts. The
+disk tier never fails a request: every step that goes wrong is logged and counted, and the
+request goes on as if the disk were empty.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from proxy.config import Settings
+from proxy.core.disk_scope import Scope, ScopeMode, parse_scope, select_prefix
+from proxy.core.fingerprint import Fingerprint
+from proxy.core.fleet import BackendPhase, Fleet, Placement
+from proxy.core.snapshots import (
+    BackendDisk,
+    Layout,
+    Lookup,
+    Offer,
+    Snapshot,
+    file_name,
+    offers,
+    restore_failed,
+    touched,
+)
+from proxy.core.usage import Usage
+from proxy.disk_steps import DiskSteps
+from proxy.metrics import ProxyMetrics
+from proxy.shared_state import SharedState
+from proxy.snapshot_index import SnapshotIndex
+from proxy.state import SlotRecord
+from proxy.upstream import LlamaServerClient, SlotActionFailed
+
+log = logging.getLogger(__name__)
+WINDOW_LIMIT = 64  # fingerprints kept per model; auto:N looks at the newest N of them
+
+
+@dataclass
+class BackendDiskState:
+    epoch: int = -1
+    layout: Layout | None = None
+    supported: bool = True  # False after a 501: no --slot-save-path
+    prefill_tps: float = 1000.0  # measured from responses (EMA)
+    restore_bps: float = 1e9  # measured from restores (EMA)
+
+
+@dataclass
+class DiskPlan:
+    """One request's disk-tier state, from ``plan`` to ``after``."""
+
+    scope: Scope
+    model: str
+    fp: Fingerprint
+    lookup: Lookup
+    window: list[Fingerprint] = field(default_factory=list)
+    found: list[Snapshot] = field(default_factory=list)  # indexed prefixes of the request
+    saved: dict[int, Snapshot] = field(default_factory=dict)  # chain -> written here
+    restored: Snapshot | None = None
+    restored_tokens: int = 0
+
+    @property
+    def offers(self) -> dict[int, Offer]:
+        return self.lookup.offers
+
+    def lookup_chain(self, chain: int) -> list[Snapshot]:
+        """Known snapshots of the prefix ending at ``chain`` (usable ones: not bad)."""
+        known = [s for s in self.found if s.chain == chain and not s.bad]
+        return known + ([self.saved[chain]] if chain in self.saved else [])
+
+
+class DiskTier:
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        shared: SharedState,
+        metrics: ProxyMetrics,
+        wall: Callable[[], float],
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = self._settings = settings
+        self._disk = settings.disk
+        self.default = parse_scope(settings.disk.prefix_cache)
+        self.fleet = self._fleet = fleet
+        self._shared = shared
+        self._metrics = metrics
+        self._wall = wall
+        self._clock = clock
+        self.backends = [BackendDiskState() for _ in settings.backends]
+        self.index = SnapshotIndex(shared, metrics, settings.disk.max_bytes, self.path)
+        self.client: LlamaServerClient | None = None  # attached at startup
+        self.steps: DiskSteps | None = None
+        metrics.disk_policy.labels(str(self.default)).set(1)
+
+    def now(self) -> float:
+        return self._clock()
+
+    # -- where files live --------------------------------------------------------------------
+    def directory(self, index: int) -> str:
+        backend = self._settings.backends[index]
+        path = backend.slot_save_dir or self._disk.slot_save_dir
+        return f"dir:{Path(path).resolve()}" if path else f"backend:{backend.label}"
+
+    def path(self, directory: str) -> Path | None:
+        return Path(directory[4:]) if directory.startswith("dir:") else None
+
+    def attach(self, client: LlamaServerClient) -> None:
+        self.client = client
+        self.steps = DiskSteps(client, self, self._metrics)
+
+    # -- layouts ------------------------------------------------------------------------------
+    async def _layouts(self) -> None:
+        assert self.client is not None
+        for backend in self._fleet.backends:
+            state = self.backends[backend.index]
+            if backend.phase is not BackendPhase.READY or state.epoch == backend.epoch:
+                continue
+            state.epoch, state.supported = backend.epoch, True
+            try:
+                props = await self.client.props(self._settings.backends[backend.index].base_url)
+            except SlotActionFailed as exc:
+                log.warning("[disk-cache] no layout for %s: %s", backend.label, exc)
+                state.layout = None
+                continue
+            unified = self._settings.backends[backend.index].kv_unified
+            state.layout = Layout.from_props(props, unified)
+
+    def _usable(self) -> list[BackendDisk]:
+        return [
+            BackendDisk(i, self.directory(i), s.layout, s.prefill_tps, s.restore_bps)
+            for i, s in enumerate(self.backends)
+            if s.supported and s.layout is not None
+        ]
+
+    # -- 1. before routing ----------------------------------------------------------------------
+    async def plan(
+        self, fp: Fingerprint, body: dict[str, Any], override: Scope | None
+    ) -> DiskPlan | None:
+        scope = override or self.default
+        if scope.mode is ScopeMode.OFF or not fp.hashes:
+            return None
+        await self._layouts()
+        usable = self._usable()
+        models = sorted({b.layout.model_id for b in usable if b.layout is not None})
+        found = await self.index.find(fp, models, 1)
+        lookup = offers(fp, found, usable)
+        if lookup.refused:
+            self._metrics.disk_refusals.labels("layout").inc(lookup.refused)
+            self._metrics.disk_events.labels("refusal").inc(lookup.refused)
+        model = str(body.get("model") or "default")[:128]
+        window: list[Fingerprint] = []
+        if scope.mode is ScopeMode.AUTO:
+            raw = await self._shared.call(
+                "window", self._shared.store.window(model, self._wall()), []
+            )
+            window = [_unpack_fp(r) for r in raw]
+        every = [e for entries in found.values() for e in entries]
+        return DiskPlan(scope, model, fp, lookup, window, every)
+
+    # -- 2. the slot is ours, nothing sent yet -------------------------------------------------
+    async def before(
+        self,
+        dp: DiskPlan,
+        fp: Fingerprint,
+        restore: Offer | None,
+        predicted: int,
+        placement: Placement,
+        body: dict[str, Any],
+        chat: bool,
+    ) -> None:
+        assert self.steps is not None
+        assert placement.pin is not None
+        index, slot_id = placement.backend, placement.pin
+        state = self.backends[index]
+        if state.supported and state.layout is not None:
+            await self.steps.park(dp, fp, index, slot_id, state.layout)
+            if restore is not None:
+                await self.steps.restore(dp, restore.snapshot, index, slot_id)
+                predicted = (dp.restored_tokens and restore.reuse) or predicted
+            if chat and dp.scope.mode in (ScopeMode.AUTO, ScopeMode.FIXED):
+                choice = select_prefix(dp.scope, fp, dp.window, self._disk.min_tokens)
+                seen = min(len(dp.window), dp.scope.window)
+                log.info(
+                    "[disk-cache] %s scope: window=%d candidates=%d selected=%d tokens",
+                    dp.scope.mode.value,
+                    seen if dp.scope.mode is ScopeMode.AUTO else 0,
+                    choice.candidates,
+                    choice.tokens,
+                )
+                if choice.segments and predicted < choice.tokens:
+                    await self.steps.scoped_save(
+                        dp, fp, choice.segments, index, slot_id, body, state.layout
+                    )
+        if not dp.offers and predicted < self._settings.routing.min_prefix_tokens:
+            self._metrics.disk_events.labels("miss").inc()
+        entry = SlotRecord(fp.hashes, fp.tokens, fp.anchor, 0, self._wall()).pack()
+        push = self._shared.store.push_window(dp.model, entry, WINDOW_LIMIT, 3600.0, self._wall())
+        await self._shared.call("push_window", push, None)
+
+    # -- 3. after the response ------------------------------------------------------------------
+    async def after(
+        self, dp: DiskPlan, placement: Placement, usage: Usage | None, content: Fingerprint
+    ) -> None:
+        assert self.steps is not None
+        assert placement.pin is not None
+        state = self.backends[placement.backend]
+        if usage is not None and usage.prompt_ms and usage.prompt_tokens > usage.cached_tokens:
+            tps = (usage.prompt_tokens - usage.cached_tokens) / (usage.prompt_ms / 1000)
+            state.prefill_tps = 0.8 * state.prefill_tps + 0.2 * tps
+        if dp.restored is not None and usage is not None:
+            restored = dp.restored
+            if restore_failed(dp.restored_tokens, usage.cached_tokens, usage.prompt_tokens):
+                log.warning(
+                    "[disk-cache] %s restored %d tokens but the request reused %d: marked bad",
+                    restored.name,
+                    dp.restored_tokens,
+                    usage.cached_tokens,
+                )
+                self._metrics.disk_events.labels("bad").inc()
+                await self.index.put(replace(restored, bad=True))
+            else:
+                self._metrics.disk_events.labels("hit").inc()
+                await self.index.put(touched(restored, self._wall()))
+        if dp.scope.mode is ScopeMode.FULL and state.supported and state.layout is not None:
+            await self.steps.save_slot(
+                dp,
+                content,
+                len(content.hashes),
+                placement.backend,
+                placement.pin,
+                state.layout,
+                "full",
+            )
+
+    def learn_restore(self, index: int, nbytes: int, ms: float) -> None:
+        if ms > 0 and nbytes > 0:
+            state = self.backends[index]
+            state.restore_bps = 0.8 * state.restore_bps + 0.2 * nbytes / (ms / 1000)
+
+    def snapshot(
+        self,
+        layout: Layout,
+        index: int,
+        content: Fingerprint,
+        segments: int,
+        answer: dict[str, Any],
+    ) -> Snapshot:
+        now = self._wall()
+        chain = content.hashes[segments - 1]
+        return Snapshot(
+            name=file_name(layout, chain),
+            directory=self.directory(index),
+            chain=chain,
+            segments=segments,
+            tokens=int(answer.get("n_saved", 0)),
+            estimate=content.tokens_at(segments),
+            nbytes=int(answer.get("n_written", 0)),
+            layout=layout,
+            created=now,
+            last_used=now,
+        )
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "policy": str(self.default),
+            "min_tokens": self._disk.min_tokens,
+            "max_bytes": self._disk.max_bytes,
+            "backends": [
+                {
+                    "label": self._fleet.backends[i].label,
+                    "directory": self.directory(i),
+                    "supported": s.supported,
+                    "layout": s.layout.__dict__ if s.layout else None,
+                    "prefill_tokens_per_s": round(s.prefill_tps, 1),
+                    "restore_bytes_per_s": round(s.restore_bps),
+                }
+                for i, s in enumerate(self.backends)
+            ],
+        }
+
+
+def _unpack_fp(raw: bytes) -> Fingerprint:
+    record = SlotRecord.unpack(raw)
+    return Fingerprint(record.hashes, record.tokens, record.anchor)

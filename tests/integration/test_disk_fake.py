@@ -1,0 +1,132 @@
+"""The disk tier against fake llama-servers that save and restore slots like the real one."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import metric
+from tests.fake_llama import FakeLlamaServer
+
+SYSTEM = "You are a careful coding agent. " + " ".join(f"rule{i} applies." for i in range(150))
+
+
+def turn(session: int, n: int, **extra: Any) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for i in range(n):
+        messages.append({"role": "user", "content": f"session {session} question {i}"})
+        if i < n - 1:
+            messages.append({"role": "assistant", "content": f"answer {i} for {session}"})
+    return {"messages": messages, "max_tokens": 4, **extra}
+
+
+def disk(tmp: Path, **over: Any) -> dict[str, Any]:
+    return {"slot_save_dir": str(tmp), "min_tokens": 64, **over}
+
+
+async def restart(fakes: Any, fake: FakeLlamaServer, **kwargs: Any) -> FakeLlamaServer:
+    await fake.stop()
+    fresh: FakeLlamaServer = await fakes(port=fake.port, **kwargs)
+    return fresh
+
+
+async def wait_ready(client: Any) -> None:
+    for _ in range(100):
+        if (await client.get("/readyz")).status == 200:
+            return
+        await asyncio.sleep(0.05)
+
+
+async def test_auto_scope_saves_the_shared_prefix_once_and_restores_it_after_restart(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    fake = await fakes(n_slots=2, save_dir=tmp_path)
+    client = await proxy([fake], disk=disk(tmp_path), health={"interval_seconds": 0.05})
+    first = await client.post("/v1/chat/completions", json=turn(0, 1))
+    assert first.status == 200
+    assert fake.slot_actions == []  # an empty window selects nothing yet
+    before = fake.tokens_processed
+    second = await client.post("/v1/chat/completions", json=turn(1, 1))
+    assert second.status == 200
+    saves = [a for a in fake.slot_actions if a[0] == "save"]
+    assert len(saves) == 1
+    assert saves[0][2].startswith("llp-")
+    # the warm-up prefilled the system prompt; the real request reused it: each token once
+    prompt = (await second.json())["usage"]["prompt_tokens"]
+    assert fake.tokens_processed - before == prompt
+
+    fake = await restart(fakes, fake, n_slots=2, save_dir=tmp_path)
+    await asyncio.sleep(0.3)
+    await wait_ready(client)
+    third = await client.post("/v1/chat/completions", json=turn(2, 1))
+    assert third.status == 200
+    assert third.headers["X-Cache-Route"] == "disk"
+    assert [a[0] for a in fake.slot_actions] == ["restore"]
+    cached = (await third.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= fake.tokens_restored > 300  # the whole system prompt came from disk
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "llama_cache_proxy_disk_events_total", event="hit") == 1
+    assert metric(text, "llama_cache_proxy_disk_saves_total", kind="scoped") == 1
+
+
+async def test_off_never_touches_slots_and_full_saves_after_each_request(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    fake = await fakes(n_slots=2, save_dir=tmp_path)
+    client = await proxy([fake], disk=disk(tmp_path, prefix_cache="off"))
+    for session in range(3):
+        assert (await client.post("/v1/chat/completions", json=turn(session, 1))).status == 200
+    assert fake.slot_actions == []
+    full = {"prefix_cache": {"scope": "full"}}  # per-request override, stripped
+    assert (await client.post("/v1/chat/completions", json=turn(5, 2, **full))).status == 200
+    assert [a[0] for a in fake.slot_actions] == ["save"]
+    assert "prefix_cache" not in fake.received[-1][1]
+
+
+async def test_fixed_scope_aligns_down_to_a_message_boundary(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    fake = await fakes(n_slots=1, save_dir=tmp_path)
+    client = await proxy([fake], disk=disk(tmp_path, prefix_cache="off"))
+    body = turn(0, 2, prefix_cache={"scope": "1500"})
+    body["messages"][-1]["content"] = " ".join(f"word{i}" for i in range(2000))
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    warm = [b for path, b, _ in fake.received if path == "/completion"]
+    assert len(warm) == 1
+    assert warm[0]["n_predict"] == 0
+    words = {v: k for k, v in fake._vocab.items()}
+    text = "".join(words[t] for t in warm[0]["prompt"])
+    assert 300 < len(warm[0]["prompt"]) <= 1500
+    assert text.endswith("answer 0 for 0<|im_end|>\n")  # cut after a whole message
+    assert [a[0] for a in fake.slot_actions] == ["save"]
+
+
+async def test_snapshot_from_another_layout_is_refused(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    two = await fakes(n_slots=2, save_dir=tmp_path)
+    three = await fakes(n_slots=3, save_dir=tmp_path)
+    client = await proxy([two, three], disk=disk(tmp_path, prefix_cache="off"))
+    scoped = {"prefix_cache": {"scope": "1000"}}
+    assert (await client.post("/v1/chat/completions", json=turn(0, 1, **scoped))).status == 200
+    saved_on = two if two.slot_actions else three
+    other = three if saved_on is two else two
+    await saved_on.stop()  # only the other layout is left
+    await asyncio.sleep(0.5)
+    resp = await client.post("/v1/chat/completions", json=turn(0, 2, **scoped))
+    assert resp.status == 200
+    assert not [a for a in other.slot_actions if a[0] == "restore"]
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "llama_cache_proxy_disk_refusals_total", reason="layout") >= 1
+
+
+async def test_backend_without_save_path_turns_the_disk_tier_off_for_it(
+    fakes: Any, proxy: Any
+) -> None:
+    fake = await fakes(n_slots=1)  # no save directory: 501 like the real server
+    client = await proxy([fake], disk={"min_tokens": 64, "prefix_cache": "full"})
+    for _ in range(3):
+        assert (await client.post("/v1/chat/completions", json=turn(0, 1))).status == 200
+    assert len(fake.slot_actions) == 0
+    assert sum(1 for path, _, _ in fake.received if path == "/completion") == 0

@@ -167,7 +167,9 @@ class DiskSteps:
                     continue  # fixed N: align down
                 if len(ids) < self._tier.settings.disk.min_tokens:
                     return
-                await self._client.warm(url, ids, slot_id)
+                answer = await self._client.warm(url, ids, slot_id)
+                timings = answer.get("timings") or {}
+                await self._tier.judge_restore(dp, int(timings.get("cache_n", 0)), len(ids))
                 slot = self._tier.fleet.backends[index].slots[slot_id]
                 slot.content, slot.n_tokens = prefix_of(fp, k), len(ids)
                 await self.save_slot(dp, fp, k, index, slot_id, layout, "scoped")

@@ -233,20 +233,8 @@ class DiskTier:
         if usage is not None and usage.prompt_ms and usage.prompt_tokens > usage.cached_tokens:
             tps = (usage.prompt_tokens - usage.cached_tokens) / (usage.prompt_ms / 1000)
             state.prefill_tps = 0.8 * state.prefill_tps + 0.2 * tps
-        if dp.restored is not None and usage is not None:
-            restored = dp.restored
-            if restore_failed(dp.restored_tokens, usage.cached_tokens, usage.prompt_tokens):
-                log.warning(
-                    "[disk-cache] %s restored %d tokens but the request reused %d: marked bad",
-                    restored.name,
-                    dp.restored_tokens,
-                    usage.cached_tokens,
-                )
-                self._metrics.disk_events.labels("bad").inc()
-                await self.index.put(replace(restored, bad=True))
-            else:
-                self._metrics.disk_events.labels("hit").inc()
-                await self.index.put(touched(restored, self._wall()))
+        if usage is not None:
+            await self.judge_restore(dp, usage.cached_tokens, usage.prompt_tokens)
         if dp.scope.mode is ScopeMode.FULL and state.supported and state.layout is not None:
             await self.steps.save_slot(
                 dp,
@@ -257,6 +245,24 @@ class DiskTier:
                 state.layout,
                 "full",
             )
+
+    async def judge_restore(self, dp: DiskPlan, cached: int, prompt: int) -> None:
+        """The first request after a restore tells whether the file was what it should be."""
+        restored, dp.restored = dp.restored, None
+        if restored is None:
+            return
+        if restore_failed(dp.restored_tokens, cached, prompt):
+            log.warning(
+                "[disk-cache] %s restored %d tokens but the request reused %d: marked bad",
+                restored.name,
+                dp.restored_tokens,
+                cached,
+            )
+            self._metrics.disk_events.labels("bad").inc()
+            await self.index.put(replace(restored, bad=True))
+        else:
+            self._metrics.disk_events.labels("hit").inc()
+            await self.index.put(touched(restored, self._wall()))
 
     def learn_restore(self, index: int, nbytes: int, ms: float) -> None:
         if ms > 0 and nbytes > 0:

@@ -55,7 +55,7 @@ def proxy(aiohttp_client: Any) -> ProxyFactory:
     async def start(
         backends: list[Any], *, probe_loop: bool = True, **over: Any
     ) -> TestClient[Any, Any]:
-        urls = [b if isinstance(b, str) else b.url for b in backends]
+        urls = [b if isinstance(b, str | dict) else b.url for b in backends]
         settings = make_settings(urls, **over)
         app = create_app(settings, registry=CollectorRegistry(), probe_loop=probe_loop)
         client: TestClient[Any, Any] = await aiohttp_client(

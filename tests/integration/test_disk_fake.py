@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,61 @@ async def test_backend_without_save_path_turns_the_disk_tier_off_for_it(
         assert (await client.post("/v1/chat/completions", json=turn(0, 1))).status == 200
     assert len(fake.slot_actions) == 0
     assert sum(1 for path, _, _ in fake.received if path == "/completion") == 0
+
+
+async def test_park_before_evict_brings_a_session_back_from_disk(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    fake = await fakes(n_slots=1, save_dir=tmp_path, ram_cache=False)
+    backends = [{"url": fake.url, "ram_cache": False}]  # the session has no RAM copy
+    client = await proxy(backends, disk=disk(tmp_path, park_min_tokens=200))
+    a1 = turn(0, 1)
+    reply = await (await client.post("/v1/chat/completions", json=a1)).json()
+    stranger = {"messages": [{"role": "user", "content": "unrelated " * 50}], "max_tokens": 4}
+    assert (await client.post("/v1/chat/completions", json=stranger)).status == 200
+    assert [a[0] for a in fake.slot_actions] == ["save"]  # session A parked first
+    a2 = {
+        **a1,
+        "messages": [
+            *a1["messages"],
+            reply["choices"][0]["message"],
+            {"role": "user", "content": "and then?"},
+        ],
+    }
+    back = await client.post("/v1/chat/completions", json=a2)
+    assert back.headers["X-Cache-Route"] == "disk"
+    assert [a[0] for a in fake.slot_actions] == ["save", "restore"]
+    cached = (await back.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= reply["usage"]["prompt_tokens"] - 1  # all of A's previous prompt
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "llama_cache_proxy_disk_saves_total", kind="park") == 1
+
+
+async def test_a_restore_that_is_not_reused_marks_the_snapshot_bad(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    fake = await fakes(n_slots=1, save_dir=tmp_path)
+    client = await proxy(
+        [fake],
+        disk=disk(tmp_path, prefix_cache="off"),
+        admin_token="t",
+        health={"interval_seconds": 0.05},
+    )
+    scoped = {"prefix_cache": {"scope": "1000"}}
+    assert (await client.post("/v1/chat/completions", json=turn(0, 1, **scoped))).status == 200
+    (name,) = [a[2] for a in fake.slot_actions]
+    (tmp_path / name).write_text(
+        json.dumps({"layout": {"n_stream": 1, "n_ctx": 8192}, "tokens": ["x"] * 400})
+    )
+    fake = await restart(fakes, fake, n_slots=1, save_dir=tmp_path)
+    await asyncio.sleep(0.3)
+    await wait_ready(client)
+    resp = await client.post("/v1/chat/completions", json=turn(0, 2, **scoped))
+    assert resp.status == 200
+    assert resp.headers["X-Cache-Route"] == "disk"  # restored the (tampered) file ...
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "llama_cache_proxy_disk_events_total", event="bad") == 1  # ... not reused
+    status = await (await client.get("/admin/disk", headers={"Authorization": "Bearer t"})).json()
+    assert status["index"]["bad"] == 1
+    again = await client.post("/v1/chat/completions", json=turn(0, 2, **scoped))
+    assert again.headers["X-Cache-Route"] != "disk"  # a bad snapshot is never offered again

@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+from dataclasses import replace
+
+from proxy.core.fleet import Placement
+from proxy.core.routing import Reason, route
+from proxy.core.snapshots import (
+    BackendDisk,
+    Layout,
+    Offer,
+    Snapshot,
+    evictions,
+    file_name,
+    index_key,
+    lookup_keys,
+    offers,
+    pack_entries,
+    restore_failed,
+    unpack_entries,
+)
+from tests.unit.test_routing import PARAMS, decided, fleet, fp, hold
+
+LAYOUT = Layout("/m/smol.gguf", "Q4_1", 2048, 2, False)
+
+
+def snap(chain: int, segments: int, *, directory: str = "dir:/s", **over: object) -> Snapshot:
+    base = Snapshot(
+        name=file_name(LAYOUT, chain),
+        directory=directory,
+        chain=chain,
+        segments=segments,
+        tokens=segments * 100,
+        estimate=segments * 100,
+        nbytes=1000 * segments,
+        layout=LAYOUT,
+        created=0.0,
+        last_used=0.0,
+    )
+    return replace(base, **over)  # type: ignore[arg-type]
+
+
+def disk(index: int, layout: Layout | None = LAYOUT, directory: str = "dir:/s") -> BackendDisk:
+    return BackendDisk(index, directory, layout, prefill_tps=1000.0, restore_bps=1e6)
+
+
+def test_layout_refusals_name_what_differs() -> None:
+    assert LAYOUT.refusal(LAYOUT) is None
+    assert LAYOUT.refusal(replace(LAYOUT, slots=3)) == "slots"
+    assert LAYOUT.refusal(replace(LAYOUT, n_ctx=4096)) == "n_ctx"
+    assert LAYOUT.refusal(replace(LAYOUT, model="/m/other.gguf")) == "model"
+    assert LAYOUT.refusal(replace(LAYOUT, unified=True)) == "unified"
+    assert LAYOUT.refusal(replace(LAYOUT, unified=None)) is None  # unknown: not refused
+
+
+def test_layout_from_props() -> None:
+    props = {
+        "model_path": "/m/smol.gguf",
+        "model_ftype": "Q4_1",
+        "total_slots": 2,
+        "default_generation_settings": {"n_ctx": 2048},
+    }
+    assert Layout.from_props(props, False) == LAYOUT
+
+
+def test_file_names_are_hashes_and_differ_by_prefix_and_layout() -> None:
+    name = file_name(LAYOUT, 7)
+    assert name.startswith("llp-")
+    assert name.endswith(".bin")
+    assert all(c in "0123456789abcdef" for c in name[4:-4])
+    assert file_name(LAYOUT, 8) != name
+    assert file_name(replace(LAYOUT, slots=3), 7) != name
+    assert index_key(LAYOUT.model_id, 7) != index_key(replace(LAYOUT, ftype="F16").model_id, 7)
+
+
+def test_entries_roundtrip() -> None:
+    entries = [snap(1, 1), snap(2, 2, bad=True)]
+    assert unpack_entries(pack_entries(entries)) == entries
+    assert unpack_entries(None) == []
+
+
+def test_lookup_keys_skip_small_prefixes() -> None:
+    request = fp(11, 12, 13)
+    keys = lookup_keys(request, "m", 150)
+    assert [segments for segments, _ in keys] == [2, 3]
+
+
+def test_offers_take_the_longest_compatible_snapshot_per_backend() -> None:
+    request = fp(1, 2, 3, 4)
+    found = {
+        2: [snap(2, 2)],
+        3: [snap(3, 3, layout=replace(LAYOUT, slots=3))],  # saved by a -np 3 server
+        4: [snap(4, 4, bad=True)],
+    }
+    lookup = offers(request, found, [disk(0), disk(1, directory="backend:b1")])
+    assert set(lookup.offers) == {0}  # backend 1 does not share the directory
+    assert lookup.offers[0].snapshot.segments == 2
+    assert lookup.offers[0].reuse == 200
+    assert lookup.offers[0].cost == 2000 / 1e6 * 1000  # restore seconds x prefill tokens/s
+    assert lookup.refused == 1
+
+
+def test_restore_failure_and_lru_evictions() -> None:
+    assert restore_failed(500, 3, 900)
+    assert not restore_failed(500, 499, 900)
+    assert not restore_failed(0, 0, 900)
+    entries = [snap(1, 1, last_used=5.0), snap(2, 2, last_used=1.0), snap(3, 3, last_used=9.0)]
+    assert [e.chain for e in evictions(entries, 6000)] == []
+    assert [e.chain for e in evictions(entries, 4000)] == [2]
+    assert [e.chain for e in evictions(entries, 3000)] == [2, 1]
+    bad = [snap(1, 1, last_used=5.0), snap(2, 1, last_used=9.0, bad=True)]
+    assert [e.chain for e in evictions(bad, 1000)] == [2]  # bad files go first
+
+
+def offer(tokens: int, cost: float = 1.0) -> Offer:
+    return Offer(snap(2, 2), tokens, cost)
+
+
+def test_a_cold_request_restores_a_shared_prefix_into_an_empty_slot() -> None:
+    f = fleet(2)
+    d = decided(route(fp(1, 2, 3), f.backends, PARAMS, now=100.0, disk={0: offer(200)}))
+    assert d.reason is Reason.DISK
+    assert d.restore is not None
+    assert d.predicted == 200
+
+
+def test_fan_out_restores_instead_of_stealing_a_warm_session() -> None:
+    f = fleet(2)
+    hold(f, 0, 0, fp(1, 2, 7, 8, 9, 10), at=99.0)  # another session, warm, shares 1,2
+    request = fp(1, 2, 3)
+    without = decided(route(request, f.backends, PARAMS, now=100.0))
+    assert without.placement == Placement(0, (1,), 1)  # cold, re-prefills the shared part
+    with_disk = decided(route(request, f.backends, PARAMS, now=100.0, disk={0: offer(200)}))
+    assert with_disk.placement == Placement(0, (1,), 1)
+    assert with_disk.restore is not None  # the shared prefix comes from disk
+
+
+def test_live_reuse_beats_a_shorter_or_costlier_snapshot() -> None:
+    f = fleet(2)
+    hold(f, 0, 1, fp(1, 2, 3))
+    request = fp(1, 2, 3, 4)
+    d = decided(route(request, f.backends, PARAMS, now=100.0, disk={0: offer(200)}))
+    assert d.restore is None
+    assert d.placement == Placement(0, (1,), 1)
+    costly = decided(route(request, f.backends, PARAMS, now=100.0, disk={0: offer(350, 500.0)}))
+    assert costly.restore is None

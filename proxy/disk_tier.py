@@ -213,7 +213,7 @@ class DiskTier:
                     choice.candidates,
                     choice.tokens,
                 )
-                if choice.segments and predicted < choice.tokens:
+                if choice.segments and predicted <= choice.tokens:
                     await self.steps.scoped_save(
                         dp, fp, choice.segments, index, slot_id, body, state.layout
                     )

@@ -1,0 +1,145 @@
+"""The disk tier against real llama-servers (SmolLM2-135M, CPU, ``--slot-save-path``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from typing import Any
+
+from tests.conftest import metric
+from tests.real.stack import LlamaServer
+
+SYSTEM = (
+    "You are the build agent of a small software team. Follow the rules below exactly. "
+    + " ".join(f"Rule {i}: keep change number {i} small and tested." for i in range(40))
+)
+
+
+def turn(session: int, extra: list[dict[str, Any]] | None = None, **more: Any) -> dict[str, Any]:
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Session {session}: list three checks for release {session}."},
+        *(extra or []),
+    ]
+    return {"messages": messages, "max_tokens": 16, "temperature": 0, **more}
+
+
+def direct(server: LlamaServer, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+        return answer
+
+
+def server_metric(server: LlamaServer, name: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
+        return metric(resp.read().decode(), name)
+
+
+def disk(server: LlamaServer, **over: Any) -> dict[str, Any]:
+    return {"slot_save_dir": str(server.save_dir), "min_tokens": 64, **over}
+
+
+async def settle(client: Any, server: LlamaServer) -> None:
+    """Restart ``server`` and wait until the proxy has seen it come back."""
+    server.stop()
+    server.start()
+    await asyncio.sleep(0.5)
+    for _ in range(100):
+        if (await client.get("/readyz")).status == 200:
+            return
+        await asyncio.sleep(0.1)
+
+
+async def post(client: Any, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200, await resp.text()
+    return await resp.json(), resp.headers
+
+
+async def test_scoped_save_no_double_prefill_then_restore_after_restart_is_identical(
+    llama_servers: Any, proxy: Any
+) -> None:
+    server = llama_servers(slots=2)
+    cold = direct(server, {**turn(2), "cache_prompt": False})  # the reference: a cold run
+    client = await proxy([server], disk=disk(server), health={"interval_seconds": 0.2})
+    await post(client, turn(0))  # the window learns the agent's prompt shape
+    processed = server_metric(server, "llamacpp:prompt_tokens_total")
+    second, _ = await post(client, turn(1))  # auto:30 selects the system prompt: saved
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_disk_saves_total", kind="scoped") == 1
+    # no double prefill: warm-up + request processed each prompt token at most once
+    extra = server_metric(server, "llamacpp:prompt_tokens_total") - processed
+    assert extra <= second["usage"]["prompt_tokens"] - second["timings"]["cache_n"] + 1
+    assert second["timings"]["cache_n"] >= 300  # the request reused the warmed prefix
+
+    await settle(client, server)  # a restart: every slot is empty, the file is on disk
+    third, headers = await post(client, turn(2))
+    assert headers["X-Cache-Route"] == "disk"
+    assert third["timings"]["cache_n"] >= 300  # a cold-start disk hit
+    assert third["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_disk_events_total", event="hit") == 1
+
+
+async def test_park_before_evict_brings_a_session_back(llama_servers: Any, proxy: Any) -> None:
+    server = llama_servers(slots=1, extra=("--cache-ram", "0"))  # no RAM copy of anything
+    backends = [{"url": server.url, "ram_cache": False}]
+    client = await proxy(backends, disk=disk(server, park_min_tokens=200, prefix_cache="off"))
+    first, _ = await post(client, turn(0))  # off: nothing saved yet
+    stranger = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+    await post(client, {**stranger, "prefix_cache": {"scope": "auto"}})
+    reply = first["choices"][0]["message"]
+    follow = [
+        {"role": "assistant", "content": reply["content"]},
+        {"role": "user", "content": "More?"},
+    ]
+    back, headers = await post(client, turn(0, follow, prefix_cache={"scope": "auto"}))
+    assert headers["X-Cache-Route"] == "disk"
+    assert back["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 1
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_disk_saves_total", kind="park") == 1
+
+
+async def test_snapshot_of_a_different_slot_layout_is_refused(
+    llama_servers: Any, proxy: Any
+) -> None:
+    two = llama_servers(slots=2)
+    three = llama_servers(slots=3, save_dir=two.save_dir)  # one shared save directory
+    client = await proxy([two, three], disk=disk(two, prefix_cache="off"))
+    scoped = {"prefix_cache": {"scope": "2000"}}
+    _, headers = await post(client, turn(0, **scoped))
+    assert list(two.save_dir.glob("llp-*.bin"))
+    saved_on, other = (
+        (two, three) if headers["X-Cache-Backend"].endswith(str(two.port)) else (three, two)
+    )
+    saved_on.stop()  # only the other -np is left
+    await asyncio.sleep(0.6)
+    _, headers = await post(client, turn(0, [{"role": "assistant", "content": "ok"}], **scoped))
+    assert headers["X-Cache-Backend"].endswith(str(other.port))
+    assert headers["X-Cache-Route"] != "disk"
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_disk_refusals_total", reason="layout") >= 1
+
+
+async def test_policy_modes_and_per_request_override(llama_servers: Any, proxy: Any) -> None:
+    server = llama_servers(slots=2)
+    client = await proxy([server], disk=disk(server, prefix_cache="off"))
+    await post(client, turn(0))
+    await post(client, turn(1))
+    assert not list(server.save_dir.glob("llp-*.bin"))  # off: nothing saved
+    await post(client, turn(2, prefix_cache={"scope": "full"}))
+    files = list(server.save_dir.glob("llp-*.bin"))
+    assert len(files) == 1  # full: the slot after the request
+    await post(client, turn(3, prefix_cache={"scope": "300"}))
+    assert len(list(server.save_dir.glob("llp-*.bin"))) == 1  # 300 < the system prompt
+    await post(client, turn(4, prefix_cache={"scope": "auto:2"}))
+    assert len(list(server.save_dir.glob("llp-*.bin"))) == 2  # the system prompt, shared
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_disk_saves_total", kind="scoped") == 1
+    assert metric(page, "llama_cache_proxy_disk_saves_total", kind="full") == 1

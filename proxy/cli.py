@@ -42,6 +42,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--tokenizer", choices=["tiktoken", "backend"])
     serve.add_argument("--slot-cache-key-similarity", type=float, metavar="F")
     serve.add_argument("--slot-cache-key-min-prefix", type=int, metavar="TOKENS")
+    serve.add_argument(
+        "--disk-prefix-cache", metavar="SCOPE", help="off | full | auto | auto:N | N (default auto)"
+    )
+    serve.add_argument("--kv-cache-min-tokens", type=int, metavar="TOKENS")
+    serve.add_argument("--disk-cache-max-bytes", type=int, metavar="BYTES")
+    serve.add_argument(
+        "--slot-save-dir", metavar="PATH", help="the --slot-save-path all backends share"
+    )
     return parser
 
 
@@ -51,6 +59,12 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Set
         "slot_cache_key_similarity": args.slot_cache_key_similarity,
         "slot_cache_key_min_prefix": args.slot_cache_key_min_prefix,
     }
+    disk = {
+        "prefix_cache": args.disk_prefix_cache,
+        "min_tokens": args.kv_cache_min_tokens,
+        "max_bytes": args.disk_cache_max_bytes,
+        "slot_save_dir": args.slot_save_dir,
+    }
     cli: dict[str, Any] = {
         "backends": args.backends,
         "listen": args.listen,
@@ -58,6 +72,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Set
         "log_level": args.log_level,
         "admin_token": args.admin_token,
         "routing": {k: v for k, v in routing.items() if v is not None} or None,
+        "disk": {k: v for k, v in disk.items() if v is not None} or None,
     }
     return load_settings(cli=cli, environ=environ, config_file=args.config)
 

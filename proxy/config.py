@@ -138,7 +138,9 @@ class DiskSettings(_Frozen):
     """The disk tier of KV snapshots (algorithms: proxy/core/disk_scope.py, snapshots.py)."""
 
     prefix_cache: str = Field(
-        default="auto", description="scope: off | full | auto (= auto:30) | auto:N | N tokens"
+        default="auto",
+        validate_default=True,
+        description="scope: off | full | auto (= auto:30) | auto:N | N tokens",
     )
     min_tokens: int = Field(default=256, ge=1, description="smallest prefix worth a snapshot")
     max_bytes: int = Field(

@@ -74,6 +74,8 @@ def test_settings_are_immutable() -> None:
          "queue.max_waiting"),
         ({"backends": ["http://a:1"], "redis_url": "http://x"}, {}, "redis_url"),
         ({"backends": ["http://a:1"]}, {"LLAMA_CACHE_PROXY_NOPE": "1"}, "nope"),
+        ({"backends": ["http://a:1"], "disk": {"prefix_cache": "auto:0"}}, {},
+         "disk.prefix_cache"),
     ],
 )  # fmt: skip
 def test_bad_config_is_one_line_naming_the_field(
@@ -100,3 +102,29 @@ def test_unreadable_or_invalid_file(tmp_path: Path) -> None:
     bad.write_text("= nope")
     with pytest.raises(ConfigError, match="not valid"):
         load_settings(cli={}, environ={}, config_file=bad)
+
+
+def test_disk_flags_reach_the_settings(tmp_path: Path) -> None:
+    from proxy.cli import _parser, settings_from_args
+
+    args = _parser().parse_args(
+        [
+            "serve",
+            "--backend",
+            "http://a:1",
+            "--disk-prefix-cache",
+            "auto:8",
+            "--kv-cache-min-tokens",
+            "512",
+            "--disk-cache-max-bytes",
+            "1000000",
+            "--slot-save-dir",
+            str(tmp_path),
+        ]
+    )
+    disk = settings_from_args(args, {}).disk
+    assert (disk.prefix_cache, disk.min_tokens, disk.max_bytes) == ("auto:8", 512, 1000000)
+    assert disk.slot_save_dir == str(tmp_path)
+    assert load_settings(cli={"backends": ["http://a:1"]}, environ={}).disk.prefix_cache == (
+        "auto:30"
+    )

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_replay(rows: list[dict[str, Any]], path: Path) -> None:
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -14,6 +14,13 @@ def plot_replay(rows: list[dict[str, Any]], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot")
+        return None
+    return plt
+
+
+def plot_replay(rows: list[dict[str, Any]], path: Path) -> None:
+    plt = _pyplot()
+    if plt is None:
         return
     policies = [
         "ideal",
@@ -38,5 +45,25 @@ def plot_replay(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("token-weighted prompt-cache hit rate")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_disk_window(rows: list[dict[str, Any]], path: Path) -> None:
+    """Per trace: tokens per snapshot against key hit rate, one point per policy."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    traces = sorted({r["trace"] for r in rows})
+    fig, axes = plt.subplots(1, len(traces), figsize=(4 * len(traces), 3.6))
+    for ax, trace in zip(axes, traces, strict=True):
+        mine = [r for r in rows if r["trace"] == trace]
+        ax.scatter([r["tokens_per_snapshot"] for r in mine], [r["key_hits"] for r in mine])
+        for r in mine:
+            ax.annotate(r["policy"], (r["tokens_per_snapshot"], r["key_hits"]), fontsize=8)
+        ax.set_title(trace, fontsize=9)
+        ax.set_xlabel("tokens per snapshot")
+        ax.set_ylim(0, 1)
+    axes[0].set_ylabel("key hit rate")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -7,8 +7,11 @@ own counters (cached / prompt tokens), so every router is measured the same way.
 
 Policies: ``ideal`` (infinite cache: the longest prefix any earlier prompt had, computed
 offline), ``round-robin`` (backends in turn, llama-server picks the slot), ``ours``
-(this proxy), ``ours-lru`` (this proxy without prefix routing), and the peer routers in
-``bench/peers.py`` when installed.
+(this proxy, disk tier off), ``ours-lru`` (this proxy without prefix routing),
+``ours-disk`` (this proxy with the disk tier on its default ``auto``, the fakes saving to
+one shared directory), and the peer routers in ``bench/peers.py`` when installed.
+``--chat`` sends each prompt as chat messages (``workloads.chat_body``) instead of a raw
+completion prompt: the disk tier's scoped snapshots need message boundaries.
 
     python -m bench.replay [--backends 4] [--slots 4] [--peers]
 """
@@ -20,6 +23,8 @@ import asyncio
 import itertools
 import json
 import platform
+import shutil
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -29,7 +34,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from bench.workloads import Workload, lmcache, mooncake
+from bench.workloads import Workload, chat_body, lmcache, mooncake
 from proxy.app import create_app
 from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer, tokenize
@@ -71,16 +76,23 @@ async def _run_sessions(workload: Workload, send: Send) -> None:
         await asyncio.gather(*(run(s) for s in workload.sessions))
 
 
+CHAT = False  # --chat
+
+
 async def _post(session: aiohttp.ClientSession, url: str, request: tuple[str, int]) -> None:
     prompt, reply = request
-    body = {"model": "fake-model", "prompt": prompt, "max_tokens": reply, "temperature": 0}
-    async with session.post(url + "/v1/completions", json=body) as resp:
+    if CHAT:
+        path, body = "/v1/chat/completions", chat_body(prompt, reply)
+    else:
+        path = "/v1/completions"
+        body = {"model": "fake-model", "prompt": prompt, "max_tokens": reply, "temperature": 0}
+    async with session.post(url + path, json=body) as resp:
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
 
 
-async def _fleet(backends: int, slots: int) -> list[FakeLlamaServer]:
+async def _fleet(backends: int, slots: int, save_dir: Path | None) -> list[FakeLlamaServer]:
     fakes = []
     for _ in range(backends):
         fake = FakeLlamaServer(
@@ -88,6 +100,7 @@ async def _fleet(backends: int, slots: int) -> list[FakeLlamaServer]:
             n_ctx=10**7,
             prompt_s_per_token=PREFILL_S_PER_TOKEN,
             gen_s_per_token=DECODE_S_PER_TOKEN,
+            save_dir=save_dir,
         )
         await fake.start()
         fakes.append(fake)
@@ -95,7 +108,7 @@ async def _fleet(backends: int, slots: int) -> list[FakeLlamaServer]:
 
 
 def _hit(fakes: list[FakeLlamaServer]) -> tuple[float, int]:
-    prompt = sum(f.tokens_prompt for f in fakes)
+    prompt = sum(f.tokens_prompt - f.tokens_warm for f in fakes)  # clients' prompts only
     computed = sum(f.tokens_processed for f in fakes)
     return 1 - computed / prompt, computed
 
@@ -104,7 +117,8 @@ async def run_policy(
     policy: str, workload: Workload, backends: int, slots: int, peers: dict[str, Any]
 ) -> tuple[float, int, float]:
     """(hit rate, prefill tokens computed, wall seconds) of one policy on a fresh fleet."""
-    fakes = await _fleet(backends, slots)
+    save_dir = Path(tempfile.mkdtemp(prefix="replay-slots-"))
+    fakes = await _fleet(backends, slots, save_dir if policy == "ours-disk" else None)
     urls = [f.url for f in fakes]
     started = time.perf_counter()
     try:
@@ -118,10 +132,14 @@ async def run_policy(
             }
             if policy == "ours-patient":
                 routing.update(wait_min_tokens=128, max_slot_wait_seconds=30, balance_abs=4)
+            disk = {"prefix_cache": "off"}
+            if policy == "ours-disk":
+                disk = {"prefix_cache": "auto", "slot_save_dir": str(save_dir)}
             settings = Settings.model_validate(
                 {
                     "backends": urls,
                     "routing": routing,
+                    "disk": disk,
                     "queue": {"max_wait_seconds": 600},
                     "log_level": "WARNING",
                 }
@@ -141,6 +159,7 @@ async def run_policy(
     finally:
         for fake in fakes:
             await fake.stop()
+        shutil.rmtree(save_dir, ignore_errors=True)
 
 
 def scenarios(full: bool, only: str | None = None) -> list[Workload]:
@@ -221,8 +240,13 @@ def main() -> None:
     parser.add_argument("--from-json", action="store_true", help="re-print the last results")
     parser.add_argument("--only", help="one workload by name, e.g. lmcache/magagent")
     parser.add_argument("--policies", nargs="*", help="run only these of ours, e.g. ours-patient")
+    parser.add_argument("--chat", action="store_true", help="send prompts as chat messages")
     args = parser.parse_args()
+    global CHAT
+    CHAT = args.chat
     stem = "replay-partial" if (args.only or args.policies or args.quick) else "replay"
+    if args.chat:
+        stem = "replay-chat" if stem == "replay" else stem + "-chat"
     if args.from_json:
         rows = json.loads((RESULTS / f"{stem}.json").read_text())
     else:

@@ -52,3 +52,13 @@ def mooncake(
         reply = max(1, min(64, request["output_length"] // 32))
         streams_out[i % streams].append((text, reply))
     return Workload(f"mooncake/{name}", [s for s in streams_out if s])
+
+
+def chat_body(prompt: str, reply: int) -> dict[str, object]:
+    """A flattened prompt as chat messages: paragraphs (blank-line separated; agents start
+    each turn with one) become messages, the first one the system prompt, so message
+    boundaries are where sessions share and diverge."""
+    parts = [p for p in prompt.split("\n\n") if p.strip()] or [prompt]
+    messages = [{"role": "system", "content": parts[0]}]
+    messages += [{"role": "user", "content": p} for p in parts[1:]]
+    return {"model": "fake-model", "messages": messages, "max_tokens": reply, "temperature": 0}

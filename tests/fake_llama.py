@@ -130,6 +130,7 @@ class FakeLlamaServer:
         self.faults: list[tuple[str, Any]] = []
         self.tokens_processed = 0  # prompt tokens computed (prompt_n), all requests
         self.tokens_prompt = 0  # prompt tokens seen (prompt_n + cache_n)
+        self.tokens_warm = 0  # of which in n_predict:0 warm-ups
         self.tokenize_calls = 0
         self._clock = 0
         self._task = 0
@@ -439,6 +440,8 @@ class FakeLlamaServer:
         processed = len(prompt) - n_past
         self.tokens_processed += processed
         self.tokens_prompt += len(prompt)
+        if body.get("n_predict") == 0:
+            self.tokens_warm += len(prompt)  # a disk-tier warm-up, not a client's prompt
         if self.prompt_s_per_token:
             async with self._compute:
                 await asyncio.sleep(processed * self.prompt_s_per_token)

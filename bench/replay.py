@@ -77,6 +77,7 @@ async def _run_sessions(workload: Workload, send: Send) -> None:
 
 
 CHAT = False  # --chat
+RAM_CACHE = True  # --no-ram-cache: backends run with --cache-ram 0
 
 
 async def _post(session: aiohttp.ClientSession, url: str, request: tuple[str, int]) -> None:
@@ -101,6 +102,7 @@ async def _fleet(backends: int, slots: int, save_dir: Path | None) -> list[FakeL
             prompt_s_per_token=PREFILL_S_PER_TOKEN,
             gen_s_per_token=DECODE_S_PER_TOKEN,
             save_dir=save_dir,
+            ram_cache=RAM_CACHE,
         )
         await fake.start()
         fakes.append(fake)
@@ -118,7 +120,7 @@ async def run_policy(
 ) -> tuple[float, int, float]:
     """(hit rate, prefill tokens computed, wall seconds) of one policy on a fresh fleet."""
     save_dir = Path(tempfile.mkdtemp(prefix="replay-slots-"))
-    fakes = await _fleet(backends, slots, save_dir if policy == "ours-disk" else None)
+    fakes = await _fleet(backends, slots, save_dir if policy.startswith("ours-disk") else None)
     urls = [f.url for f in fakes]
     started = time.perf_counter()
     try:
@@ -133,11 +135,13 @@ async def run_policy(
             if policy == "ours-patient":
                 routing.update(wait_min_tokens=128, max_slot_wait_seconds=30, balance_abs=4)
             disk = {"prefix_cache": "off"}
-            if policy == "ours-disk":
+            if policy.startswith("ours-disk"):
                 disk = {"prefix_cache": "auto", "slot_save_dir": str(save_dir)}
+            if policy == "ours-disk-nopark":
+                disk["park"] = False
             settings = Settings.model_validate(
                 {
-                    "backends": urls,
+                    "backends": [{"url": u, "ram_cache": RAM_CACHE} for u in urls],
                     "routing": routing,
                     "disk": disk,
                     "queue": {"max_wait_seconds": 600},
@@ -241,12 +245,17 @@ def main() -> None:
     parser.add_argument("--only", help="one workload by name, e.g. lmcache/magagent")
     parser.add_argument("--policies", nargs="*", help="run only these of ours, e.g. ours-patient")
     parser.add_argument("--chat", action="store_true", help="send prompts as chat messages")
+    parser.add_argument(
+        "--no-ram-cache", action="store_true", help="fakes without the host-RAM prompt cache"
+    )
     args = parser.parse_args()
-    global CHAT
-    CHAT = args.chat
+    global CHAT, RAM_CACHE
+    CHAT, RAM_CACHE = args.chat, not args.no_ram_cache
     stem = "replay-partial" if (args.only or args.policies or args.quick) else "replay"
     if args.chat:
         stem = "replay-chat" if stem == "replay" else stem + "-chat"
+    if args.no_ram_cache:
+        stem += "-noram"
     if args.from_json:
         rows = json.loads((RESULTS / f"{stem}.json").read_text())
     else:

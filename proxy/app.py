@@ -91,6 +91,7 @@ def create_app(
             if settings.routing.tokenizer == "backend":
                 router.backend_tokens = _backend_counter(client, settings, fleet)
             await prober.probe_all()
+            await disk.refresh_layouts()
             tasks = [asyncio.create_task(prober.run())] if probe_loop else []
             if shared.enabled:
                 await shared.refresh()

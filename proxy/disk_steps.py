@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SAFE_BOUNDARY_TRIES = 3  # boundaries stepped down when a template rewrites earlier turns
+LOOKAHEAD_CHARS = 256  # text after a boundary tokenized with it to check the cut is clean
 
 
 def prefix_of(fp: Fingerprint, segments: int) -> Fingerprint:
@@ -145,27 +146,33 @@ class DiskSteps:
     ) -> None:
         """Prefill exactly the selected prefix (stepping down to a safe boundary), save it."""
         messages = body.get("messages")
-        if not isinstance(messages, list):
-            return
+        chain = fp.hashes[segments - 1]
+        mine = self._tier.directory(index)
+        if not isinstance(messages, list) or any(
+            s.directory == mine for s in dp.lookup_chain(chain)
+        ):
+            return  # not a chat body, or this prefix is on disk already
         url = self._url(index)
         try:
             full = await self._client.render(url, body, generation=True)
-            full_ids = await self._client.tokenize(url, full)
             for k in range(segments, max(1, segments - SAFE_BOUNDARY_TRIES), -1):
-                chain = fp.hashes[k - 1]
-                if any(s.directory == self._tier.directory(index) for s in dp.lookup_chain(chain)):
-                    return  # this prefix is on disk already
                 prefix = await self._client.render(
                     url, {**body, "messages": messages[: k - 1]}, generation=False
                 )
-                if not full.startswith(prefix):
+                if not full.startswith(prefix) or len(prefix) >= len(full):
+                    log.debug("[disk-cache] boundary %d is not safe (rendering)", k)
                     continue  # the template renders earlier turns differently later on
+                # BPE merges are local: the prefix's tokens must start the tokens of the
+                # prefix followed by what comes next
                 ids = await self._client.tokenize(url, prefix)
-                if ids != full_ids[: len(ids)] or len(ids) >= len(full_ids):
+                ahead = await self._client.tokenize(url, full[: len(prefix) + LOOKAHEAD_CHARS])
+                if ids != ahead[: len(ids)] or len(ids) >= len(ahead):
+                    log.debug("[disk-cache] boundary %d is not safe (tokens)", k)
                     continue
                 if dp.scope.tokens and len(ids) > dp.scope.tokens:
                     continue  # fixed N: align down
                 if len(ids) < self._tier.settings.disk.min_tokens:
+                    log.debug("[disk-cache] prefix of %d tokens: under the minimum", len(ids))
                     return
                 answer = await self._client.warm(url, ids, slot_id)
                 timings = answer.get("timings") or {}

@@ -135,7 +135,8 @@ class DiskTier:
         self.steps = DiskSteps(client, self, self._metrics)
 
     # -- layouts ------------------------------------------------------------------------------
-    async def _layouts(self) -> None:
+    async def refresh_layouts(self) -> None:
+        """Read ``/props`` of every ready backend whose layout is unknown or stale."""
         assert self.client is not None
         for backend in self._fleet.backends:
             state = self.backends[backend.index]
@@ -165,7 +166,7 @@ class DiskTier:
         scope = override or self.default
         if scope.mode is ScopeMode.OFF or not fp.hashes:
             return None
-        await self._layouts()
+        await self.refresh_layouts()
         usable = self._usable()
         models = sorted({b.layout.model_id for b in usable if b.layout is not None})
         found = await self.index.find(fp, models, 1)

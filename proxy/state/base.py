@@ -19,6 +19,9 @@ Every method may raise ``StateStoreUnavailable``; the proxy then routes on local
 
 from __future__ import annotations
 
+import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,27 +42,28 @@ class SlotRecord:
     updated_at: float
 
     def pack(self) -> bytes:
-        head = len(self.hashes).to_bytes(4, "little") + self.anchor.to_bytes(4, "little")
-        body = b"".join(h.to_bytes(8, "little") for h in self.hashes)
-        body += b"".join(t.to_bytes(4, "little") for t in self.tokens)
-        tail = self.n_tokens.to_bytes(4, "little") + int(self.updated_at * 1000).to_bytes(
-            8, "little"
-        )
-        return head + body + tail
+        head = struct.pack("<II", len(self.hashes), self.anchor)
+        hashes, tokens = array("Q", self.hashes), array("I", self.tokens)
+        if sys.byteorder != "little":
+            hashes.byteswap()
+            tokens.byteswap()
+        body = hashes.tobytes() + tokens.tobytes()
+        return head + body + struct.pack("<IQ", self.n_tokens, int(self.updated_at * 1000))
 
     @classmethod
     def unpack(cls, raw: bytes) -> SlotRecord:
-        count = int.from_bytes(raw[:4], "little")
-        anchor = int.from_bytes(raw[4:8], "little")
+        count, anchor = struct.unpack_from("<II", raw)
         hashes_end = 8 + 8 * count
         tokens_end = hashes_end + 4 * count
-        hashes = tuple(int.from_bytes(raw[i : i + 8], "little") for i in range(8, hashes_end, 8))
-        tokens = tuple(
-            int.from_bytes(raw[i : i + 4], "little") for i in range(hashes_end, tokens_end, 4)
-        )
-        n_tokens = int.from_bytes(raw[tokens_end : tokens_end + 4], "little")
-        updated = int.from_bytes(raw[tokens_end + 4 : tokens_end + 12], "little") / 1000
-        return cls(hashes, tokens, anchor, n_tokens, updated)
+        hashes = array("Q")
+        hashes.frombytes(raw[8:hashes_end])
+        tokens = array("I")
+        tokens.frombytes(raw[hashes_end:tokens_end])
+        n_tokens, updated = struct.unpack_from("<IQ", raw, tokens_end)
+        if sys.byteorder != "little":
+            hashes.byteswap()
+            tokens.byteswap()
+        return cls(tuple(hashes), tuple(tokens), anchor, n_tokens, updated / 1000)
 
 
 class StateStore(Protocol):

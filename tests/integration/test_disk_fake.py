@@ -26,6 +26,10 @@ def disk(tmp: Path, **over: Any) -> dict[str, Any]:
     return {"slot_save_dir": str(tmp), "min_tokens": 64, **over}
 
 
+def snapshot_files(directory: Path) -> set[str]:
+    return {p.name for p in directory.glob("llp-*.bin")}
+
+
 async def restart(fakes: Any, fake: FakeLlamaServer, **kwargs: Any) -> FakeLlamaServer:
     await fake.stop()
     fresh: FakeLlamaServer = await fakes(port=fake.port, **kwargs)
@@ -189,3 +193,51 @@ async def test_a_restore_that_is_not_reused_marks_the_snapshot_bad(
     assert status["index"]["bad"] == 1
     again = await client.post("/v1/chat/completions", json=turn(0, 2, **scoped))
     assert again.headers["X-Cache-Route"] != "disk"  # a bad snapshot is never offered again
+
+
+async def test_budget_evicts_least_recently_used_files_it_can_see(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    fake = await fakes(n_slots=1, save_dir=tmp_path)
+    full = {"prefix_cache": {"scope": "full"}}
+    client = await proxy([fake], disk=disk(tmp_path, prefix_cache="off", max_bytes=9000))
+    for session in range(4):  # each full snapshot is ~4 KB in the fake
+        assert (await client.post("/v1/chat/completions", json=turn(session, 1, **full))).status
+    names = [a[2] for a in fake.slot_actions]
+    assert len(names) == 4
+    on_disk = snapshot_files(tmp_path)
+    assert on_disk == set(names[-2:])  # the two oldest were deleted
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "llama_cache_proxy_disk_events_total", event="eviction") == 2
+    assert metric(text, "llama_cache_proxy_disk_index_entries") == 2
+
+
+async def test_without_a_shared_path_evictions_only_forget_entries(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    fake = await fakes(n_slots=1, save_dir=tmp_path)
+    full = {"prefix_cache": {"scope": "full"}}
+    settings = {"prefix_cache": "off", "min_tokens": 64, "max_bytes": 9000}
+    client = await proxy([fake], disk=settings)  # the proxy does not see the directory
+    for session in range(4):
+        assert (await client.post("/v1/chat/completions", json=turn(session, 1, **full))).status
+    assert len(snapshot_files(tmp_path)) == 4  # files stay where the server wrote them
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "llama_cache_proxy_disk_index_entries") == 2
+
+
+async def test_replicas_share_the_snapshot_index(
+    fakes: Any, proxy: Any, tmp_path: Path, redis_server: Any
+) -> None:
+    fake = await fakes(n_slots=2, save_dir=tmp_path)
+    settings = {"disk": disk(tmp_path), "redis_url": redis_server.url}
+    a = await proxy([fake], health={"interval_seconds": 0.05}, **settings)
+    b = await proxy([fake], health={"interval_seconds": 0.05}, **settings)
+    assert (await a.post("/v1/chat/completions", json=turn(0, 1))).status == 200
+    assert (await b.post("/v1/chat/completions", json=turn(1, 1))).status == 200  # window in Redis
+    assert [x[0] for x in fake.slot_actions] == ["save"]
+    fake = await restart(fakes, fake, n_slots=2, save_dir=tmp_path)
+    await asyncio.sleep(0.3)
+    await wait_ready(a)
+    resp = await a.post("/v1/chat/completions", json=turn(2, 1))
+    assert resp.headers["X-Cache-Route"] == "disk"  # saved through b, restored through a

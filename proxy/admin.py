@@ -43,7 +43,23 @@ class AdminHandlers:
         """Policy, per-backend layout and speeds, and the index: size, bytes, entries."""
         self._check(request)
         entries = await self._disk.index.all()
-        status = self._disk.status()
+        disk, settings = self._disk, self._disk.settings.disk
+        status: dict[str, Any] = {
+            "policy": str(disk.default),
+            "min_tokens": settings.min_tokens,
+            "max_bytes": settings.max_bytes,
+            "backends": [
+                {
+                    "label": self._fleet.backends[i].label,
+                    "directory": disk.directory(i),
+                    "supported": state.supported,
+                    "layout": state.layout.__dict__ if state.layout else None,
+                    "prefill_tokens_per_s": round(state.prefill_tps, 1),
+                    "restore_bytes_per_s": round(state.restore_bps),
+                }
+                for i, state in enumerate(disk.backends)
+            ],
+        }
         status["index"] = {
             "entries": len(entries),
             "bytes": sum(e.nbytes for e in entries),

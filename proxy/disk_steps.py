@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from proxy.core.fingerprint import Fingerprint, common_segments
-from proxy.core.snapshots import Layout, Snapshot, file_name
+from proxy.core.snapshots import Layout, Offer, Snapshot, file_name
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import LlamaServerClient, SlotActionFailed
 
@@ -67,7 +67,8 @@ class DiskSteps:
             log.warning("[disk-cache] %s save on slot %d failed: %s", kind, slot, exc)
             self._unsupported(index, exc)
             return None
-        snapshot = self._tier.snapshot(layout, index, content, segments, answer)
+        whole = kind != "scoped"  # the slot as it is: prompt and reply
+        snapshot = self._tier.snapshot(layout, index, content, segments, answer, whole)
         await self._tier.index.put(snapshot)
         dp.saved[chain] = snapshot
         self._metrics.disk_events.labels("save").inc()
@@ -101,7 +102,8 @@ class DiskSteps:
         dp.found.extend(e for entries in found.values() for e in entries)
         await self.save_slot(dp, content, len(content.hashes), index, slot_id, layout, "park")
 
-    async def restore(self, dp: DiskPlan, snapshot: Snapshot, index: int, slot_id: int) -> None:
+    async def restore(self, dp: DiskPlan, offer: Offer, index: int, slot_id: int) -> None:
+        snapshot = offer.snapshot
         exists = self._tier.index.file_exists(snapshot)
         slot = self._tier.fleet.backends[index].slots[slot_id]
         if exists is False:
@@ -126,7 +128,7 @@ class DiskSteps:
         self._tier.learn_restore(
             index, int(answer.get("n_read", 0)), float(timings.get("restore_ms", 0))
         )
-        slot.content, slot.n_tokens = prefix_of(dp.fp, snapshot.segments), restored
+        slot.content, slot.n_tokens = prefix_of(dp.fp, offer.segments), restored
         dp.restored, dp.restored_tokens = snapshot, restored
         self._metrics.disk_events.labels("restore").inc()
         self._metrics.disk_restored_tokens.inc(restored)

@@ -202,7 +202,7 @@ class DiskTier:
         if state.supported and state.layout is not None:
             await self.steps.park(dp, fp, index, slot_id, state.layout)
             if restore is not None:
-                await self.steps.restore(dp, restore.snapshot, index, slot_id)
+                await self.steps.restore(dp, restore, index, slot_id)
                 predicted = (dp.restored_tokens and restore.reuse) or predicted
             if chat and dp.scope.mode in (ScopeMode.AUTO, ScopeMode.FIXED):
                 choice = select_prefix(dp.scope, fp, dp.window, self._disk.min_tokens)
@@ -277,9 +277,12 @@ class DiskTier:
         content: Fingerprint,
         segments: int,
         answer: dict[str, Any],
+        whole: bool,
     ) -> Snapshot:
         now = self._wall()
         chain = content.hashes[segments - 1]
+        shorter = {segments - 1, content.anchor} if whole else set()
+        aliases = tuple(content.hashes[k - 1] for k in sorted(shorter) if 0 < k < segments)
         return Snapshot(
             name=file_name(layout, chain),
             directory=self.directory(index),
@@ -291,25 +294,8 @@ class DiskTier:
             layout=layout,
             created=now,
             last_used=now,
+            aliases=aliases,
         )
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "policy": str(self.default),
-            "min_tokens": self._disk.min_tokens,
-            "max_bytes": self._disk.max_bytes,
-            "backends": [
-                {
-                    "label": self._fleet.backends[i].label,
-                    "directory": self.directory(i),
-                    "supported": s.supported,
-                    "layout": s.layout.__dict__ if s.layout else None,
-                    "prefill_tokens_per_s": round(s.prefill_tps, 1),
-                    "restore_bytes_per_s": round(s.restore_bps),
-                }
-                for i, s in enumerate(self.backends)
-            ],
-        }
 
 
 def _unpack_fp(raw: bytes) -> Fingerprint:

@@ -71,22 +71,25 @@ class SnapshotIndex:
         await self._replace(snapshot, keep=False)
 
     async def _replace(self, snapshot: Snapshot, *, keep: bool) -> None:
-        key = index_key(snapshot.layout.model_id, snapshot.chain)
-        found = await self._shared.call("get_snapshots", self._store.get_snapshots([key]), None)
-        if found is None:
-            return  # store down: the write would be blind
-        entries = [e for e in unpack_entries(found.get(key)) if e.directory != snapshot.directory]
-        if keep:
-            entries.append(snapshot)
-        if entries:
-            put = self._store.put_snapshots(key, pack_entries(entries))
-            await self._shared.call("put_snapshots", put, None)
-        else:
-            await self._shared.call("delete_snapshots", self._store.delete_snapshots([key]), None)
+        for chain in snapshot.keys:
+            key = index_key(snapshot.layout.model_id, chain)
+            got = await self._shared.call("get_snapshots", self._store.get_snapshots([key]), None)
+            if got is None:
+                return  # store down: the write would be blind
+            entries = [e for e in unpack_entries(got.get(key)) if e.directory != snapshot.directory]
+            if keep:
+                entries.append(snapshot)
+            if entries:
+                put = self._store.put_snapshots(key, pack_entries(entries))
+                await self._shared.call("put_snapshots", put, None)
+            else:
+                delete = self._store.delete_snapshots([key])
+                await self._shared.call("delete_snapshots", delete, None)
 
     async def all(self) -> list[Snapshot]:
         found = await self._shared.call("all_snapshots", self._store.all_snapshots(), {})
-        return [e for raw in found.values() for e in unpack_entries(raw)]
+        unique = {(e.directory, e.name): e for raw in found.values() for e in unpack_entries(raw)}
+        return list(unique.values())
 
     async def enforce_budget(self, directory: str) -> int:
         """Evict least recently used snapshots of ``directory`` over the budget; returns how

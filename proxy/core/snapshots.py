@@ -13,6 +13,11 @@ prefix, at most one per save directory:
   context per slot, slot count (``-np``) and unified KV. A file loads only into a server with
   the same layout; llama-server checks only part of it (a different model of the same shape
   loads silently), so ``refusal`` checks all of it before any restore.
+- A whole-slot snapshot (``full``, park) holds the prompt and the reply; it is also indexed
+  under shorter prefixes (``aliases``: the prompt without the reply, and the session's first
+  user message), since the next turn may not send the reply back verbatim (agents that
+  rewrite or drop it) and a restore serves every request sharing part of the file (the
+  server then reuses the longest common prefix).
 - ``directory`` names where the file lives: a save directory shared by several backends
   (``dir:PATH``) or one backend's own (``backend:LABEL``); a snapshot can be restored on any
   backend of the same directory.
@@ -92,6 +97,12 @@ class Snapshot:
     last_used: float
     hits: int = 0
     bad: bool = False
+    aliases: tuple[int, ...] = ()  # shorter prefixes' chain hashes it is indexed under too
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        """Every chain hash the snapshot is indexed under."""
+        return (self.chain, *self.aliases)
 
     def pack(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,6 +111,7 @@ class Snapshot:
     def unpack(cls, data: Mapping[str, Any]) -> Snapshot:
         fields = dict(data)
         fields["layout"] = Layout(**fields["layout"])
+        fields["aliases"] = tuple(fields.get("aliases", ()))
         return cls(**fields)
 
 
@@ -148,6 +160,7 @@ class Offer:
     snapshot: Snapshot
     reuse: int  # estimated tokens the restore provides
     cost: float  # restore time in prefill-token equivalents
+    segments: int  # segments of the request the snapshot is known to hold
 
 
 @dataclass(frozen=True)
@@ -173,7 +186,8 @@ def offers(
                 snap = fitting[0]
                 reuse = min(fp.tokens_at(segments), fp.total - 1)
                 seconds = snap.nbytes / max(backend.restore_bps, 1.0)
-                result[backend.index] = Offer(snap, reuse, seconds * backend.prefill_tps)
+                cost = seconds * backend.prefill_tps
+                result[backend.index] = Offer(snap, reuse, cost, segments)
                 break
     return Lookup(result, refused)
 

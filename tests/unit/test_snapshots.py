@@ -112,7 +112,7 @@ def test_restore_failure_and_lru_evictions() -> None:
 
 
 def offer(tokens: int, cost: float = 1.0) -> Offer:
-    return Offer(snap(2, 2), tokens, cost)
+    return Offer(snap(2, 2), tokens, cost, 2)
 
 
 def test_a_cold_request_restores_a_shared_prefix_into_an_empty_slot() -> None:

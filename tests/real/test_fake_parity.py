@@ -65,3 +65,51 @@ async def test_fake_matches_real_server(llama_servers: Any) -> None:
     assert expected["n_over_slots_status"] == 400
     assert expected["id_slot_wraps_to"] == 1
     assert expected["ram_cache_restores_parked_prompt"] is True
+
+
+async def _slot_file_observations(url: str, other_layout_url: str) -> dict[str, Any]:
+    """Save / restore / refusal behaviour (reference §5), as the disk tier depends on it."""
+    seen: dict[str, Any] = {}
+    base = {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "id_slot": 0}
+    _, first = await _post(url + "/completion", base)
+    kv = first["tokens_cached"]
+    _, saved = await _post(url + "/slots/0?action=save", {"filename": "parity.bin"})
+    seen["save_fields"] = sorted(saved)
+    seen["saved_is_the_kv"] = saved["n_saved"] == kv
+    status, _ = await _post(url + "/slots/0?action=save", {"filename": "../x.bin"})
+    seen["bad_name_status"] = status
+    _, restored = await _post(url + "/slots/1?action=restore", {"filename": "parity.bin"})
+    seen["restore_fields"] = sorted(restored)
+    seen["restored_all"] = restored["n_restored"] == kv
+    _, after = await _post(url + "/completion", {**base, "id_slot": 1})
+    seen["cross_slot_restore_reused"] = after["timings"]["cache_n"] == kv - 4  # prompt - 1
+    status, _ = await _post(url + "/slots/1?action=restore", {"filename": "missing.bin"})
+    seen["missing_file_status"] = status
+    async with aiohttp.ClientSession() as session, session.get(url + "/slots") as resp:
+        seen["failed_restore_wipes"] = (await resp.json())[1]["n_prompt_tokens"] == 0
+    status, _ = await _post(
+        other_layout_url + "/slots/0?action=restore", {"filename": "parity.bin"}
+    )
+    seen["other_np_status"] = status
+    return seen
+
+
+async def test_fake_slot_files_match_real_server(llama_servers: Any) -> None:
+    real = llama_servers(slots=2)
+    real3 = llama_servers(slots=3, save_dir=real.save_dir)
+    fake = FakeLlamaServer(n_slots=2, save_dir=real.save_dir / "fake")
+    fake3 = FakeLlamaServer(n_slots=3, save_dir=real.save_dir / "fake")
+    fake.save_dir.mkdir()  # type: ignore[union-attr]
+    await fake.start()
+    await fake3.start()
+    try:
+        expected = await _slot_file_observations(real.url, real3.url)
+        assert await _slot_file_observations(fake.url, fake3.url) == expected
+    finally:
+        await fake.stop()
+        await fake3.stop()
+    assert expected["saved_is_the_kv"] is True
+    assert expected["restored_all"] is True
+    assert expected["other_np_status"] == 400
+    assert expected["failed_restore_wipes"] is True
+    assert expected["cross_slot_restore_reused"] is True

@@ -7,6 +7,8 @@ import json
 import urllib.request
 from typing import Any
 
+import pytest
+
 from tests.conftest import metric
 from tests.real.stack import LlamaServer
 
@@ -106,25 +108,30 @@ async def test_park_before_evict_brings_a_session_back(llama_servers: Any, proxy
     assert metric(page, "llama_cache_proxy_disk_saves_total", kind="park") == 1
 
 
-async def test_snapshot_of_a_different_slot_layout_is_refused(
-    llama_servers: Any, proxy: Any
+@pytest.mark.parametrize("other_slots", [2, 3])
+async def test_shared_directory_restores_on_another_backend_unless_its_layout_differs(
+    llama_servers: Any, proxy: Any, other_slots: int
 ) -> None:
     two = llama_servers(slots=2)
-    three = llama_servers(slots=3, save_dir=two.save_dir)  # one shared save directory
-    client = await proxy([two, three], disk=disk(two, prefix_cache="off"))
+    other = llama_servers(slots=other_slots, save_dir=two.save_dir)  # one shared directory
+    client = await proxy([two, other], disk=disk(two, prefix_cache="off"))
     scoped = {"prefix_cache": {"scope": "2000"}}
     _, headers = await post(client, turn(0, **scoped))
     assert list(two.save_dir.glob("llp-*.bin"))
-    saved_on, other = (
-        (two, three) if headers["X-Cache-Backend"].endswith(str(two.port)) else (three, two)
-    )
-    saved_on.stop()  # only the other -np is left
+    saved_on = two if headers["X-Cache-Backend"].endswith(f":{two.port}") else other
+    left = other if saved_on is two else two
+    saved_on.stop()  # only the other backend is left
     await asyncio.sleep(0.6)
     _, headers = await post(client, turn(0, [{"role": "assistant", "content": "ok"}], **scoped))
-    assert headers["X-Cache-Backend"].endswith(str(other.port))
-    assert headers["X-Cache-Route"] != "disk"
+    assert headers["X-Cache-Backend"].endswith(f":{left.port}")
     page = await (await client.get("/metrics")).text()
-    assert metric(page, "llama_cache_proxy_disk_refusals_total", reason="layout") >= 1
+    refused = metric(page, "llama_cache_proxy_disk_refusals_total", reason="layout")
+    if saved_on.slots == left.slots:
+        assert headers["X-Cache-Route"] == "disk"  # restored from the other server's file
+        assert refused == 0
+    else:
+        assert headers["X-Cache-Route"] != "disk"
+        assert refused >= 1
 
 
 async def test_policy_modes_and_per_request_override(llama_servers: Any, proxy: Any) -> None:

@@ -90,6 +90,9 @@ class TimeoutSettings(_Frozen):
         default=600.0, gt=0, description="max silence from a backend before 504 / stream error"
     )
     probe_seconds: float = Field(default=2.0, gt=0, description="timeout of one health probe")
+    client_body_seconds: float = Field(
+        default=30.0, gt=0, description="a client's upload must arrive within this (slow loris)"
+    )
 
 
 class HealthSettings(_Frozen):

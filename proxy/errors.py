@@ -69,6 +69,12 @@ class MethodNotAllowed(ProxyError):
     code = "method_not_allowed"
 
 
+class RequestTimeout(ProxyError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class PayloadTooLarge(ProxyError):
     status = 413
     type = "invalid_request_error"

@@ -8,6 +8,7 @@ another backend; every other failure is reported, and an unfinished request's sl
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -21,7 +22,7 @@ from proxy.core.headers import upstream_request_headers
 from proxy.core.placement import Need, pick_backend, place
 from proxy.core.request_body import ParsedBody, decode_json_object, parse_body, pin_body
 from proxy.disk_tier import DiskTier
-from proxy.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
+from proxy.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, ServiceUnavailable
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RECORD
@@ -85,7 +86,10 @@ class ProxyHandlers:
         if request.content_length is not None and request.content_length > limit:
             raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
         try:
-            return await request.read()
+            async with asyncio.timeout(self._settings.timeouts.client_body_seconds):
+                return await request.read()
+        except TimeoutError:
+            raise RequestTimeout("the request body did not arrive in time") from None
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
 

@@ -1,0 +1,211 @@
+"""Hostile and broken input: every answer is a 4xx in OpenAI shape or a normal completion.
+
+The proxy (with its disk tier on) and a fake backend run in a background thread; hypothesis
+drives raw HTTP requests at every endpoint: malformed JSON, wrong types, huge strings, deep
+nesting, invalid UTF-8, negative or huge token limits, out-of-range ``id_slot``, ``n`` over
+the slot count, unknown fields and paths. The proxy must never answer a 5xx of its own
+(``X-Proxy-Error``), never show a traceback, and keep serving afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from proxy.app import create_app
+from proxy.upstream import ROUTES
+from tests.conftest import make_settings
+from tests.fake_llama import FakeLlamaServer
+
+
+class Served:
+    """A fake backend and the proxy, served from their own event loop in a thread."""
+
+    def __init__(self, save_dir: Path, **settings: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.port = 0
+        self._settings = settings
+        self._save_dir = save_dir
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self.ready.wait(20)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def _start(self) -> None:
+        self.fake = FakeLlamaServer(n_slots=2, save_dir=self._save_dir)
+        await self.fake.start()
+        disk = {"slot_save_dir": str(self._save_dir), "min_tokens": 8}
+        config = make_settings([self.fake.url], disk=disk, **self._settings)
+        app = create_app(config, registry=CollectorRegistry())
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+
+    def stop(self) -> None:
+        async def shutdown() -> None:
+            await self.runner.cleanup()
+            await self.fake.stop()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(20)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    def request(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, dict(resp.getheaders()), resp.read()
+        finally:
+            conn.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    server = Served(tmp_path_factory.mktemp("slots"), max_body_bytes=64 * 1024)
+    yield server
+    server.stop()
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=40),
+    st.just("x" * 20_000),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+FIELDS = [
+    "messages", "prompt", "input", "stream", "n", "n_cmpl", "max_tokens", "max_completion_tokens",
+    "n_predict", "id_slot", "model", "tools", "prefix_cache", "cache_prompt", "temperature",
+    "input_prefix", "input_suffix", "prompt_cache_key", "user", "stream_options",
+]  # fmt: skip
+bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", 5])},
+    optional={"content": values, "tool_calls": values, "name": values},
+)
+chat_bodies = st.fixed_dictionaries(
+    {"messages": st.lists(message, min_size=1, max_size=3)},
+    optional={
+        "max_tokens": st.integers(-5, 5) | st.just(2**31),
+        "n": st.integers(-1, 5),
+        "id_slot": st.integers(-3, 9),
+        "stream": st.booleans(),
+        "prefix_cache": values,
+    },
+)
+raw = st.one_of(
+    bodies.map(lambda b: json.dumps(b).encode()),
+    chat_bodies.map(lambda b: json.dumps(b).encode()),
+    st.binary(max_size=200),
+    st.just(b"\xff\xfe{not utf8"),
+    st.just(b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    st.just(json.dumps({"prompt": _nested(50)}).encode()),
+    st.just(b"{" * 100_000),  # over the body limit
+    st.just(b""),
+)
+PATHS = [p for p, r in ROUTES.items() if r.method == "POST"]
+paths = st.sampled_from([*PATHS, "/slots/0?action=save", "/../slots", "/v2/nothing", "/admin/disk"])
+
+
+def _check(status: int, headers: dict[str, str], body: bytes) -> None:
+    assert b"Traceback" not in body
+    if headers.get("X-Proxy-Error") == "1":
+        assert status < 500, (status, body[:300])
+        error = json.loads(body)["error"]
+        assert isinstance(error["message"], str)
+        assert isinstance(error["type"], str)
+
+
+@settings(
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(path=paths, body=raw)
+def test_fuzzed_requests_get_4xx_or_a_completion(served: Served, path: str, body: bytes) -> None:
+    status, headers, payload = served.request(
+        "POST", path, body, {"Content-Type": "application/json"}
+    )
+    _check(status, headers, payload)
+    assert status < 500 or headers.get("X-Proxy-Error") != "1"
+
+
+def test_proxy_keeps_serving_and_never_pinned_a_busy_slot(served: Served) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "still there?"}]}).encode()
+    status, _, _ = served.request("POST", "/v1/chat/completions", body)
+    assert status == 200
+    assert served.fake.violations == []
+    # no client ever reached a slot action
+    assert all(
+        action != "restore" or name.startswith("llp-")
+        for action, _, name in served.fake.slot_actions
+    )
+
+
+def test_slow_loris_upload_is_cut_off(tmp_path: Path) -> None:
+    server = Served(tmp_path, timeouts={"client_body_seconds": 0.5})
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+            )
+            started = time.monotonic()
+            answer = b""
+            try:
+                for _ in range(20):
+                    time.sleep(0.1)
+                    sock.sendall(b" ")
+            except OSError:
+                pass  # the proxy closed the connection
+            sock.settimeout(5)
+            try:
+                answer = sock.recv(4096)
+            except OSError:
+                answer = b""
+            assert time.monotonic() - started < 5
+        assert answer.startswith(b"HTTP/1.1 408") or answer == b""
+        status, _, _ = server.request("GET", "/healthz", None)
+        assert status == 200
+    finally:
+        server.stop()

@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--slot-save-dir", metavar="PATH", help="the --slot-save-path all backends share"
     )
+    serve.add_argument("--cache-isolation", choices=["off", "tenant"])
+    serve.add_argument("--tenant-header", metavar="NAME", help="default: the bearer API key")
     return parser
 
 
@@ -73,6 +75,12 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Set
         "admin_token": args.admin_token,
         "routing": {k: v for k, v in routing.items() if v is not None} or None,
         "disk": {k: v for k, v in disk.items() if v is not None} or None,
+        "isolation": {
+            k: v
+            for k, v in (("mode", args.cache_isolation), ("tenant_header", args.tenant_header))
+            if v is not None
+        }
+        or None,
     }
     return load_settings(cli=cli, environ=environ, config_file=args.config)
 

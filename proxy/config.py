@@ -156,10 +156,31 @@ class DiskSettings(_Frozen):
     park: bool = Field(default=True, description="save a warm session before evicting it")
     park_min_tokens: int = Field(default=1024, ge=1, description="smallest session parked")
 
+    @field_validator("prefix_cache", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare off as false
+
     @field_validator("prefix_cache")
     @classmethod
     def _scope(cls, value: str) -> str:
         return str(parse_scope(value))
+
+
+class IsolationSettings(_Frozen):
+    """Tenant cache isolation (algorithm: proxy/core/isolation.py)."""
+
+    mode: Literal["off", "tenant"] = Field(
+        default="off", description="tenant: never reuse another tenant's cached prefix"
+    )
+    tenant_header: str | None = Field(
+        default=None, description="header naming the tenant; default: the bearer API key"
+    )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare off as false
 
 
 class Settings(_Frozen):
@@ -176,6 +197,7 @@ class Settings(_Frozen):
     health: HealthSettings = HealthSettings()
     routing: RoutingSettings = RoutingSettings()
     disk: DiskSettings = DiskSettings()
+    isolation: IsolationSettings = IsolationSettings()
 
     @field_validator("backends", mode="before")
     @classmethod

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from proxy.core.fingerprint import Fingerprint, common_segments
+from proxy.core.isolation import may_reuse
 from proxy.core.snapshots import Layout, Offer, Snapshot, file_name
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import LlamaServerClient, SlotActionFailed
@@ -129,6 +130,7 @@ class DiskSteps:
             index, int(answer.get("n_read", 0)), float(timings.get("restore_ms", 0))
         )
         slot.content, slot.n_tokens = prefix_of(dp.fp, offer.segments), restored
+        slot.owner = dp.tenant
         dp.restored, dp.restored_tokens = snapshot, restored
         self._metrics.disk_events.labels("restore").inc()
         self._metrics.disk_restored_tokens.inc(restored)
@@ -176,11 +178,15 @@ class DiskSteps:
                 if len(ids) < self._tier.settings.disk.min_tokens:
                     log.debug("[disk-cache] prefix of %d tokens: under the minimum", len(ids))
                     return
-                answer = await self._client.warm(url, ids, slot_id)
+                slot = self._tier.fleet.backends[index].slots[slot_id]
+                reuse = dp.tenant is None or may_reuse(
+                    slot.owner, slot.content, slot.n_tokens, fp, dp.tenant
+                )
+                answer = await self._client.warm(url, ids, slot_id, reuse)
                 timings = answer.get("timings") or {}
                 await self._tier.judge_restore(dp, int(timings.get("cache_n", 0)), len(ids))
-                slot = self._tier.fleet.backends[index].slots[slot_id]
                 slot.content, slot.n_tokens = prefix_of(fp, k), len(ids)
+                slot.owner = dp.tenant
                 await self.save_slot(dp, fp, k, index, slot_id, layout, "scoped")
                 return
         except SlotActionFailed as exc:

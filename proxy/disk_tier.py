@@ -83,6 +83,7 @@ class DiskPlan:
     saved: dict[int, Snapshot] = field(default_factory=dict)  # chain -> written here
     restored: Snapshot | None = None
     restored_tokens: int = 0
+    tenant: str | None = None  # writes to slots are this tenant's (cache isolation)
 
     @property
     def offers(self) -> dict[int, Offer]:
@@ -161,7 +162,11 @@ class DiskTier:
 
     # -- 1. before routing ----------------------------------------------------------------------
     async def plan(
-        self, fp: Fingerprint, body: dict[str, Any], override: Scope | None
+        self,
+        fp: Fingerprint,
+        body: dict[str, Any],
+        override: Scope | None,
+        tenant: str | None = None,
     ) -> DiskPlan | None:
         scope = override or self.default
         if scope.mode is ScopeMode.OFF or not fp.hashes:
@@ -175,6 +180,8 @@ class DiskTier:
             self._metrics.disk_refusals.labels("layout").inc(lookup.refused)
             self._metrics.disk_events.labels("refusal").inc(lookup.refused)
         model = str(body.get("model") or "default")[:128]
+        if tenant is not None:
+            model = f"{model}|{tenant}"  # each tenant's own window
         window: list[Fingerprint] = []
         if scope.mode is ScopeMode.AUTO:
             raw = await self._shared.call(
@@ -182,7 +189,7 @@ class DiskTier:
             )
             window = [_unpack_fp(r) for r in raw]
         every = [e for entries in found.values() for e in entries]
-        return DiskPlan(scope, model, fp, lookup, window, every)
+        return DiskPlan(scope, model, fp, lookup, window, every, tenant=tenant)
 
     # -- 2. the slot is ours, nothing sent yet -------------------------------------------------
     async def before(

@@ -19,6 +19,7 @@ from proxy.config import Settings
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import BackendPhase, NoPlacement, Placement
 from proxy.core.headers import upstream_request_headers
+from proxy.core.isolation import may_reuse
 from proxy.core.placement import Need, pick_backend, place
 from proxy.core.request_body import ParsedBody, decode_json_object, parse_body, pin_body
 from proxy.disk_tier import DiskTier
@@ -79,6 +80,9 @@ class ProxyHandlers:
             return await self._unpinned(request, raw)
         assert raw is not None
         parsed = parse_body(raw, chat=route.chat)
+        if request.path == "/v1/messages" and self._settings.isolation.mode != "off":
+            # llama-server ignores cache_prompt there, so reuse across tenants can't be ruled out
+            raise InvalidRequest("/v1/messages is not served under cache isolation")
         return await self._pinned(request, parsed, self._need(route, parsed))
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -112,7 +116,6 @@ class ProxyHandlers:
         for attempt in (1, 2):
             placement = await self._leased(plan, need)
             pin = placement.pin if self._settings.routing.pin_slots or plan is None else None
-            body = pin_body(parsed.data, pin)
             try:
                 if plan is not None and plan.disk is not None and plan.decision is not None:
                     decision = plan.decision
@@ -125,6 +128,7 @@ class ProxyHandlers:
                         parsed.data,
                         plan.chat,
                     )
+                body = pin_body(parsed.data, pin, self._may_reuse(plan, placement, pin))
                 return await self._send(request, placement.backend, body, placement, plan)
             except UpstreamConnectError:
                 self._backend_failed(placement.backend, "connect")
@@ -135,6 +139,18 @@ class ProxyHandlers:
             finally:
                 await self._shared.give_back(placement)
         raise AssertionError("unreachable")
+
+    def _may_reuse(self, plan: Plan | None, placement: Placement, pin: int | None) -> bool:
+        """Cache isolation (``core.isolation``): reuse the slot's KV only when it cannot
+        hold another tenant's tokens; the slot is this tenant's afterwards."""
+        if self._settings.isolation.mode == "off":
+            return True
+        if plan is None or plan.tenant is None or pin is None:
+            return False  # the server picks slots (n > 1) or the client did: no reuse
+        slot = self._fleet.backends[placement.backend].slots[pin]
+        reuse = may_reuse(slot.owner, slot.content, slot.n_tokens, plan.fp, plan.tenant)
+        slot.owner = plan.tenant
+        return reuse
 
     async def _leased(self, plan: Plan | None, need: Need) -> Placement:
         """A placement whose slot this replica holds the shared lease of."""

@@ -27,6 +27,7 @@ from proxy.core.fingerprint import (
     reply_segment,
 )
 from proxy.core.fleet import Fleet, NoPlacement, Placement
+from proxy.core.isolation import salt, tenant_of
 from proxy.core.routing import Decision, Reason, RoutingParams, route
 from proxy.core.usage import Reply, Usage
 from proxy.disk_tier import DiskPlan, DiskTier
@@ -47,6 +48,7 @@ class Plan:
     decision: Decision | None = None
     waits: int = field(default=0)
     disk: DiskPlan | None = None
+    tenant: str | None = None  # under cache isolation
 
 
 def routing_params(settings: Settings) -> RoutingParams:
@@ -99,9 +101,16 @@ class Router:
         # with ``tokenizer: backend``: counts a text with a ready backend's tokenizer
         self.backend_tokens: Callable[[str], Awaitable[int | None]] | None = None
 
-    def fingerprint(self, body: dict[str, Any], chat: bool) -> Fingerprint:
+    def tenant(self, request: web.Request) -> str | None:
+        """The request's tenant under cache isolation (None when isolation is off)."""
+        isolation = self._settings.isolation
+        if isolation.mode == "off":
+            return None
+        return tenant_of(request.headers, isolation.tenant_header)
+
+    def fingerprint(self, body: dict[str, Any], chat: bool, seed: int = 0) -> Fingerprint:
         if chat:
-            return fingerprint_chat(body, self._counter.count)
+            return fingerprint_chat(body, self._counter.count, seed)
         prompt = body.get("prompt")
         if body.get("input_prefix") is not None or body.get("input_suffix") is not None:
             prompt = f"{body.get('input_prefix', '')}{prompt or ''}{body.get('input_suffix', '')}"
@@ -109,7 +118,7 @@ class Router:
             ids: list[int] = prompt
         else:
             ids = self._counter.encode(prompt if isinstance(prompt, str) else str(prompt or ""))
-        return fingerprint_tokens(ids, self._settings.routing.block_tokens)
+        return fingerprint_tokens(ids, self._settings.routing.block_tokens, seed)
 
     async def plan(
         self, request: web.Request, body: dict[str, Any], scope: Scope | None = None
@@ -118,8 +127,11 @@ class Router:
         if chat and self.backend_tokens is not None:
             texts = [segment.text for segment in chat_segments(body)]
             await self._counter.prepare(texts, self.backend_tokens)
-        fp = self.fingerprint(body, chat)
+        tenant = self.tenant(request)
+        fp = self.fingerprint(body, chat, salt(tenant) if tenant is not None else 0)
         key = cache_key(self._settings.routing.cache_key_sources, body, request.headers)
+        if key is not None and tenant is not None:
+            key = f"{tenant}:{key}"
         hint = None
         await self._shared.refresh()
         if key is not None:
@@ -127,9 +139,9 @@ class Router:
             if ref is not None and ref[0] in self._labels:
                 hint = (self._labels[ref[0]], ref[1])
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
-        plan = Plan(fp, chat, key, hint, wait_until)
+        plan = Plan(fp, chat, key, hint, wait_until, tenant=tenant)
         if self._disk is not None and self._settings.routing.pin_slots:
-            plan.disk = await self._disk.plan(fp, body, scope)
+            plan.disk = await self._disk.plan(fp, body, scope, tenant)
         return plan
 
     def decider(self, plan: Plan, avoid: frozenset[int]) -> Callable[[], Placement | NoPlacement]:

@@ -175,10 +175,12 @@ class LlamaServerClient:
         answer = await self._call(base_url, "/tokenize", {"content": text, "add_special": True})
         return [int(t) for t in answer["tokens"]]
 
-    async def warm(self, base_url: str, tokens: list[int], slot: int) -> dict[str, Any]:
+    async def warm(
+        self, base_url: str, tokens: list[int], slot: int, reuse: bool = True
+    ) -> dict[str, Any]:
         """Prefill ``tokens`` into ``slot`` and nothing else (``n_predict: 0`` leaves exactly
         the prompt in the KV, reference §7)."""
-        body = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True}
+        body = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": reuse}
         answer: dict[str, Any] = await self._call(base_url, "/completion", body)
         return answer
 

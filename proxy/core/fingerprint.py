@@ -16,10 +16,13 @@ The *anchor* is the number of segments through the first non-system message: a r
 that shares at least that much with a slot continues the slot's conversation (routing uses
 it to tell a returning session from a stranger that only shares the system prompt).
 
-The chain: ``h[0] = H(seg[0])``, ``h[i] = H(h[i-1] || seg[i])``, so ``h[i]`` identifies the
+The chain: ``h[0] = H(seed || seg[0])``, ``h[i] = H(h[i-1] || seg[i])``, so ``h[i]`` identifies the
 whole prefix up to segment ``i`` and two chains share a prefix of ``k`` segments exactly when
-``h[k-1]`` is equal; ``common_segments`` finds ``k`` by binary search. The generation suffix
-(``<|im_start|>assistant``) is never part of the key, so turn N and turn N+1 share every
+``h[k-1]`` is equal; ``common_segments`` finds ``k`` by binary search. The ``seed`` is 0,
+or a tenant's salt under cache isolation (``core.isolation``): two tenants' chains then
+never share a hash, so nothing keyed by chains (slot contents, snapshots) is found across
+tenants. The generation suffix (``<|im_start|>assistant``) is never part of the key, so
+turn N and turn N+1 share every
 segment up to turn N's last message, and a reply appended as an assistant message extends
 the chain exactly as the client will send it back.
 
@@ -82,10 +85,14 @@ def _hash(previous: int, key: bytes) -> int:
 
 
 def _append(
-    hashes: list[int], tokens: list[int], segments: Sequence[Segment], count: Counter
+    hashes: list[int],
+    tokens: list[int],
+    segments: Sequence[Segment],
+    count: Counter,
+    seed: int = 0,
 ) -> None:
     for segment in segments:
-        hashes.append(_hash(hashes[-1] if hashes else 0, segment.key))
+        hashes.append(_hash(hashes[-1] if hashes else seed, segment.key))
         tokens.append((tokens[-1] if tokens else 0) + count(segment.text))
 
 
@@ -157,11 +164,11 @@ def _overhead(count: Counter) -> Counter:
     return counted
 
 
-def fingerprint_chat(body: dict[str, Any], count: Counter) -> Fingerprint:
+def fingerprint_chat(body: dict[str, Any], count: Counter, seed: int = 0) -> Fingerprint:
     hashes: list[int] = []
     tokens: list[int] = []
     segments = chat_segments(body)
-    _append(hashes, tokens, segments, _overhead(count))
+    _append(hashes, tokens, segments, _overhead(count), seed)
     anchor = next(
         (i + 1 for i, seg in enumerate(segments[1:], 1) if not seg.text.startswith("system")),
         len(segments),
@@ -169,14 +176,14 @@ def fingerprint_chat(body: dict[str, Any], count: Counter) -> Fingerprint:
     return Fingerprint(tuple(hashes), tuple(tokens), anchor)
 
 
-def fingerprint_tokens(ids: Sequence[int], block_tokens: int) -> Fingerprint:
+def fingerprint_tokens(ids: Sequence[int], block_tokens: int, seed: int = 0) -> Fingerprint:
     """Raw prompt as token ids, in blocks of ``block_tokens`` (the last block may be short)."""
     hashes: list[int] = []
     tokens: list[int] = []
     for start in range(0, len(ids), block_tokens):
         block = ids[start : start + block_tokens]
         key = b"".join(i.to_bytes(4, "little", signed=True) for i in block)
-        hashes.append(_hash(hashes[-1] if hashes else 0, key))
+        hashes.append(_hash(hashes[-1] if hashes else seed, key))
         tokens.append(start + len(block))
     return Fingerprint(tuple(hashes), tuple(tokens))
 

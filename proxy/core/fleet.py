@@ -71,6 +71,7 @@ class SlotState:
     content: Fingerprint | None = None  # what the KV holds, as a prompt fingerprint
     pending: Fingerprint | None = None  # the prompt in flight on it, while BUSY
     record_at: float = 0.0  # wall time of the shared record this content matches
+    owner: str | None = None  # tenant whose request wrote the KV (cache isolation)
 
     @property
     def expected(self) -> Fingerprint | None:
@@ -222,6 +223,7 @@ class Fleet:
             found = records.get(slot.id)
             if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
                 slot.content, slot.n_tokens, slot.record_at = found
+                slot.owner = None  # written through another replica: tenant unknown
 
     def mark_down(self, index: int) -> None:
         self.apply_probe(index, Probe(BackendPhase.DOWN), now=0.0)

@@ -115,14 +115,15 @@ def _prefix_cache(value: Any) -> Scope | None:
         raise InvalidRequest(str(exc), param="prefix_cache.window", code="invalid_value") from None
 
 
-def pin_body(data: dict[str, Any], slot: int | None) -> bytes:
+def pin_body(data: dict[str, Any], slot: int | None, reuse: bool = True) -> bytes:
     """The forwarded body: the client's, with ``id_slot`` and ``cache_prompt`` set by us.
 
-    ``slot=None`` (the server picks, e.g. ``n>1``) removes any client ``id_slot``.
+    ``slot=None`` (the server picks, e.g. ``n>1``) removes any client ``id_slot``;
+    ``reuse=False`` (cache isolation) makes the server compute the prompt from scratch.
     """
     out = dict(data)
     out.pop("id_slot", None)
     if slot is not None:
         out["id_slot"] = slot
-    out["cache_prompt"] = True
+    out["cache_prompt"] = reuse
     return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -128,3 +128,11 @@ def test_disk_flags_reach_the_settings(tmp_path: Path) -> None:
     assert load_settings(cli={"backends": ["http://a:1"]}, environ={}).disk.prefix_cache == (
         "auto:30"
     )
+
+
+def test_yaml_bare_off_means_off(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("backends: [http://a:1]\ndisk: {prefix_cache: off}\nisolation: {mode: off}\n")
+    settings = load_settings(cli={}, environ={}, config_file=path)
+    assert settings.disk.prefix_cache == "off"
+    assert settings.isolation.mode == "off"

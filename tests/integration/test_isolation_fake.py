@@ -1,0 +1,66 @@
+"""Cache isolation against the fake: one tenant never reuses another tenant's prefix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.conftest import chat
+
+PROMPT = "confidential plan of tenant A: " + "step " * 300
+
+
+def as_tenant(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_a_prompt_cached_for_one_tenant_is_computed_again_for_another(
+    fakes: Any, proxy: Any
+) -> None:
+    fake = await fakes(n_slots=1)  # one slot: the second tenant must land on A's KV
+    client = await proxy([fake], isolation={"mode": "tenant"}, disk={"prefix_cache": "off"})
+    body = chat(PROMPT, max_tokens=4)
+    first = await client.post("/v1/chat/completions", json=body, headers=as_tenant("a"))
+    assert first.status == 200
+    probe = await client.post("/v1/chat/completions", json=body, headers=as_tenant("b"))
+    assert (await probe.json())["timings"]["cache_n"] == 0  # the probe learns nothing
+    assert fake.received[-1][1]["cache_prompt"] is False
+    assert probe.headers["X-Cache-Predicted-Tokens"] == "0"
+    again = await client.post("/v1/chat/completions", json=body, headers=as_tenant("b"))
+    assert (await again.json())["timings"]["cache_n"] > 300  # within a tenant: reused
+    back = await client.post("/v1/chat/completions", json=body, headers=as_tenant("a"))
+    assert (await back.json())["timings"]["cache_n"] == 0  # B's KV now: A starts over
+
+
+async def test_without_isolation_the_probe_would_work(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=1)
+    client = await proxy([fake], disk={"prefix_cache": "off"})
+    body = chat(PROMPT, max_tokens=4)
+    await client.post("/v1/chat/completions", json=body, headers=as_tenant("a"))
+    probe = await client.post("/v1/chat/completions", json=body, headers=as_tenant("b"))
+    assert (await probe.json())["timings"]["cache_n"] > 300
+
+
+async def test_messages_endpoint_is_refused_under_isolation(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=1)
+    client = await proxy([fake], isolation={"mode": "tenant"})
+    resp = await client.post("/v1/messages", json={**chat("hi"), "max_tokens": 4})
+    assert resp.status == 400
+    assert "isolation" in (await resp.json())["error"]["message"]
+
+
+async def test_tenants_do_not_share_disk_snapshots_or_affinities(
+    fakes: Any, proxy: Any, tmp_path: Any
+) -> None:
+    fake = await fakes(n_slots=2, save_dir=tmp_path)
+    disk = {"slot_save_dir": str(tmp_path), "min_tokens": 64, "prefix_cache": "off"}
+    client = await proxy([fake], isolation={"mode": "tenant"}, disk=disk)
+    scoped = {"prefix_cache": {"scope": "full"}, "prompt_cache_key": "shared-key"}
+    body = chat(PROMPT, max_tokens=4, **scoped)
+    await client.post("/v1/chat/completions", json=body, headers=as_tenant("a"))
+    assert [a[0] for a in fake.slot_actions] == ["save"]
+    for slot in fake.slots:
+        slot.tokens = []  # as after a restart: only the disk holds A's prompt
+    probe = await client.post("/v1/chat/completions", json=body, headers=as_tenant("b"))
+    assert probe.headers["X-Cache-Route"] != "disk"
+    assert "restore" not in [a[0] for a in fake.slot_actions]
+    assert (await probe.json())["timings"]["cache_n"] == 0

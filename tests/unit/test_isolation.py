@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from proxy.core.fingerprint import Fingerprint, fingerprint_chat
+from proxy.core.isolation import ANONYMOUS, may_reuse, salt, tenant_of
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+BODY = {
+    "messages": [{"role": "system", "content": "rules " * 50}, {"role": "user", "content": "q"}]
+}
+
+
+def test_tenant_is_a_hash_of_the_key_or_the_header() -> None:
+    a = tenant_of({"Authorization": "Bearer key-a"}, None)
+    assert a == tenant_of({"Authorization": "bearer key-a"}, None)
+    assert a != tenant_of({"Authorization": "Bearer key-b"}, None)
+    assert "key-a" not in a
+    assert tenant_of({}, None) == ANONYMOUS
+    assert tenant_of({"X-Team": "t1"}, "X-Team") != tenant_of({"X-Team": "t2"}, "X-Team")
+    assert tenant_of({"Authorization": "Bearer k"}, "X-Team") == ANONYMOUS
+
+
+def test_salted_fingerprints_never_match_across_tenants() -> None:
+    a = fingerprint_chat(BODY, words, salt("a"))
+    b = fingerprint_chat(BODY, words, salt("b"))
+    assert a.tokens == b.tokens
+    assert not set(a.hashes) & set(b.hashes)
+    assert fingerprint_chat(BODY, words, salt("a")) == a
+
+
+def test_may_reuse_only_own_content_kept_mostly_or_an_empty_slot() -> None:
+    fp = fingerprint_chat(BODY, words, salt("a"))
+    prefix = Fingerprint(fp.hashes[:2], fp.tokens[:2], fp.anchor)
+    assert may_reuse("a", prefix, 60, fp, "a")  # own content, all of it kept
+    assert not may_reuse("b", prefix, 60, fp, "a")  # another tenant's KV
+    assert not may_reuse(None, prefix, 60, fp, "a")  # unknown writer
+    assert may_reuse(None, None, 0, fp, "a")  # empty: nothing to reuse, no RAM-cache load
+    assert not may_reuse("a", None, 60, fp, "a")  # KV of unknown content
+    other = fingerprint_chat(
+        {"messages": [{"role": "user", "content": "x " * 500}]}, words, salt("a")
+    )
+    assert not may_reuse("a", other, 500, fp, "a")  # would lose over 40 %: RAM cache may load

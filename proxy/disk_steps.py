@@ -131,7 +131,10 @@ class DiskSteps:
         )
         slot.content, slot.n_tokens = prefix_of(dp.fp, offer.segments), restored
         slot.owner = dp.tenant
-        dp.restored, dp.restored_tokens = snapshot, restored
+        # the request is known to share only the matched part of the file (an alias match
+        # of a whole-slot snapshot): that part, in the file's tokens, is what must be reused
+        share = min(1.0, offer.reuse / snapshot.estimate) if snapshot.estimate else 1.0
+        dp.restored, dp.restored_tokens = snapshot, round(restored * share)
         self._metrics.disk_events.labels("restore").inc()
         self._metrics.disk_restored_tokens.inc(restored)
         log.info(

@@ -82,7 +82,7 @@ class DiskPlan:
     found: list[Snapshot] = field(default_factory=list)  # indexed prefixes of the request
     saved: dict[int, Snapshot] = field(default_factory=dict)  # chain -> written here
     restored: Snapshot | None = None
-    restored_tokens: int = 0
+    restored_tokens: int = 0  # of the restored tokens, those the request should reuse
     tenant: str | None = None  # writes to slots are this tenant's (cache isolation)
 
     @property
@@ -261,7 +261,7 @@ class DiskTier:
             return
         if restore_failed(dp.restored_tokens, cached, prompt):
             log.warning(
-                "[disk-cache] %s restored %d tokens but the request reused %d: marked bad",
+                "[disk-cache] %s should have served %d tokens but the request reused %d: bad",
                 restored.name,
                 dp.restored_tokens,
                 cached,

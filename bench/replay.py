@@ -138,7 +138,7 @@ async def run_policy(
             if policy.startswith("ours-disk"):
                 disk = {"prefix_cache": "auto", "slot_save_dir": str(save_dir)}
             if policy == "ours-disk-nopark":
-                disk["park"] = False
+                disk["park"] = "off"
             settings = Settings.model_validate(
                 {
                     "backends": [{"url": u, "ram_cache": RAM_CACHE} for u in urls],

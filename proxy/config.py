@@ -153,13 +153,19 @@ class DiskSettings(_Frozen):
         default=None,
         description="the --slot-save-path every backend shares, as the proxy sees it",
     )
-    park: bool = Field(default=True, description="save a warm session before evicting it")
+    park: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="save a warm session before evicting it; auto: on backends without "
+        "llama-server's host-RAM prompt cache (there the server parks it in RAM itself)",
+    )
     park_min_tokens: int = Field(default=1024, ge=1, description="smallest session parked")
 
-    @field_validator("prefix_cache", mode="before")
+    @field_validator("prefix_cache", "park", mode="before")
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
-        return "off" if value is False else value  # YAML reads a bare off as false
+        if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
+            return "on" if value else "off"
+        return value
 
     @field_validator("prefix_cache")
     @classmethod

@@ -91,7 +91,10 @@ class DiskSteps:
         disk = self._tier.settings.disk
         slot = self._tier.fleet.backends[index].slots[slot_id]
         content = slot.content
-        if not disk.park or content is None or content.total < disk.park_min_tokens:
+        ram = self._tier.fleet.backends[index].ram
+        if disk.park == "off" or (disk.park == "auto" and ram):
+            return  # auto: llama-server's own RAM cache parks evicted sessions
+        if content is None or content.total < disk.park_min_tokens:
             return
         shared = common_segments(fp.hashes, content.hashes)
         if content.same_conversation(shared) or content.tokens_at(shared) >= content.total / 2:

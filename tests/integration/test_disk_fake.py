@@ -241,3 +241,16 @@ async def test_replicas_share_the_snapshot_index(
     await wait_ready(a)
     resp = await a.post("/v1/chat/completions", json=turn(2, 1))
     assert resp.headers["X-Cache-Route"] == "disk"  # saved through b, restored through a
+
+
+async def test_park_auto_leaves_sessions_to_the_servers_ram_cache(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    for park, parked in (("auto", 0), ("on", 1)):
+        fake = await fakes(n_slots=1, save_dir=tmp_path)  # RAM cache on
+        client = await proxy([fake], disk=disk(tmp_path, park_min_tokens=200, park=park))
+        await client.post("/v1/chat/completions", json=turn(0, 1))
+        stranger = {"messages": [{"role": "user", "content": "unrelated " * 50}], "max_tokens": 4}
+        await client.post("/v1/chat/completions", json=stranger)
+        text = await (await client.get("/metrics")).text()
+        assert metric(text, "llama_cache_proxy_disk_saves_total", kind="park") == parked

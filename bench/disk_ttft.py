@@ -7,7 +7,8 @@ the second one saves the stable prefix (system prompt and tool descriptions). Th
 repetition: the backend restarts and a new session is sent with ``prefix_cache: off`` (cold:
 full prefill); the backend restarts again and another new session is sent with the default
 policy (restored: the snapshot is loaded, only the session's own tail is prefilled). A third
-row sends one more session while the slot is still warm (live KV reuse, for reference).
+row sends one more new session right after, with no restart (the prefix is then in a live
+slot and on disk; the route header says which served it).
 
     python -m bench.disk_ttft [--reps 3]
 """
@@ -148,7 +149,7 @@ def print_table(result: dict[str, Any]) -> None:
     for name, label in [
         ("cold", "cold (after restart, disk off)"),
         ("restored", "restored from disk (after restart)"),
-        ("warm", "warm slot (live KV)"),
+        ("warm", "one more new session right after (no restart)"),
         ("save", "scoped save path (prefill + save, once)"),
     ]:
         routes = ",".join(sorted(set(result["routes"][name])))

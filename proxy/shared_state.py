@@ -3,8 +3,11 @@
 With Redis configured, a replica:
 - takes a *lease* on a slot after choosing it and before sending (atomic, so two replicas
   never pin one slot at once); a lost race marks the slot REMOTE and the request is routed
-  again; leases are renewed every ``ttl/3`` while held and released when the request ends;
-  a replica that dies leaves leases that expire after ``lease_ttl_seconds``;
+  again; leases are renewed (extended only, never re-created) every 0.5 s while held and
+  released when the request ends, *before* the slot is free locally, so a later request of
+  the same replica cannot take the slot under a lease that is being deleted; an aborted
+  request's lease is left to expire (the slot may still be busy upstream); a replica that
+  dies leaves leases that expire after ``lease_ttl_seconds``;
 - *refreshes* its view before routing each request (one round trip for leases and slot
   records), and in the background so queued requests see slots freed elsewhere: slots
   leased by others become REMOTE, and slot records written by others (what their requests
@@ -82,7 +85,9 @@ class SharedState:
         taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
         if await self.call("acquire_lease", taken, True):
             self._held.add(ref)
+            log.debug("lease taken %s by %s", ref, self.owner)
             return True
+        log.debug("lease refused %s for %s", ref, self.owner)
         return False
 
     def mark_remote(self, placement: Placement) -> None:
@@ -94,8 +99,15 @@ class SharedState:
             return
         ref = self._ref(placement.backend, placement.pin)
         if ref in self._held:
+            log.debug("lease given back %s by %s", ref, self.owner)
             self._held.discard(ref)
             await self.call("release_lease", self.store.release_lease(ref, self.owner), None)
+
+    def abandon(self, placement: Placement) -> None:
+        """Stop renewing the lease of a slot an aborted request may still be using upstream:
+        other replicas get it when the lease expires (this replica drains it meanwhile)."""
+        if self.enabled and placement.pin is not None:
+            self._held.discard(self._ref(placement.backend, placement.pin))
 
     async def get_affinity(self, key: str) -> SlotRef | None:
         return await self.call("get_affinity", self.store.get_affinity(key, self._wall()), None)
@@ -142,7 +154,7 @@ class SharedState:
                 await self._recover()
                 continue
             for ref in list(self._held):
-                renew = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
+                renew = self.store.renew_lease(ref, self.owner, self._lease_ttl, self._wall())
                 await self.call("renew_lease", renew, True)
             await self.refresh()
             on_change()

@@ -85,6 +85,7 @@ class FakeSlot:
     busy: bool = False
     last_used: int = 0
     task_id: int | None = None
+    holder: str = ""  # what runs on it (diagnostics)
 
 
 def reply_words(prompt: list[str], count: int) -> list[str]:
@@ -138,6 +139,7 @@ class FakeLlamaServer:
         self.tokens_prompt = 0  # prompt tokens seen (prompt_n + cache_n)
         self.tokens_warm = 0  # of which in n_predict:0 warm-ups
         self.tokenize_calls = 0
+        self._via = ""
         self._clock = 0
         self._task = 0
         self._changed = asyncio.Condition()
@@ -169,6 +171,7 @@ class FakeLlamaServer:
         ):
             r.add_post(path, self.complete)
         r.add_post("/slots/{id}", self.slot_action)
+        r.add_get("/debug/violations", self.debug_violations)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
         r.add_post("/apply-template", self.apply_template)
@@ -234,6 +237,10 @@ class FakeLlamaServer:
                 for s in self.slots
             ]
         )
+
+    async def debug_violations(self, request: web.Request) -> web.Response:
+        """For tests driving a fake in another process: busy-slot pins seen so far."""
+        return web.json_response({"violations": self.violations, "requests": len(self.received)})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -343,6 +350,7 @@ class FakeLlamaServer:
                 400, "the request exceeds the available context size", "exceed_context_size_error"
             )
         pinned = body.get("id_slot", -1) if request.path != "/v1/messages" else -1
+        self._via = request.headers.get("X-Test-Via", "") + " " + request.path
         slots = await self._take_slots(prompt, pinned, n)
         try:
             return await self._run(request, body, prompt, slots, drop_after)
@@ -395,11 +403,16 @@ class FakeLlamaServer:
             slot.tokens = list(best)
 
     async def _take_slots(self, prompt: list[str], pinned: int, n: int) -> list[FakeSlot]:
+        waiting = None
         async with self._changed:
             while True:
                 slot, update_cache = self._pick(prompt, pinned)
-                if slot is not None and slot.busy:
-                    self.violations.append(f"pinned busy slot {slot.id}")
+                if slot is not None and slot.busy and waiting is None:
+                    waiting = f"pinned busy slot {slot.id}"  # once per request
+                    self.violations.append(
+                        f"{time.time():.4f} {waiting}: {''.join(prompt)[-40:]!r} via {self._via} "
+                        f"while {slot.task_id} {slot.holder}"
+                    )
                 others = [s for s in self.slots if not s.busy and s is not slot][: n - 1]
                 if slot is not None and not slot.busy and len(others) == n - 1:
                     self._task += 1
@@ -407,6 +420,7 @@ class FakeLlamaServer:
                         self._ram_load(slot, prompt)
                     for s in [slot, *others]:
                         s.busy, s.task_id = True, self._task
+                        s.holder = f"{''.join(prompt)[-40:]!r} via {self._via} at {time.time():.4f}"
                     for idle in self.slots:  # --cache-idle-slots: save every idle slot
                         if not idle.busy:
                             self._ram_save(idle.tokens)

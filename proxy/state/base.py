@@ -12,7 +12,8 @@ What it holds (every key has a TTL or a bound):
   bounded by the disk budget (entries are deleted with their files), so it has no TTL.
 
 Semantics both implementations keep (``tests/contract``): a lease can be taken by one owner
-at a time and renewed or released only by it; expired entries read as absent; a window keeps
+at a time and renewed (extended, never re-created) or released only by it; expired entries
+read as absent; a window keeps
 the newest ``limit`` entries, newest first. Times are wall-clock seconds from the caller.
 Every method may raise ``StateStoreUnavailable``; the proxy then routes on local state.
 """
@@ -74,6 +75,8 @@ class StateStore(Protocol):
     async def acquire_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool: ...
 
     async def release_lease(self, ref: SlotRef, owner: str) -> None: ...
+
+    async def renew_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool: ...
 
     async def lease_owners(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, str]: ...
 

@@ -51,6 +51,12 @@ class InMemoryStateStore:
         if found is not None and found[0] == owner:
             del self._data[("lease", ref)]
 
+    async def renew_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool:
+        if self._get(("lease", ref), now) != owner:
+            return False  # expired, released, or another owner's: never re-created here
+        self._set(("lease", ref), owner, ttl, now)
+        return True
+
     async def lease_owners(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, str]:
         owners = {ref: self._get(("lease", ref), now) for ref in refs}
         return {ref: owner for ref, owner in owners.items() if owner is not None}

@@ -30,6 +30,12 @@ _TAKE = (
 )
 
 
+_RENEW = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then "
+    "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+)
+
+
 T = TypeVar("T")
 
 
@@ -56,6 +62,7 @@ class RedisStateStore:
         )
         self._take = self._redis.register_script(_TAKE)
         self._release = self._redis.register_script(_RELEASE)
+        self._renew = self._redis.register_script(_RENEW)
 
     async def get_affinity(self, key: str, now: float) -> SlotRef | None:
         raw = await _call(self._redis.get(keys.affinity(key)))
@@ -72,6 +79,9 @@ class RedisStateStore:
 
     async def release_lease(self, ref: SlotRef, owner: str) -> None:
         await _call(self._release(keys=[keys.lease(*ref)], args=[owner]))
+
+    async def renew_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool:
+        return bool(await _call(self._renew(keys=[keys.lease(*ref)], args=[owner, _ms(ttl)])))
 
     async def lease_owners(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, str]:
         if not refs:

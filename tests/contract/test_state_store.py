@@ -56,6 +56,20 @@ async def test_lease_has_one_owner_and_only_the_owner_releases(store: StateStore
     assert await store.acquire_lease(ref, "r2", ttl=5, now=now())
 
 
+async def test_renewal_extends_only_a_held_lease(store: StateStore) -> None:
+    ref = ("b2", 0)
+    assert not await store.renew_lease(ref, "r1", ttl=5, now=now())  # never re-created
+    assert await store.lease_owners([ref], now()) == {}
+    assert await store.acquire_lease(ref, "r1", ttl=0.3, now=now())
+    assert not await store.renew_lease(ref, "r2", ttl=5, now=now())
+    assert await store.renew_lease(ref, "r1", ttl=5, now=now())
+    await asyncio.sleep(0.4)
+    assert await store.lease_owners([ref], now()) == {ref: "r1"}  # extended past 0.3 s
+    await store.release_lease(ref, "r1")
+    assert not await store.renew_lease(ref, "r1", ttl=5, now=now())
+    assert await store.lease_owners([ref], now()) == {}
+
+
 async def test_lease_expires(store: StateStore) -> None:
     ref = ("b1", 3)
     assert await store.acquire_lease(ref, "dead-replica", ttl=0.2, now=now())

@@ -1,0 +1,93 @@
+"""Two and four proxy processes on one real Redis: a slot is never pinned twice at once, and
+the leases of a replica that is killed expire (fake llama-servers as processes, so their
+record of busy-slot pins can be read back)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+import redis
+
+from tests.real.stack import ProxyProcess, _wait_http, free_port
+
+TTL = "2"
+
+
+@pytest.fixture
+def fake_processes() -> Iterator[list[str]]:
+    procs, urls = [], []
+    for _ in range(2):
+        port = free_port()
+        args = [sys.executable, "-m", "tests.fake_llama", "--port", str(port), "--slots", "4"]
+        proc = subprocess.Popen([*args, "--gen-ms", "5"])
+        procs.append(proc)
+        urls.append(f"http://127.0.0.1:{port}")
+        _wait_http(urls[-1] + "/health", 30, proc)
+    yield urls
+    for proc in procs:
+        proc.terminate()
+        proc.wait(10)
+
+
+def body(i: int, tokens: int = 12) -> dict[str, Any]:
+    text = f"replica test {i} " + "word " * (i % 7)
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": tokens, "stream": True}
+
+
+async def stream(session: aiohttp.ClientSession, url: str, i: int, tokens: int = 12) -> int:
+    via = {"X-Test-Via": url}
+    async with session.post(
+        url + "/v1/chat/completions", json=body(i, tokens), headers=via
+    ) as resp:
+        await resp.read()
+        return resp.status
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+async def test_replicas_never_pin_a_slot_twice_and_dead_leases_expire(
+    fake_processes: list[str], redis_server: Any, replicas: int
+) -> None:
+    env = {"LLAMA_CACHE_PROXY_ROUTING__LEASE_TTL_SECONDS": TTL}
+    proxies = [
+        ProxyProcess(fake_processes, redis_url=redis_server.url, env=env).start()
+        for _ in range(replicas)
+    ]
+    try:
+        for proxy in proxies:
+            _wait_http(proxy.url + "/readyz", 30, proxy.proc)
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            statuses = await asyncio.gather(
+                *(stream(session, proxies[i % replicas].url, i) for i in range(96))
+            )
+            assert statuses == [200] * 96
+            for url in fake_processes:
+                async with session.get(url + "/debug/violations") as resp:
+                    assert (await resp.json())["violations"] == []
+            # a replica dies while holding leases on busy slots
+            held = [
+                asyncio.create_task(stream(session, proxies[0].url, 1000 + i, 200))
+                for i in range(4)
+            ]
+            await asyncio.sleep(0.3)
+            store = redis.Redis.from_url(redis_server.url)
+            assert store.keys("llp:v1:lease:*")  # the victim's leases
+            proxies[0].stop(kill=True)
+            await asyncio.gather(*held, return_exceptions=True)
+            await asyncio.sleep(float(TTL) + 1.5)
+            assert store.keys("llp:v1:lease:*") == []  # expired: nothing leaked
+            # the survivors can use every slot again
+            statuses = await asyncio.gather(
+                *(stream(session, proxies[-1].url, 2000 + i) for i in range(16))
+            )
+            assert statuses == [200] * 16
+            store.close()
+    finally:
+        for proxy in proxies:
+            proxy.stop()

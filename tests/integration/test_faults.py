@@ -218,3 +218,30 @@ async def test_backend_restart_invalidates_slot_state(fakes: Any, proxy: Any) ->
     assert (await client.post("/completion", json={"prompt": "a"})).status == 200
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_backend_restarts_total") == 1
+
+
+async def test_backend_that_accepts_and_never_answers_is_marked_down(
+    fakes: Any, proxy: Any
+) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(3600)  # accept, read nothing, answer nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    fake = await fakes(n_slots=1)
+    try:
+        client = await proxy(
+            [f"http://127.0.0.1:{port}", fake],
+            timeouts={"probe_seconds": 0.3, "read_seconds": 0.5},
+            health={"interval_seconds": 0.1},
+        )
+        page = await (await client.get("/metrics")).text()
+        assert metric(page, "llama_cache_proxy_backend_ready", backend=f"127.0.0.1:{port}") == 0
+        started = asyncio.get_running_loop().time()
+        for _ in range(3):  # bounded: served by the healthy backend, never by the silent one
+            resp = await client.post("/completion", json={"prompt": "x"})
+            assert resp.status == 200
+            assert resp.headers["X-Cache-Backend"] == f"127.0.0.1:{fake.port}"
+        assert asyncio.get_running_loop().time() - started < 5
+    finally:
+        server.close()

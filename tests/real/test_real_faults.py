@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.conftest import metric
 from tests.real.stack import LlamaServer, ProxyProcess
 
 ADMIN = {"LLAMA_CACHE_PROXY_ADMIN_TOKEN": "t", "LLAMA_CACHE_PROXY_HEALTH__INTERVAL_SECONDS": "0.2"}
@@ -127,3 +128,52 @@ async def test_proxy_restart_keeps_sessions_on_their_slots(
             data, where = await turn(s)
             assert where == placed[s], (s, where, placed)  # warm restart: same slot
             assert data["timings"]["cache_n"] >= 0.9 * prompts[s]
+
+
+async def test_redis_stopped_and_restarted_under_steady_traffic(
+    llama_servers: Any, redis_server: Any, proxies: list[ProxyProcess]
+) -> None:
+    server = llama_servers(slots=2)
+    pair = [ProxyProcess([server.url], redis_url=redis_server.url).start() for _ in range(2)]
+    proxies.extend(pair)
+    statuses: list[int] = []
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+        async def traffic(worker: int) -> None:
+            i = 0
+            while not stop.is_set():
+                body = {
+                    "messages": [{"role": "user", "content": f"Worker {worker} says {i}."}],
+                    "max_tokens": 4,
+                    "prompt_cache_key": f"w{worker}",
+                }
+                url = pair[(worker + i) % 2].url + "/v1/chat/completions"
+                async with session.post(url, json=body) as resp:
+                    statuses.append(resp.status)
+                    await resp.read()
+                i += 1
+
+        workers = [asyncio.create_task(traffic(w)) for w in range(4)]
+        await asyncio.sleep(1.0)
+        redis_server.stop()
+        await asyncio.sleep(2.0)
+        down = [await metric_of(session, p, "llama_cache_proxy_state_store_up") for p in pair]
+        redis_server.start()
+        for _ in range(50):
+            up = [await metric_of(session, p, "llama_cache_proxy_state_store_up") for p in pair]
+            if up == [1.0, 1.0]:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*workers)
+    assert down == [0.0, 0.0]  # both replicas noticed and routed on local state
+    assert up == [1.0, 1.0]  # and came back
+    assert len(statuses) > 20
+    assert set(statuses) == {200}  # zero failed client requests
+
+
+async def metric_of(session: aiohttp.ClientSession, proxy: ProxyProcess, name: str) -> float:
+    async with session.get(proxy.url + "/metrics") as resp:
+        return metric(await resp.text(), name)

@@ -223,8 +223,10 @@ async def test_backend_restart_invalidates_slot_state(fakes: Any, proxy: Any) ->
 async def test_backend_that_accepts_and_never_answers_is_marked_down(
     fakes: Any, proxy: Any
 ) -> None:
+    writers: list[asyncio.StreamWriter] = []
+
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(3600)  # accept, read nothing, answer nothing
+        writers.append(writer)  # accept, read nothing, answer nothing
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -245,3 +247,6 @@ async def test_backend_that_accepts_and_never_answers_is_marked_down(
         assert asyncio.get_running_loop().time() - started < 5
     finally:
         server.close()
+        for writer in writers:
+            writer.close()
+        await server.wait_closed()

@@ -23,7 +23,14 @@ from proxy.core.isolation import may_reuse
 from proxy.core.placement import Need, pick_backend, place
 from proxy.core.request_body import ParsedBody, decode_json_object, parse_body, pin_body
 from proxy.disk_tier import DiskTier
-from proxy.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, ServiceUnavailable
+from proxy.errors import (
+    BadGateway,
+    GatewayTimeout,
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServiceUnavailable,
+)
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RECORD
@@ -231,6 +238,12 @@ class ProxyHandlers:
                 await self._disk_after(plan, placement, outcome)
         except UpstreamConnectError:
             released = True  # nothing reached the backend; the caller retries and releases
+            raise
+        except GatewayTimeout:
+            self._metrics.upstream_errors.labels(backend.label, "timeout").inc()
+            raise
+        except BadGateway:
+            self._metrics.upstream_errors.labels(backend.label, "failed").inc()
             raise
         finally:
             if not released:

@@ -98,6 +98,8 @@ async def test_upstream_timeout_is_504_and_slot_drains(fakes: Any, proxy: Any) -
     resp = await client.post("/completion", json={"prompt": "x"})
     assert resp.status == 504
     assert _is_openai_error(await resp.json())
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_upstream_errors_total", kind="timeout") == 1
     again = await client.post("/completion", json={"prompt": "x"})
     assert again.status == 200
     assert fake.violations == []

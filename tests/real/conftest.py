@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from tests.real.stack import LlamaServer, require_real_stack
+from tests.real.stack import LlamaServer, _wait_http, free_port, require_real_stack
 
 
 @pytest.fixture
@@ -28,3 +30,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/real/" in str(item.fspath):
             item.add_marker(pytest.mark.real)
+
+
+@pytest.fixture
+def fake_processes() -> Iterator[list[str]]:
+    """Two fake llama-servers (4 slots, 5 ms per token) as processes; their URLs."""
+    procs, urls = [], []
+    for _ in range(2):
+        port = free_port()
+        args = [sys.executable, "-m", "tests.fake_llama", "--port", str(port), "--slots", "4"]
+        proc = subprocess.Popen([*args, "--gen-ms", "5"])
+        procs.append(proc)
+        urls.append(f"http://127.0.0.1:{port}")
+        _wait_http(urls[-1] + "/health", 30, proc)
+    yield urls
+    for proc in procs:
+        proc.terminate()
+        proc.wait(10)

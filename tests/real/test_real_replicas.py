@@ -5,34 +5,15 @@ record of busy-slot pins can be read back)."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 import redis
 
-from tests.real.stack import ProxyProcess, _wait_http, free_port
+from tests.real.stack import ProxyProcess, _wait_http
 
 TTL = "2"
-
-
-@pytest.fixture
-def fake_processes() -> Iterator[list[str]]:
-    procs, urls = [], []
-    for _ in range(2):
-        port = free_port()
-        args = [sys.executable, "-m", "tests.fake_llama", "--port", str(port), "--slots", "4"]
-        proc = subprocess.Popen([*args, "--gen-ms", "5"])
-        procs.append(proc)
-        urls.append(f"http://127.0.0.1:{port}")
-        _wait_http(urls[-1] + "/health", 30, proc)
-    yield urls
-    for proc in procs:
-        proc.terminate()
-        proc.wait(10)
 
 
 def body(i: int, tokens: int = 12) -> dict[str, Any]:

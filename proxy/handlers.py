@@ -303,12 +303,17 @@ class ProxyHandlers:
 
     def _record(self, index: int, outcome: Outcome, request: web.Request) -> None:
         label = self._settings.backends[index].label
+        usage = outcome.usage
         if outcome.first_byte_at is not None:
             ttft = outcome.first_byte_at - request[RECORD].started
-            self._metrics.ttft.labels(request.path).observe(ttft)
-        usage = outcome.usage
+            cache = "unknown"
+            if usage is not None and usage.prompt_tokens > 0:
+                cache = "hit" if usage.cached_tokens * 2 >= usage.prompt_tokens else "miss"
+            self._metrics.ttft.labels(request.path, cache).observe(ttft)
         if usage is None:
             return
+        if usage.prompt_ms is not None:
+            self._metrics.prefill_seconds.labels(label).inc(usage.prompt_ms / 1000)
         record = request[RECORD]
         record.prompt_tokens, record.cached_tokens = usage.prompt_tokens, usage.cached_tokens
         self._metrics.prompt_tokens.labels(label).inc(usage.prompt_tokens)

@@ -2,9 +2,9 @@
 
 Hit rate (token-weighted) = rate(cached_tokens_total) / rate(prompt_tokens_total), from each
 backend response's ``timings`` (``cache_n`` and ``prompt_n + cache_n``). Labels are bounded:
-endpoint (the fixed route table), status, backend label, error kind, slot phase, decision
-reason, prediction outcome, cache_key outcome, state-store operation, disk event and refusal
-reason.
+endpoint (the fixed route table), status, backend label, cache outcome, error kind, slot
+phase, decision reason, prediction outcome, cache_key outcome, state-store operation, disk
+event and refusal reason.
 
 Disk tier: ``disk_events_total{event}`` counts hits (a restore that the next request reused),
 misses (a request the disk tier was asked to serve, with no snapshot of any prefix of it),
@@ -52,9 +52,9 @@ class ProxyMetrics:
         def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=registry)
 
-        def histogram(name: str, doc: str) -> Histogram:
+        def histogram(name: str, doc: str, labels: Sequence[str] = ("endpoint",)) -> Histogram:
             return Histogram(
-                PREFIX + name, doc, ["endpoint"], buckets=_LATENCY_BUCKETS, registry=registry
+                PREFIX + name, doc, labels, buckets=_LATENCY_BUCKETS, registry=registry
             )
 
         self.requests = counter(
@@ -62,7 +62,10 @@ class ProxyMetrics:
         )
         self.duration = histogram("request_duration_seconds", "Time from request to last byte")
         self.ttft = histogram(
-            "time_to_first_token_seconds", "Time from request to first streamed body byte"
+            "time_to_first_token_seconds",
+            "Time from request to first streamed body byte, by cache outcome: hit (at least "
+            "half the prompt served from KV), miss, unknown (no usage reported)",
+            ("endpoint", "cache"),
         )
         self.upstream_errors = counter(
             "upstream_errors", "Backend failures by kind", ["backend", "kind"]
@@ -100,6 +103,11 @@ class ProxyMetrics:
         )
         self.cached_tokens = counter(
             "cached_tokens", "Prompt tokens served from a slot's KV cache", ["backend"]
+        )
+        self.prefill_seconds = counter(
+            "prefill_seconds",
+            "Seconds backends spent on prompt tokens they computed (timings.prompt_ms)",
+            ["backend"],
         )
         self.disk_events = counter(
             "disk_events",

@@ -51,6 +51,7 @@ from proxy.core.snapshots import (
 )
 from proxy.core.usage import Usage
 from proxy.disk_steps import DiskSteps
+from proxy.health import flag_warnings
 from proxy.metrics import ProxyMetrics
 from proxy.shared_state import SharedState
 from proxy.snapshot_index import SnapshotIndex
@@ -152,6 +153,8 @@ class DiskTier:
                 continue
             unified = self._settings.backends[backend.index].kv_unified
             state.layout = Layout.from_props(props, unified)
+            for warning in flag_warnings(props):
+                log.warning("backend %s: %s", backend.label, warning)
 
     def _usable(self) -> list[BackendDisk]:
         return [

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from proxy.config import HealthSettings, Settings
 from proxy.core.fleet import BackendPhase, Probe, SlotPhase
@@ -100,3 +101,15 @@ class Prober:
         for task in self._drains.values():
             task.cancel()
         await asyncio.gather(*self._drains.values(), return_exceptions=True)
+
+
+def flag_warnings(props: dict[str, Any]) -> list[str]:
+    """What a backend's ``/props`` says against the recommended llama-server flags."""
+    out = []
+    if props.get("endpoint_slots") is False:
+        out.append("started with --no-slots: busy and aborted slots cannot be seen")
+    if props.get("endpoint_metrics") is False:
+        out.append("started without --metrics: no server-side metrics to scrape")
+    if props.get("is_sleeping"):
+        out.append("sleeping (--sleep-idle-seconds): its KV and RAM caches are gone")
+    return out

@@ -143,3 +143,12 @@ def test_live_reuse_beats_a_shorter_or_costlier_snapshot() -> None:
     assert d.placement == Placement(0, (1,), 1)
     costly = decided(route(request, f.backends, PARAMS, now=100.0, disk={0: offer(350, 500.0)}))
     assert costly.restore is None
+
+
+def test_props_that_contradict_the_recommended_flags_are_named() -> None:
+    from proxy.health import flag_warnings
+
+    assert flag_warnings({"endpoint_slots": True, "endpoint_metrics": True}) == []
+    warnings = flag_warnings({"endpoint_slots": False, "endpoint_metrics": False})
+    assert any("--no-slots" in w for w in warnings)
+    assert any("--metrics" in w for w in warnings)

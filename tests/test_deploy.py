@@ -1,0 +1,144 @@
+"""The deployment files are valid, and every metric the dashboard and alerts use exists.
+
+No Docker engine or Kubernetes cluster runs here: the compose file is checked with Debian's
+``docker-compose config``, the Prometheus config and rules with ``promtool``, the Kubernetes
+manifests structurally, and the dashboard's and alert rules' metric names against the
+``/metrics`` of a live proxy that served traffic (every metric family is listed there).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import chat
+
+ROOT = Path(__file__).parents[1]
+DEPLOY = ROOT / "deploy"
+PROFILES = [["cpu", "redis", "monitoring"], ["cuda", "redis", "monitoring"], ["metal"]]
+METRIC = re.compile(r"\bllama_cache_proxy_[a-z_]+")
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"{name} is missing: ./scripts/test installs it (Debian package)")
+    return found
+
+
+@pytest.mark.parametrize("profiles", PROFILES, ids=["+".join(p) for p in PROFILES])
+def test_compose_file_validates(profiles: list[str]) -> None:
+    args = [_tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml")]
+    for profile in profiles:
+        args += ["--profile", profile]
+    done = subprocess.run([*args, "config"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]  # compose 1.29 lists every profile
+    assert {"lb", "proxy", "proxy-metal", "redis", "prometheus", "grafana"} <= set(services)
+    assert services["proxy"]["environment"]["LLAMA_CACHE_PROXY_DISK__SLOT_SAVE_DIR"] == "/slots"
+    backends = [s for name, s in services.items() if name.startswith("llama")]
+    assert len(backends) == 4  # two CPU, two CUDA
+    for backend in backends:
+        command = backend["command"]
+        command = command if isinstance(command, str) else " ".join(command)
+        assert "--slot-save-path /slots" in command
+        assert "-np 4" in command  # explicit slots: non-unified KV, as pinning needs
+
+
+def test_prometheus_config_and_alert_rules_check() -> None:
+    promtool = _tool("promtool")
+    config = DEPLOY / "prometheus" / "prometheus.yml"
+    done = subprocess.run(
+        [promtool, "check", "config", str(config)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 rules found" in done.stdout
+
+
+def _manifests() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def test_kubernetes_manifests_are_well_formed() -> None:
+    docs = _manifests()
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("Deployment", "llama-cache-proxy") in kinds
+    assert ("StatefulSet", "llama") in kinds
+    assert ("ServiceMonitor", "llama-cache-proxy") in kinds
+    claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    for doc in docs:
+        assert {"apiVersion", "kind", "metadata"} <= doc.keys()
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        spec = doc["spec"]
+        labels = spec["template"]["metadata"]["labels"]
+        assert spec["selector"]["matchLabels"].items() <= labels.items()
+        mounts = set()
+        for container in spec["template"]["spec"]["containers"]:
+            assert container["name"]
+            assert container["image"]
+            mounts |= {m["name"] for m in container.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in spec["template"]["spec"].get("volumes", [])}
+        templates = {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates", [])}
+        assert mounts <= set(volumes) | templates, doc["metadata"]["name"]
+        for volume in volumes.values():
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["config.yaml"]
+    from proxy.config import Settings
+
+    settings = Settings.model_validate(yaml.safe_load(config))  # the proxy accepts it
+    assert [b.base_url for b in settings.backends] == [
+        "http://llama-0.llama:8080",
+        "http://llama-1.llama:8080",
+    ]
+
+
+def test_grafana_provisioning_parses() -> None:
+    source = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text()
+    )
+    assert source["datasources"][0]["uid"] == "prometheus"
+    board = json.loads((DEPLOY / "grafana/dashboards/llama-cache-proxy.json").read_text())
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    assert {p["datasource"]["uid"] for p in panels} == {"prometheus"}
+    assert all(p["targets"] for p in panels)
+
+
+def _used_metric_names() -> set[str]:
+    board = (DEPLOY / "grafana/dashboards/llama-cache-proxy.json").read_text()
+    rules = (DEPLOY / "prometheus/alerts.yml").read_text()
+    return set(METRIC.findall(board)) | set(METRIC.findall(rules))
+
+
+async def test_dashboard_and_alert_metrics_exist_on_a_live_proxy(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    fake = await fakes(n_slots=2, save_dir=tmp_path)
+    client = await proxy([fake], disk={"slot_save_dir": str(tmp_path), "min_tokens": 8})
+    for i in range(3):
+        body = chat(f"dashboard traffic {i}", max_tokens=4, stream=i % 2 == 0)
+        assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    page = await (await client.get("/metrics")).text()
+    exposed = set()
+    for line in page.splitlines():
+        if line.startswith("# TYPE "):
+            name, kind = line.split()[2:4]
+            exposed.add(name)
+            if kind == "counter":
+                exposed.add(name + "_total")
+            if kind == "histogram":
+                exposed |= {name + "_bucket", name + "_sum", name + "_count"}
+    used = _used_metric_names()
+    assert len(used) >= 15
+    assert used <= exposed, sorted(used - exposed)

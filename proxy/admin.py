@@ -1,5 +1,5 @@
-"""Admin endpoints: the slot table and the disk tier's status, behind a bearer token;
-absent (404) without one."""
+"""Admin endpoints: the slot table, the disk tier's status and prefix churn, behind a
+bearer token; absent (404) without one."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.churn_tracker import ChurnTracker
 from proxy.config import Settings
 from proxy.core.fleet import Fleet
 from proxy.disk_tier import DiskTier
@@ -17,9 +18,15 @@ from proxy.errors import NotFound, Unauthorized
 
 class AdminHandlers:
     def __init__(
-        self, settings: Settings, fleet: Fleet, clock: Callable[[], float], disk: DiskTier
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        clock: Callable[[], float],
+        disk: DiskTier,
+        churn: ChurnTracker,
     ) -> None:
         self._disk = disk
+        self._churn = churn
         token = settings.admin_token
         self._token = token.get_secret_value() if token is not None else None
         self._fleet = fleet
@@ -38,6 +45,11 @@ class AdminHandlers:
         return web.json_response(
             {"backends": [self._backend(b, now) for b in self._fleet.backends]}
         )
+
+    async def churn(self, request: web.Request) -> web.Response:
+        """Where sessions' prompts stop extending their previous prompts (``report`` reads it)."""
+        self._check(request)
+        return web.json_response(self._churn.status())
 
     async def disk(self, request: web.Request) -> web.Response:
         """Policy, per-backend layout and speeds, and the index: size, bytes, entries."""

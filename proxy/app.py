@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.admin import AdminHandlers
+from proxy.churn_tracker import ChurnTracker
 from proxy.config import Settings
 from proxy.core.fleet import BackendPhase, Fleet
 from proxy.disk_tier import DiskTier
@@ -67,6 +68,7 @@ def create_app(
     )
     disk = DiskTier(settings, fleet, shared, metrics, wall, clock)
     router = Router(settings, fleet, shared, TokenCounter(), metrics, clock, disk)
+    router.churn = churn = ChurnTracker(metrics, wall)
     handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock, disk)
 
     app = web.Application(
@@ -76,9 +78,10 @@ def create_app(
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/metrics", handlers.metrics)
-    admin = AdminHandlers(settings, fleet, clock, disk)
+    admin = AdminHandlers(settings, fleet, clock, disk, churn)
     app.router.add_get("/admin/slots", admin.slots)
     app.router.add_get("/admin/disk", admin.disk)
+    app.router.add_get("/admin/churn", admin.churn)
     for path, route in ROUTES.items():
         app.router.add_route(route.method, path, handlers.forward)
 

@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--cache-isolation", choices=["off", "tenant"])
     serve.add_argument("--tenant-header", metavar="NAME", help="default: the bearer API key")
+    report = sub.add_parser(
+        "report", help="where sessions' prompts churn (reads a running proxy's /admin/churn)"
+    )
+    report.add_argument("--url", default="http://127.0.0.1:8000", help="the proxy")
+    report.add_argument(
+        "--admin-token", default=os.environ.get("LLAMA_CACHE_PROXY_ADMIN_TOKEN"), help="bearer"
+    )
     return parser
 
 
@@ -95,6 +102,10 @@ def _configure_logging(level: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "report":
+        from proxy.report import run_report
+
+        return run_report(args.url, args.admin_token)
     try:
         settings = settings_from_args(args, dict(os.environ))
     except ConfigError as exc:

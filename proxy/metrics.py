@@ -124,3 +124,12 @@ class ProxyMetrics:
             "disk_restored_tokens", "Tokens loaded into slots from disk snapshots"
         )
         self.disk_policy = gauge("disk_policy_info", "The default disk scope", ["policy"])
+        self.divergences = counter(
+            "prefix_divergences",
+            "Prompts that stopped extending their session's previous prompt, by the message "
+            "index where they first differ (preamble = tools / template kwargs)",
+            ["message"],
+        )
+        self.tokens_lost = counter(
+            "prefix_tokens_lost", "Estimated tokens of previous prompts lost to prefix churn"
+        )

@@ -41,7 +41,7 @@ class RequestRecord:
 
 
 RECORD = web.RequestKey("record", RequestRecord)
-_OWN = {"/healthz", "/readyz", "/metrics", "/admin/slots", "/admin/disk"}
+_OWN = {"/healthz", "/readyz", "/metrics", "/admin/slots", "/admin/disk", "/admin/churn"}
 
 
 def render(error: ProxyError, request_id: str) -> web.Response:

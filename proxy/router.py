@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.churn_tracker import ChurnTracker
 from proxy.config import Settings
 from proxy.core.disk_scope import Scope
 from proxy.core.fingerprint import (
@@ -98,6 +99,7 @@ class Router:
         self._labels = {b.label: b.index for b in fleet.backends}
         # backend tokens per estimated token, learned from responses (1.0 until then)
         self._scale: dict[int, float] = {}
+        self.churn: ChurnTracker | None = None  # prefix-churn diagnostics (app.py)
         # with ``tokenizer: backend``: counts a text with a ready backend's tokenizer
         self.backend_tokens: Callable[[str], Awaitable[int | None]] | None = None
 
@@ -138,6 +140,8 @@ class Router:
             ref = await self._shared.get_affinity(key)
             if ref is not None and ref[0] in self._labels:
                 hint = (self._labels[ref[0]], ref[1])
+        if chat and self.churn is not None:
+            self.churn.observe(key, fp, body)
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
         plan = Plan(fp, chat, key, hint, wait_until, tenant=tenant)
         if self._disk is not None and self._settings.routing.pin_slots:

@@ -1,0 +1,46 @@
+"""Prefix-churn diagnostics end to end: admin endpoint, metrics and the report command."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from typing import Any
+
+from proxy.report import run_report
+from tests.conftest import metric
+
+
+def turn(clock: str, n: int) -> dict[str, Any]:
+    messages = [
+        {"role": "system", "content": f"You are an agent. Current time: {clock}. " + "rule " * 60},
+        {"role": "user", "content": "session 7: fix the build"},
+    ]
+    for i in range(n):
+        messages += [
+            {"role": "assistant", "content": f"step {i} done"},
+            {"role": "user", "content": f"next {i}"},
+        ]
+    return {"messages": messages, "max_tokens": 4}
+
+
+async def test_a_changing_timestamp_is_reported_where_it_churns(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=2)
+    client = await proxy([fake], admin_token="t")
+    for i, clock in enumerate(["09:12:36", "09:12:51", "09:13:07"]):
+        assert (await client.post("/v1/chat/completions", json=turn(clock, i))).status == 200
+    status = await (await client.get("/admin/churn", headers={"Authorization": "Bearer t"})).json()
+    assert status["where"] == {"0 system": 2}
+    (top,) = status["top_sessions"]
+    assert top["divergences"] == 2
+    assert top["tokens_lost"] > 100
+    assert "09:12:51" in status["recent"][-1]["before"]
+    assert "09:13:07" in status["recent"][-1]["after"]
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_prefix_divergences_total", message="0") == 2
+    out = io.StringIO()
+    url = str(client.make_url("/")).rstrip("/")
+    assert await asyncio.to_thread(run_report, url, "t", out) == 0
+    text = out.getvalue()
+    assert "message 0 system" in text
+    assert "09:13:07" in text
+    assert await asyncio.to_thread(run_report, url, None, io.StringIO()) == 2  # no token

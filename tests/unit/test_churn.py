@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.core.churn import divergence, message_bucket, sketch
+from proxy.core.fingerprint import chat_segments, fingerprint_chat
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def sk(body: dict[str, Any]) -> Any:
+    return sketch(fingerprint_chat(body, words), chat_segments(body))
+
+
+def body(system: str, *turns: str) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}]
+    messages += [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)
+    ]
+    return {"messages": messages}
+
+
+def test_an_extending_turn_is_not_churn() -> None:
+    old = sk(body("rules", "q1"))
+    assert divergence("s", old, sk(body("rules", "q1", "a1", "q2")), 0.0) is None
+
+
+def test_a_timestamp_in_the_system_prompt_is_found_with_both_sides() -> None:
+    old = sk(body("You are helpful. Current time: 09:12:36. " + "rule " * 50, "q1"))
+    new = sk(body("You are helpful. Current time: 09:13:10. " + "rule " * 50, "q1", "a1", "q2"))
+    found = divergence("s", old, new, 5.0)
+    assert found is not None
+    assert (found.message_index, found.role) == (0, "system")
+    assert found.token_offset == 0
+    assert found.tokens_lost == old.fp.total
+    assert "09:12:36" in found.before
+    assert "09:13:10" in found.after
+
+
+def test_a_dropped_transient_last_message_loses_only_its_tokens() -> None:
+    old = sk(body("rules " * 50, "q1", "a1", "transient status line"))
+    new = sk(body("rules " * 50, "q1", "a1", "q2"))
+    found = divergence("s", old, new, 0.0)
+    assert found is not None
+    assert found.message_index == 3
+    assert found.tokens_lost < 10
+
+
+def test_message_buckets_are_bounded() -> None:
+    assert [message_bucket(i) for i in (-1, 0, 9, 10, 500)] == ["preamble", "0", "9", "10+", "10+"]

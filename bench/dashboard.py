@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
-import tempfile
 import time
-import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.real.stack import LlamaServer, ProxyProcess, _wait_http, free_port, require_real_stack
+from tests.real.stack import LlamaServer, PrometheusServer, ProxyProcess, require_real_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 BOARD = ROOT / "deploy/grafana/dashboards/llama-cache-proxy.json"
@@ -70,15 +66,6 @@ def workload(proxy: ProxyProcess, server: LlamaServer, sessions: int, turns: int
             time.sleep(0.5)
 
 
-def query_range(port: int, expr: str, start: float, end: float) -> list[dict[str, Any]]:
-    params = urllib.parse.urlencode(
-        {"query": expr.replace("$__rate_interval", "15s"), "start": start, "end": end, "step": 1}
-    )
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query_range?{params}") as resp:
-        result: list[dict[str, Any]] = json.loads(resp.read())["data"]["result"]
-        return result
-
-
 def legend(template: str, labels: dict[str, str]) -> str:
     out = template
     for key, value in labels.items():
@@ -86,7 +73,7 @@ def legend(template: str, labels: dict[str, str]) -> str:
     return out.replace("{{instance}}", "").strip() or "value"
 
 
-def render(port: int, start: float, end: float, path: Path) -> int:
+def render(prometheus: PrometheusServer, start: float, end: float, path: Path) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,7 +86,8 @@ def render(port: int, start: float, end: float, path: Path) -> int:
     drawn = 0
     for ax, panel in zip(axes.flat, panels, strict=False):
         for target in panel["targets"]:
-            for series in query_range(port, target["expr"], start, end):
+            expr = target["expr"].replace("$__rate_interval", "15s")
+            for series in prometheus.query(expr, start=start, end=end, step=1):
                 points = [(float(t) - start, float(v)) for t, v in series["values"]]
                 points = [(t, v) for t, v in points if v == v]  # drop NaN
                 if points:
@@ -136,41 +124,21 @@ def main() -> None:
             "LLAMA_CACHE_PROXY_HEALTH__INTERVAL_SECONDS": "0.5",
         },
     ).start()
-    workdir = Path(tempfile.mkdtemp(prefix="prom-"))
-    port = free_port()
-    config = {
-        "global": {"scrape_interval": "1s"},
-        "scrape_configs": [
-            {"job_name": "proxy", "static_configs": [{"targets": [f"127.0.0.1:{proxy.port}"]}]}
-        ],
-    }
-    (workdir / "prometheus.yml").write_text(json.dumps(config))
-    prometheus = subprocess.Popen(
-        [
-            shutil.which("prometheus") or "/usr/bin/prometheus",
-            f"--config.file={workdir / 'prometheus.yml'}",
-            f"--storage.tsdb.path={workdir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    prometheus = PrometheusServer([f"127.0.0.1:{proxy.port}"])
     try:
-        _wait_http(f"http://127.0.0.1:{port}/-/ready", 60, prometheus)
-        time.sleep(6)  # target discovery and first scrapes
+        prometheus.start()
+        prometheus.until("up")  # target discovery and a first scrape
         start = time.time()
         workload(proxy, server, args.sessions, args.turns)
         time.sleep(5)
         end = time.time()
         RESULTS.mkdir(exist_ok=True)
-        drawn = render(port, start, end, RESULTS / "dashboard.png")
+        drawn = render(prometheus, start, end, RESULTS / "dashboard.png")
         print(f"{drawn} series drawn over {end - start:.0f} s -> {RESULTS / 'dashboard.png'}")
     finally:
-        prometheus.terminate()
-        prometheus.wait(10)
+        prometheus.stop()
         proxy.stop()
         server.cleanup()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

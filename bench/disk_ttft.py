@@ -25,10 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
-from prometheus_client import CollectorRegistry
 
-from proxy.app import create_app
+from bench.inproc import serve
 from proxy.config import Settings
 from tests.real.stack import LlamaServer, require_real_stack
 
@@ -100,16 +98,14 @@ async def run(reps: int) -> dict[str, Any]:
             "log_level": "WARNING",
         }
     )
-    runner = web.AppRunner(create_app(settings, registry=CollectorRegistry()))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     system = agent_system()
     rows: dict[str, list[float]] = {"cold": [], "restored": [], "warm": [], "save": []}
     routes: dict[str, list[str]] = {k: [] for k in rows}
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        async with (
+            serve(settings) as url,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http,
+        ):
             async with http.post(
                 server.url + "/tokenize", json={"content": system, "add_special": True}
             ) as resp:
@@ -132,7 +128,6 @@ async def run(reps: int) -> dict[str, Any]:
                 rows["warm"].append(seconds)
                 routes["warm"].append(route)
     finally:
-        await runner.cleanup()
         server.cleanup()
     return {"system_tokens": prompt_tokens, "seconds": rows, "routes": routes}
 

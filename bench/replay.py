@@ -31,11 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
-from prometheus_client import CollectorRegistry
 
+from bench.inproc import serve
 from bench.workloads import Workload, chat_body, lmcache, mooncake
-from proxy.app import create_app
 from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer, tokenize
 
@@ -148,13 +146,8 @@ async def run_policy(
                     "log_level": "WARNING",
                 }
             )
-            runner = web.AppRunner(create_app(settings, registry=CollectorRegistry()))
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-            await _run_sessions(workload, lambda s, p: _post(s, url, p))
-            await runner.cleanup()
+            async with serve(settings) as url:
+                await _run_sessions(workload, lambda s, p: _post(s, url, p))
         else:
             async with peers[policy](urls) as url:
                 started = time.perf_counter()

@@ -17,6 +17,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -196,3 +197,64 @@ class ProxyProcess:
             self.proc.kill() if kill else self.proc.terminate()
             self.proc.wait(10)
         self.proc = None
+
+
+@dataclass
+class PrometheusServer:
+    """A real Prometheus (Debian package) scraping ``targets`` every second, with queries."""
+
+    targets: list[str]
+    port: int = field(default_factory=free_port)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="prom-")))
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> PrometheusServer:
+        import json
+
+        config = {
+            "global": {"scrape_interval": "1s"},
+            "scrape_configs": [
+                {"job_name": "proxy", "static_configs": [{"targets": self.targets}]}
+            ],
+        }
+        (self.workdir / "prometheus.yml").write_text(json.dumps(config))
+        self.proc = subprocess.Popen(
+            [
+                shutil.which("prometheus") or "/usr/bin/prometheus",
+                f"--config.file={self.workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait_http(f"http://127.0.0.1:{self.port}/-/ready", 60, self.proc)
+        return self
+
+    def query(self, expr: str, **params: float) -> list[dict[str, Any]]:
+        """``/api/v1/query`` (or ``query_range`` when start, end and step are given)."""
+        import json
+        import urllib.parse
+
+        kind = "query_range" if params else "query"
+        encoded = urllib.parse.urlencode({"query": expr, **params})
+        url = f"http://127.0.0.1:{self.port}/api/v1/{kind}?{encoded}"
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            result: list[dict[str, Any]] = json.loads(resp.read())["data"]["result"]
+            return result
+
+    def until(self, expr: str, timeout: float = 30) -> None:
+        """Wait until ``expr`` returns something (targets discovered, series scraped)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.query(expr):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"Prometheus never returned {expr}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+        shutil.rmtree(self.workdir, ignore_errors=True)

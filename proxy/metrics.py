@@ -133,3 +133,9 @@ class ProxyMetrics:
         self.tokens_lost = counter(
             "prefix_tokens_lost", "Estimated tokens of previous prompts lost to prefix churn"
         )
+        self.backend_model = gauge(
+            "backend_model_info",
+            "1 for the model each backend serves (from /props); join on backend for per-model "
+            "panels",
+            ["backend", "model"],
+        )

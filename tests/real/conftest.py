@@ -39,7 +39,7 @@ def fake_processes() -> Iterator[list[str]]:
     for _ in range(2):
         port = free_port()
         args = [sys.executable, "-m", "tests.fake_llama", "--port", str(port), "--slots", "4"]
-        proc = subprocess.Popen([*args, "--gen-ms", "5"])
+        proc = subprocess.Popen([*args, "--gen-ms", "5", "--ctx", "200000"])
         procs.append(proc)
         urls.append(f"http://127.0.0.1:{port}")
         _wait_http(urls[-1] + "/health", 30, proc)

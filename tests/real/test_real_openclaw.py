@@ -46,7 +46,7 @@ def install() -> None:
     subprocess.run(app, env=env, capture_output=True, timeout=600, check=True)
 
 
-def configure(home: Path, proxy_url: str, cache_key: bool) -> dict[str, str]:
+def configure(home: Path, proxy_url: str, cache_key: bool, minimal: bool = True) -> dict[str, str]:
     state = home / ".openclaw"
     state.mkdir(parents=True)
     (home / "ws").mkdir()
@@ -64,14 +64,8 @@ def configure(home: Path, proxy_url: str, cache_key: bool) -> dict[str, str]:
         "update": {"checkOnStart": False},
         "telemetry": {"enabled": False},
         "gateway": {"mode": "local"},
-        "tools": {"profile": "minimal"},
         "agents": {
-            "defaults": {
-                "model": {"primary": "local/smollm2"},
-                "workspace": str(home / "ws"),
-                "skipBootstrap": True,
-                "contextInjection": "never",
-            }
+            "defaults": {"model": {"primary": "local/smollm2"}, "workspace": str(home / "ws")}
         },
         "models": {
             "mode": "merge",
@@ -87,6 +81,12 @@ def configure(home: Path, proxy_url: str, cache_key: bool) -> dict[str, str]:
             },
         },
     }
+    if minimal:  # lean setup for a small context
+        config["tools"] = {"profile": "minimal"}
+        defaults = config["agents"]["defaults"]  # type: ignore[index]
+        defaults.update(skipBootstrap=True, contextInjection="never")
+    else:
+        model["contextWindow"] = 131072
     (state / "openclaw.json").write_text(json.dumps(config))
     return {
         **os.environ,
@@ -137,6 +137,40 @@ def test_openclaw_turns_reuse_the_session_prefix(llama_servers: Any, cache_key: 
             assert metric(page, "llama_cache_proxy_cache_key_total", outcome="reuse") >= 2
         else:
             assert metric(page, "llama_cache_proxy_cache_key_total") == 0
+    finally:
+        proxy.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_openclaw_default_profile_with_its_transient_carrier_stays_on_its_slot(
+    fake_processes: list[str],
+) -> None:
+    """OpenClaw's default setup (18k-token prompt, 12 tools) appends a transient carrier message
+    that the next turn drops, so turn N is not a prefix of N+1 and there is no session key: the
+    message-level prefix match must still keep the session on its slot. The backend is the fake
+    (SmolLM2's context is too small for this prompt), with a large context."""
+    install()
+    proxy = ProxyProcess(fake_processes[:1]).start()
+    home = Path(tempfile.mkdtemp(prefix="openclaw-"))
+    try:
+        env = configure(home, proxy.url, cache_key=False, minimal=False)
+        previous = (0.0, 0.0)
+        for turn, message in enumerate(["Say hello.", "Say goodbye.", "Say thanks."]):
+            done = subprocess.run(
+                [str(OPENCLAW), "agent", "--local", "--agent", "main", "--session-id", "s2",
+                 "--message", message, "--json", "--timeout", "300"],
+                env=env, capture_output=True, text=True, timeout=400,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr[-2000:]
+            page = scrape(proxy)
+            prompt = metric(page, "llama_cache_proxy_prompt_tokens_total")
+            cached = metric(page, "llama_cache_proxy_cached_tokens_total")
+            turn_prompt, turn_cached = prompt - previous[0], cached - previous[1]
+            previous = (prompt, cached)
+            print(f"openclaw default turn {turn}: {turn_cached:.0f} of {turn_prompt:.0f} cached")
+            assert turn_prompt > 5000  # the default system prompt and 12 tools
+            if turn:
+                assert turn_cached >= 0.8 * turn_prompt, (turn, turn_cached, turn_prompt)
     finally:
         proxy.stop()
         shutil.rmtree(home, ignore_errors=True)

@@ -107,6 +107,27 @@ def scrape(proxy: ProxyProcess) -> str:
         return str(resp.read().decode())
 
 
+def three_turns(
+    proxy: ProxyProcess, env: dict[str, str], session: str
+) -> list[tuple[float, float]]:
+    """Three ``openclaw agent --local`` turns of one session; per turn (prompt, cached) tokens
+    from the proxy's metrics."""
+    turns, previous = [], (0.0, 0.0)
+    for message in ["Say hello.", "Say goodbye.", "Say thanks."]:
+        done = subprocess.run(
+            [str(OPENCLAW), "agent", "--local", "--agent", "main", "--session-id", session,
+             "--message", message, "--json", "--timeout", "300"],
+            env=env, capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        page = scrape(proxy)
+        prompt = metric(page, "llama_cache_proxy_prompt_tokens_total")
+        cached = metric(page, "llama_cache_proxy_cached_tokens_total")
+        turns.append((prompt - previous[0], cached - previous[1]))
+        previous = (prompt, cached)
+    return turns
+
+
 @pytest.mark.parametrize("cache_key", [False, True], ids=["no-session-key", "prompt-cache-key"])
 def test_openclaw_turns_reuse_the_session_prefix(llama_servers: Any, cache_key: bool) -> None:
     install()
@@ -117,22 +138,11 @@ def test_openclaw_turns_reuse_the_session_prefix(llama_servers: Any, cache_key: 
     home = Path(tempfile.mkdtemp(prefix="openclaw-"))
     try:
         env = configure(home, proxy.url, cache_key)
-        previous = (0.0, 0.0)
-        for turn, message in enumerate(["Say hello.", "Say goodbye.", "Say thanks."]):
-            done = subprocess.run(
-                [str(OPENCLAW), "agent", "--local", "--agent", "main", "--session-id", "s1",
-                 "--message", message, "--json", "--timeout", "300"],
-                env=env, capture_output=True, text=True, timeout=400,
-            )  # fmt: skip
-            assert done.returncode == 0, done.stderr[-2000:]
-            page = scrape(proxy)
-            prompt = metric(page, "llama_cache_proxy_prompt_tokens_total")
-            cached = metric(page, "llama_cache_proxy_cached_tokens_total")
-            turn_prompt, turn_cached = prompt - previous[0], cached - previous[1]
-            previous = (prompt, cached)
-            assert turn_prompt > 1000  # OpenClaw's real system prompt and tools
+        for turn, (prompt, cached) in enumerate(three_turns(proxy, env, "s1")):
+            assert prompt > 1000  # OpenClaw's real system prompt and tools
             if turn:
-                assert turn_cached >= 0.8 * turn_prompt, (turn, turn_cached, turn_prompt)
+                assert cached >= 0.8 * prompt, (turn, cached, prompt)
+        page = scrape(proxy)
         if cache_key:
             assert metric(page, "llama_cache_proxy_cache_key_total", outcome="reuse") >= 2
         else:
@@ -154,23 +164,11 @@ def test_openclaw_default_profile_with_its_transient_carrier_stays_on_its_slot(
     home = Path(tempfile.mkdtemp(prefix="openclaw-"))
     try:
         env = configure(home, proxy.url, cache_key=False, minimal=False)
-        previous = (0.0, 0.0)
-        for turn, message in enumerate(["Say hello.", "Say goodbye.", "Say thanks."]):
-            done = subprocess.run(
-                [str(OPENCLAW), "agent", "--local", "--agent", "main", "--session-id", "s2",
-                 "--message", message, "--json", "--timeout", "300"],
-                env=env, capture_output=True, text=True, timeout=400,
-            )  # fmt: skip
-            assert done.returncode == 0, done.stderr[-2000:]
-            page = scrape(proxy)
-            prompt = metric(page, "llama_cache_proxy_prompt_tokens_total")
-            cached = metric(page, "llama_cache_proxy_cached_tokens_total")
-            turn_prompt, turn_cached = prompt - previous[0], cached - previous[1]
-            previous = (prompt, cached)
-            print(f"openclaw default turn {turn}: {turn_cached:.0f} of {turn_prompt:.0f} cached")
-            assert turn_prompt > 5000  # the default system prompt and 12 tools
+        for turn, (prompt, cached) in enumerate(three_turns(proxy, env, "s2")):
+            print(f"openclaw default turn {turn}: {cached:.0f} of {prompt:.0f} cached")
+            assert prompt > 5000  # the default system prompt and 12 tools
             if turn:
-                assert turn_cached >= 0.8 * turn_prompt, (turn, turn_cached, turn_prompt)
+                assert cached >= 0.8 * prompt, (turn, cached, prompt)
     finally:
         proxy.stop()
         shutil.rmtree(home, ignore_errors=True)

@@ -142,6 +142,11 @@ class Fleet:
             slot.phase = SlotPhase.BUSY
             slot.last_used = now
             slot.pending = content if slot_id == placement.pin else None
+            if backend.ram and slot_id == placement.pin and content is not None:
+                # The server parks what the slot held in its RAM cache as the task starts
+                # (and a parked entry the prompt extends moves into the slot), so the
+                # evicted session can find it there while this request runs.
+                self._park(backend, slot.content, content)
 
     def release(
         self,
@@ -182,9 +187,10 @@ class Fleet:
     def _park(
         self, backend: BackendState, before: Fingerprint | None, after: Fingerprint | None
     ) -> None:
-        """Model llama-server's RAM prompt cache: idle slot contents are saved there (and
-        stay when the slot is overwritten); an entry that is a prefix of a newer one is
-        dropped, and an entry loaded into a slot leaves the cache."""
+        """Model llama-server's RAM prompt cache: a slot's content is saved there when a task
+        takes the slot (``claim``; idle slots are saved on every task) and stays while the
+        slot is overwritten; an entry that is a prefix of a newer one is dropped, and an
+        entry loaded into a slot leaves the cache."""
 
         def covered(entry: Fingerprint, by: Fingerprint | None) -> bool:
             return by is not None and common_segments(entry.hashes, by.hashes) == len(entry.hashes)

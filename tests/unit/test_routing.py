@@ -85,6 +85,18 @@ def test_waits_for_a_busy_slot_worth_it_and_not_after_the_bound() -> None:
     assert later.placement == Placement(0, (1,), 1)
 
 
+def test_session_evicted_into_ram_is_found_there_while_the_evicting_request_runs() -> None:
+    f = fleet(1, 1)  # RAM prompt cache on (the default)
+    hold(f, 0, 0, fp(1, 2, 3, 4))
+    f.claim(Placement(0, (0,), 0), now=100.0, content=fp(9))  # another session takes it
+    d = decided(route(fp(1, 2, 3, 4, 5), f.backends, PARAMS, now=100.0))
+    assert (d.reason, d.wait_for, d.predicted) == (Reason.WAIT, (0, -1), 400)
+    f.release(Placement(0, (0,), 0), now=101.0, clean=True, content=fp(9, 10))
+    back = decided(route(fp(1, 2, 3, 4, 5), f.backends, PARAMS, now=101.0))
+    assert (back.placement, back.predicted) == (Placement(0, (0,), 0), 400)
+    assert not f.backends[1].ghosts
+
+
 def test_load_gate_sends_a_hot_prefix_to_an_idle_backend() -> None:
     f = fleet(5, 5)
     for slot in range(4):

@@ -26,7 +26,19 @@ def _bin(name: str, exe: str) -> Path:
     return HOME / name / "bin" / exe
 
 
-def _command(name: str, urls: list[str], port: int) -> list[str]:
+# Each router's session policy (a session id sent as a header pins a session to a worker):
+# sglang-router and smg read X-SMG-Routing-Key (``manual``: a sticky key -> worker map,
+# new keys to the least loaded worker), vllm-router reads X-Session-Id
+# (``sticky_least_loaded``: new sessions to the worker with the fewest active sessions).
+SESSION_POLICIES = {
+    "sglang-router": "manual",
+    "smg": "manual",
+    "vllm-router": "sticky_least_loaded",
+}
+SESSION_HEADERS = ("X-SMG-Routing-Key", "X-Session-Id")
+
+
+def _command(name: str, urls: list[str], port: int, policy: str) -> list[str]:
     common = [
         "--host",
         "127.0.0.1",
@@ -35,7 +47,7 @@ def _command(name: str, urls: list[str], port: int) -> list[str]:
         "--worker-urls",
         *urls,
         "--policy",
-        "cache_aware",
+        policy,
     ]
     if name == "sglang-router":
         return [str(_bin(name, "python")), "-m", "sglang_router.launch_router", *common]
@@ -70,13 +82,18 @@ def _installed(name: str) -> bool:
 
 
 def available_peers() -> dict[str, Callable[[list[str]], AbstractAsyncContextManager[str]]]:
-    def starter(name: str) -> Callable[[list[str]], AbstractAsyncContextManager[str]]:
+    """Per installed router, its cache-aware policy (``name``) and its session policy
+    (``name:policy``; the replay sends session ids to those)."""
+
+    def starter(
+        name: str, policy: str = "cache_aware"
+    ) -> Callable[[list[str]], AbstractAsyncContextManager[str]]:
         @asynccontextmanager
         async def run(urls: list[str]) -> AsyncIterator[str]:
             port = free_port()
             log = open(HOME / f"{name}.log", "ab")  # noqa: SIM115, ASYNC230 (bench set-up)
             proc = subprocess.Popen(  # noqa: ASYNC220 (started once per policy run)
-                _command(name, urls, port), stdout=log, stderr=log
+                _command(name, urls, port, policy), stdout=log, stderr=log
             )
             try:
                 url = f"http://127.0.0.1:{port}"
@@ -90,7 +107,11 @@ def available_peers() -> dict[str, Callable[[list[str]], AbstractAsyncContextMan
 
         return run
 
-    return {name: starter(name) for name in PACKAGES if _installed(name)}
+    installed = [name for name in PACKAGES if _installed(name)]
+    peers = {name: starter(name) for name in installed}
+    for name in installed:
+        peers[f"{name}:{SESSION_POLICIES[name]}"] = starter(name, SESSION_POLICIES[name])
+    return peers
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ Policies: ``ideal`` (infinite cache: the longest prefix any earlier prompt had, 
 offline), ``round-robin`` (backends in turn, llama-server picks the slot), ``ours``
 (this proxy, disk tier off), ``ours-lru`` (this proxy without prefix routing),
 ``ours-disk`` (this proxy with the disk tier on its default ``auto``, the fakes saving to
-one shared directory), and the peer routers in ``bench/peers.py`` when installed.
+one shared directory), and the peer routers in ``bench/peers.py`` when installed, each
+with its cache-aware policy (``sglang-router``) and its session policy
+(``sglang-router:manual``: those requests carry the session id in the router's header).
 ``--chat`` sends each prompt as chat messages (``workloads.chat_body``) instead of a raw
 completion prompt: the disk tier's scoped snapshots need message boundaries.
 
@@ -33,12 +35,13 @@ from typing import Any
 import aiohttp
 
 from bench.inproc import serve
+from bench.peers import SESSION_HEADERS
 from bench.workloads import Workload, chat_body, lmcache, mooncake
 from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer, tokenize
 
 RESULTS = Path(__file__).parent / "results"
-Send = Callable[[aiohttp.ClientSession, tuple[str, int]], Awaitable[None]]
+Send = Callable[[aiohttp.ClientSession, tuple[str, int], int], Awaitable[None]]
 PREFILL_S_PER_TOKEN = 2e-5  # one device per backend; prefill serialized across its slots
 DECODE_S_PER_TOKEN = 0.005  # decoding in parallel across slots
 
@@ -67,25 +70,29 @@ async def _run_sessions(workload: Workload, send: Send) -> None:
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
-        async def run(prompts: list[tuple[str, int]]) -> None:
+        async def run(index: int, prompts: list[tuple[str, int]]) -> None:
             for prompt in prompts:
-                await send(session, prompt)
+                await send(session, prompt, index)
 
-        await asyncio.gather(*(run(s) for s in workload.sessions))
+        await asyncio.gather(*(run(i, s) for i, s in enumerate(workload.sessions)))
 
 
 CHAT = False  # --chat
 RAM_CACHE = True  # --no-ram-cache: backends run with --cache-ram 0
 
 
-async def _post(session: aiohttp.ClientSession, url: str, request: tuple[str, int]) -> None:
+async def _post(
+    session: aiohttp.ClientSession, url: str, request: tuple[str, int], key: str | None = None
+) -> None:
+    """One request; ``key``: the session id, sent to session policies in their headers."""
     prompt, reply = request
+    headers = {name: key for name in SESSION_HEADERS} if key is not None else {}
     if CHAT:
         path, body = "/v1/chat/completions", chat_body(prompt, reply)
     else:
         path = "/v1/completions"
         body = {"model": "fake-model", "prompt": prompt, "max_tokens": reply, "temperature": 0}
-    async with session.post(url + path, json=body) as resp:
+    async with session.post(url + path, json=body, headers=headers) as resp:
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
@@ -124,7 +131,7 @@ async def run_policy(
     try:
         if policy == "round-robin":
             turn = itertools.count()
-            await _run_sessions(workload, lambda s, p: _post(s, urls[next(turn) % len(urls)], p))
+            await _run_sessions(workload, lambda s, p, _: _post(s, urls[next(turn) % len(urls)], p))
         elif policy.startswith("ours"):
             routing: dict[str, Any] = {
                 "prefix_aware": policy != "ours-lru",
@@ -147,11 +154,15 @@ async def run_policy(
                 }
             )
             async with serve(settings) as url:
-                await _run_sessions(workload, lambda s, p: _post(s, url, p))
+                await _run_sessions(workload, lambda s, p, _: _post(s, url, p))
         else:
+            session_policy = ":" in policy
             async with peers[policy](urls) as url:
                 started = time.perf_counter()
-                await _run_sessions(workload, lambda s, p: _post(s, url, p))
+                await _run_sessions(
+                    workload,
+                    lambda s, p, i: _post(s, url, p, f"session-{i}" if session_policy else None),
+                )
         return (*_hit(fakes), time.perf_counter() - started)
     finally:
         for fake in fakes:

@@ -57,6 +57,7 @@ def routing_params(settings: Settings) -> RoutingParams:
     return RoutingParams(
         min_prefix_tokens=r.min_prefix_tokens,
         wait_min_tokens=r.wait_min_tokens,
+        wait_min_fraction=r.wait_min_fraction,
         eviction_weight=r.eviction_weight,
         value_half_life_s=r.value_half_life_seconds,
         balance_abs=r.balance_abs,

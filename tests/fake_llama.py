@@ -14,9 +14,10 @@ them, at the level the proxy depends on:
 - the host-RAM prompt cache (``--cache-ram``, on by default, with ``--cache-idle-slots``):
   when a task starts, every idle slot's tokens are saved there (an entry that is a prefix of
   another is dropped); a slot chosen by LRU, or pinned while it would lose more than half
-  its tokens (``f_keep < 0.5``), first saves its tokens and then loads the best entry that
-  keeps at least a quarter of itself and beats the slot's own tokens (the entry moves into
-  the slot); a pinned *empty* slot skips this (upstream #28139);
+  its tokens (``f_keep < 0.5``), first saves its tokens and then scans the entries oldest
+  first, taking each that keeps at least a quarter of itself and beats the best so far (from
+  the slot's own tokens) in both kept share and similarity; the last taken moves into the
+  slot; a pinned *empty* slot skips this (upstream #28139);
 - ``/v1/messages`` ignores ``id_slot``; ``n_predict: 0`` still samples one token;
 - prefill is serialized per server (one compute device: ``prompt_s_per_token`` per processed
   token, one request at a time), decoding runs in parallel across slots;
@@ -393,7 +394,7 @@ class FakeLlamaServer:
         cur_keep = _lcp(slot.tokens, prompt) / len(slot.tokens) if slot.tokens else 0.0
         cur_sim = _lcp(slot.tokens, prompt) / len(prompt)
         best = None
-        for entry in self.ram:
+        for entry in reversed(self.ram):  # oldest first, like the server's std::list
             common = _lcp(entry, prompt)
             keep, sim = common / len(entry), common / len(prompt)
             if keep >= 0.25 and keep > cur_keep and sim > cur_sim:

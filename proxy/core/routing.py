@@ -23,9 +23,11 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    to the least loaded backends.
 5. *Waiting*: if a slot that is busy (in flight, draining, or used elsewhere), or a backend
    with no idle slot whose RAM cache holds the request's prefix (``wait_for`` slot -1: any
-   of its slots), would save at least ``wait_min_tokens`` more than the best idle choice,
-   and waiting is allowed, the decision is to wait ("wait"); the caller re-decides whenever
-   a slot frees, bounds the wait, and then decides again without it.
+   of its slots), would save at least ``wait_min_tokens`` more than the best idle choice
+   (or ``wait_min_fraction`` of the prompt, when that is fewer: most of a short prompt is
+   worth a short wait too, and going elsewhere would evict another session), and waiting is
+   allowed, the decision is to wait ("wait"); the caller re-decides whenever a slot frees,
+   bounds the wait, and then decides again without it.
 
 Never is a slot that is not IDLE placed (property-tested). Ties break by backend index and
 slot id, so the same inputs always give the same decision.
@@ -191,8 +193,10 @@ def _worth_waiting(
     parked: dict[int, int],
 ) -> tuple[tuple[int, int], int] | None:
     """A busy slot, or a full backend whose RAM cache holds the request's prefix, that would
-    save at least ``wait_min_tokens`` more than the best idle choice."""
-    floor = (best.reuse if best is not None else 0) + params.wait_min_tokens
+    save at least ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt, more than the
+    best idle choice."""
+    share = max(params.min_prefix_tokens, params.wait_min_fraction * fp.total)
+    floor = (best.reuse if best is not None else 0) + min(params.wait_min_tokens, share)
     found: tuple[tuple[int, int], int] | None = None
     for backend in backends:
         if backend.phase is not BackendPhase.READY:

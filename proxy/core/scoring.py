@@ -39,6 +39,7 @@ from proxy.core.snapshots import Offer
 class RoutingParams:
     min_prefix_tokens: int = 16
     wait_min_tokens: int = 1024
+    wait_min_fraction: float = 0.5  # ... or this share of the prompt, if smaller
     eviction_weight: float = 1.0
     value_half_life_s: float = 600.0
     balance_abs: int = 2
@@ -123,10 +124,14 @@ def candidate(
 
 
 def ghost_reuse(fp: Fingerprint, backend: BackendState) -> int:
-    """What the backend's RAM prompt cache could restore for this request."""
-    best = 0
-    for ghost in backend.ghosts if backend.ram else ():
+    """What the backend's RAM prompt cache would restore for this request: the server scans
+    its entries oldest first and takes each that keeps at least a quarter of itself and
+    beats the best so far in both kept share and similarity to the prompt; the last taken
+    wins (so an older short entry can shadow a newer, longer one)."""
+    best, keep_best, sim_best = 0, 0.0, 0.0
+    for ghost in reversed(backend.ghosts) if backend.ram and fp.total else ():
         reuse = _reuse(fp, ghost, backend.exact)
-        if ghost.total and reuse / ghost.total >= 0.25:
-            best = max(best, reuse)
+        keep, sim = (reuse / ghost.total if ghost.total else 0.0), reuse / fp.total
+        if keep >= 0.25 and keep > keep_best and sim > sim_best:
+            best, keep_best, sim_best = reuse, keep, sim
     return best

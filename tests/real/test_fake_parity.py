@@ -42,6 +42,7 @@ async def _observations(url: str) -> dict[str, Any]:
     await _post(url + "/completion", other)  # slot 0: A's tokens go to the RAM cache
     _, back = await _post(url + "/completion", base)  # f_keep < 0.5: A loaded from RAM
     seen["ram_cache_restores_parked_prompt"] = back["timings"]["cache_n"] >= prompt - 1
+    seen["ram_cache_scans_oldest_first"] = await _older_entry_shadows_newer(url)
     async with aiohttp.ClientSession() as session, session.get(url + "/slots") as resp:
         slots = await resp.json()
     seen["slots_fields"] = all({"id", "n_ctx", "is_processing"} <= s.keys() for s in slots)
@@ -49,6 +50,27 @@ async def _observations(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session, session.get(url + "/props") as resp:
         seen["total_slots"] = (await resp.json())["total_slots"]
     return seen
+
+
+async def _older_entry_shadows_newer(url: str) -> bool:
+    """The RAM cache takes an entry only when it beats the best so far in both kept share
+    and similarity, scanning oldest first: an older entry keeping more of itself shadows a
+    newer one that shares more with the prompt (server-task.cpp, prompt cache ``load``)."""
+    shared = "Shadow test sentence about rivers and their deltas. " * 5
+    more = "Quartz quietly queues quarterly quotes. " * 3
+    older = shared + "Alpha beta gamma delta epsilon. " * 2
+    newer = shared + more + "Long filler about mountains and valleys. " * 10
+
+    def body(prompt: str, slot: int) -> dict[str, Any]:
+        return {"prompt": prompt, "n_predict": 2, "temperature": 0, "id_slot": slot}
+
+    await _post(url + "/completion", body(older, 0))
+    await _post(url + "/completion", body("Unrelated words about clouds. " * 4, 1))  # parks older
+    await _post(url + "/completion", body(newer, 0))
+    await _post(url + "/completion", body("Other unrelated words about tides. " * 9, 0))
+    _, query = await _post(url + "/completion", body(shared + more + "End.", 0))
+    _, tokens = await _post(url + "/tokenize", {"content": shared + more})
+    return bool(query["timings"]["cache_n"] < len(tokens["tokens"]) - 3)
 
 
 async def test_fake_matches_real_server(llama_servers: Any) -> None:
@@ -65,6 +87,7 @@ async def test_fake_matches_real_server(llama_servers: Any) -> None:
     assert expected["n_over_slots_status"] == 400
     assert expected["id_slot_wraps_to"] == 1
     assert expected["ram_cache_restores_parked_prompt"] is True
+    assert expected["ram_cache_scans_oldest_first"] is True
 
 
 async def _slot_file_observations(url: str, other_layout_url: str) -> dict[str, Any]:

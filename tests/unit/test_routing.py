@@ -14,6 +14,7 @@ from proxy.core.fleet import (
     SlotProbe,
 )
 from proxy.core.routing import Decision, Reason, RoutingParams, predicted_reuse, route
+from proxy.core.scoring import ghost_reuse
 
 PARAMS = RoutingParams(min_prefix_tokens=16, wait_min_tokens=100, balance_abs=2)
 
@@ -83,6 +84,16 @@ def test_waits_for_a_busy_slot_worth_it_and_not_after_the_bound() -> None:
     assert (d.reason, d.placement, d.wait_for) == (Reason.WAIT, None, (0, 0))
     later = decided(route(fp(1, 2, 3, 4), f.backends, PARAMS, now=101.0, allow_wait=False))
     assert later.placement == Placement(0, (1,), 1)
+
+
+def test_most_of_a_short_prompt_is_worth_waiting_for() -> None:
+    f = fleet(2)  # wait_min_tokens 100, wait_min_fraction 0.5
+    hold(f, 0, 0, fp(1, 2, size=30))
+    f.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 2, size=30))
+    short = decided(route(fp(1, 2, 3, size=30), f.backends, PARAMS, now=100.0))
+    assert (short.reason, short.wait_for, short.predicted) == (Reason.WAIT, (0, 0), 60)
+    longer = decided(route(fp(1, 2, 3, 4, 5, 6, 7, 8, size=30), f.backends, PARAMS, now=100.0))
+    assert (longer.reason, longer.placement) == (Reason.COLD, Placement(0, (1,), 1))
 
 
 def test_session_evicted_into_ram_is_found_there_while_the_evicting_request_runs() -> None:
@@ -198,3 +209,13 @@ def test_property_no_fewer_reused_tokens_without_a_reason(
     if result.predicted < best:
         assert result.reason in (Reason.BALANCE, Reason.COLD)
         assert best == 0 or result.reason is Reason.BALANCE
+
+
+def test_ram_cache_takes_entries_oldest_first_when_they_beat_the_best_so_far() -> None:
+    f = fleet(1)
+    older, newer = fp(1, 2, 3, 8), fp(1, 2, 3, 4, 9, 10, 11, 12)  # newest first, as parked
+    f.backends[0].ghosts = [newer, older]
+    # older: keeps 300/400, similarity 300/500; newer keeps only 400/800: not better in both
+    assert ghost_reuse(fp(1, 2, 3, 4, 5), f.backends[0]) == 300
+    f.backends[0].ghosts = [newer]
+    assert ghost_reuse(fp(1, 2, 3, 4, 5), f.backends[0]) == 400

@@ -18,19 +18,17 @@ def _pyplot() -> Any:
     return plt
 
 
+def policy_columns(row: dict[str, Any]) -> list[str]:
+    """The routing policies a replay row has results for, in run order."""
+    fixed = ("workload", "fleet", "sessions", "requests", "ideal")
+    return [k for k in row if k not in fixed and not k.endswith(("_prefill", "_seconds"))]
+
+
 def plot_replay(rows: list[dict[str, Any]], path: Path) -> None:
     plt = _pyplot()
     if plt is None:
         return
-    policies = [
-        "ideal",
-        *[
-            k
-            for k in rows[0]
-            if k not in ("workload", "sessions", "requests", "ideal")
-            and not k.endswith(("_prefill", "_seconds"))
-        ],
-    ]
+    policies = ["ideal", *policy_columns(rows[0])]
     fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / len(policies)
     for i, policy in enumerate(policies):

@@ -36,6 +36,7 @@ import aiohttp
 
 from bench.inproc import serve
 from bench.peers import SESSION_HEADERS
+from bench.plots import plot_replay, policy_columns
 from bench.workloads import Workload, chat_body, lmcache, mooncake
 from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer, tokenize
@@ -170,18 +171,27 @@ async def run_policy(
         shutil.rmtree(save_dir, ignore_errors=True)
 
 
-def scenarios(full: bool, only: str | None = None) -> list[Workload]:
+SMALL_FLEET = (2, 3)  # the issue's own case: 6 agent sessions over 2 backends x 3 slots
+
+
+def scenarios(
+    full: bool, only: list[str] | None = None
+) -> list[tuple[Workload, tuple[int, int] | None]]:
+    """Workloads, each with its fleet shape (None: the command line's)."""
     few = 8
-    out = [
+    base = [
         lmcache("miniswe"),
         lmcache("magagent"),
         lmcache("taubench"),
         mooncake("conversation_trace", 600, 24),
         mooncake("synthetic_trace", 600, 24),
     ]
-    out += [Workload(w.name + f" ({few} sessions)", w.sessions[:few]) for w in out[:3]]
+    out: list[tuple[Workload, tuple[int, int] | None]] = [(w, None) for w in base]
+    out += [(Workload(w.name + f" ({few} sessions)", w.sessions[:few]), None) for w in base[:3]]
+    six = "6 sessions, {}x{}".format(*SMALL_FLEET)
+    out += [(Workload(f"{w.name} ({six})", w.sessions[:6]), SMALL_FLEET) for w in base[:3]]
     if only:
-        return [w for w in out if w.name == only]
+        return [s for s in out if s[0].name in only]
     return out if full else out[:1] + out[5:6]
 
 
@@ -193,16 +203,18 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         [*args.policies, *peers] if args.policies else ["round-robin", "ours-lru", "ours", *peers]
     )
     rows = []
-    for workload in scenarios(not args.quick, args.only):
+    for workload, shape in scenarios(not args.quick, args.only):
+        backends, slots = shape or (args.backends, args.slots)
         row: dict[str, Any] = {
             "workload": workload.name,
+            "fleet": f"{backends}x{slots}",
             "sessions": len(workload.sessions),
             "requests": sum(len(s) for s in workload.sessions),
             "ideal": ideal_hit_rate(workload),
         }
         for policy in policies:
             row[policy], row[policy + "_prefill"], row[policy + "_seconds"] = await run_policy(
-                policy, workload, args.backends, args.slots, peers
+                policy, workload, backends, slots, peers
             )
         rows.append(row)
         print(
@@ -212,30 +224,24 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def print_table(rows: list[dict[str, Any]], backends: int, slots: int) -> None:
-    policies = [
-        k
-        for k in rows[0]
-        if k not in ("workload", "sessions", "requests", "ideal")
-        and not k.endswith(("_prefill", "_seconds"))
-    ]
+def print_table(rows: list[dict[str, Any]]) -> None:
+    policies = policy_columns(rows[0])
     print(
-        f"\nfleet: {backends} fake llama-servers x {slots} slots ({platform.machine()}); "
+        f"\nfleet: fake llama-servers, backends x slots per row ({platform.machine()}); "
         "token-weighted hit rate (prefill tokens computed, wall seconds); prefill "
         f"{PREFILL_S_PER_TOKEN * 1e6:.0f} us/token serialized per backend, decode "
         f"{DECODE_S_PER_TOKEN * 1e3:.0f} ms/token"
     )
-    print("| workload | sessions | requests | ideal | " + " | ".join(policies) + " |")
-    print("|---" * (4 + len(policies)) + "|")
+    print("| workload | fleet | sessions | requests | ideal | " + " | ".join(policies) + " |")
+    print("|---" * (5 + len(policies)) + "|")
     for r in rows:
         cells = [
             f"{r[p]:.3f} ({r[p + '_prefill'] / 1000:.0f}k, {r[p + '_seconds']:.0f}s)"
             for p in policies
         ]
         print(
-            f"| {r['workload']} | {r['sessions']} | {r['requests']} | {r['ideal']:.3f} | "
-            + " | ".join(cells)
-            + " |"
+            f"| {r['workload']} | {r.get('fleet', '4x4')} | {r['sessions']} | {r['requests']} | "
+            f"{r['ideal']:.3f} | " + " | ".join(cells) + " |"
         )
 
 
@@ -246,7 +252,8 @@ def main() -> None:
     parser.add_argument("--peers", action="store_true", help="also run installed peer routers")
     parser.add_argument("--quick", action="store_true", help="two small scenarios")
     parser.add_argument("--from-json", action="store_true", help="re-print the last results")
-    parser.add_argument("--only", help="one workload by name, e.g. lmcache/magagent")
+    parser.add_argument("--only", nargs="*", help="workloads by name, e.g. lmcache/magagent")
+    parser.add_argument("--out", help="results file stem under bench/results (default: derived)")
     parser.add_argument("--policies", nargs="*", help="run only these of ours, e.g. ours-patient")
     parser.add_argument("--chat", action="store_true", help="send prompts as chat messages")
     parser.add_argument(
@@ -260,15 +267,14 @@ def main() -> None:
         stem = "replay-chat" if stem == "replay" else stem + "-chat"
     if args.no_ram_cache:
         stem += "-noram"
+    stem = args.out or stem
     if args.from_json:
         rows = json.loads((RESULTS / f"{stem}.json").read_text())
     else:
         rows = asyncio.run(main_async(args))
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
-    print_table(rows, args.backends, args.slots)
-    from bench.plots import plot_replay
-
+    print_table(rows)
     plot_replay(rows, RESULTS / f"{stem}.png")
 
 

@@ -5,14 +5,14 @@ metrics and ``llama-cache-proxy report``. Bounded: the sketches of the most rece
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import xxhash
 
 from proxy.core.churn import Divergence, Sketch, divergence, message_bucket, sketch
-from proxy.core.fingerprint import Fingerprint, canonical, chat_segments
+from proxy.core.fingerprint import Fingerprint, Segment, canonical
 from proxy.metrics import ProxyMetrics
 
 
@@ -46,11 +46,15 @@ class ChurnTracker:
                 return f"first-user-message:{digest}"
         return None
 
-    def observe(self, key: str | None, fp: Fingerprint, body: dict[str, Any]) -> None:
+    def observe(
+        self, key: str | None, fp: Fingerprint, body: dict[str, Any], segments: Sequence[Segment]
+    ) -> None:
+        """Compare this request (``segments``: its chat segments, ``fp`` their chain) with the
+        session's previous one."""
         session = self.session_of(key, body)
         if session is None:
             return
-        new = sketch(fp, chat_segments(body))
+        new = sketch(fp, segments)
         old = self._sketches.pop(session, None)
         self._sketches[session] = new
         if len(self._sketches) > self._limit:

@@ -38,6 +38,7 @@ from proxy.config import Settings
 from proxy.core.disk_scope import Scope, ScopeMode, parse_scope, select_prefix
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import BackendPhase, Fleet, Placement
+from proxy.core.request_body import is_chat
 from proxy.core.snapshots import (
     BackendDisk,
     Layout,
@@ -188,7 +189,7 @@ class DiskTier:
         if tenant is not None:
             model = f"{model}|{tenant}"  # each tenant's own window
         window: list[Fingerprint] = []
-        if scope.mode is ScopeMode.AUTO:
+        if scope.mode is ScopeMode.AUTO and is_chat(body):  # raw prompts have no boundaries
             raw = await self._shared.call(
                 "window", self._shared.store.window(model, self._wall()), []
             )
@@ -232,6 +233,8 @@ class DiskTier:
                     )
         if not dp.offers and predicted < self._settings.routing.min_prefix_tokens:
             self._metrics.disk_events.labels("miss").inc()
+        if not chat:
+            return  # only chat requests are scoped, and only their windows are read
         entry = SlotRecord(fp.hashes, fp.tokens, fp.anchor, 0, self._wall()).pack()
         push = self._shared.store.push_window(dp.model, entry, WINDOW_LIMIT, 3600.0, self._wall())
         await self._shared.call("push_window", push, None)

@@ -11,7 +11,7 @@ State-store failures never fail a request (``SharedState`` degrades to local sta
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,13 +22,15 @@ from proxy.config import Settings
 from proxy.core.disk_scope import Scope
 from proxy.core.fingerprint import (
     Fingerprint,
+    Segment,
     chat_segments,
-    fingerprint_chat,
+    fingerprint_segments,
     fingerprint_tokens,
     reply_segment,
 )
 from proxy.core.fleet import Fleet, NoPlacement, Placement
 from proxy.core.isolation import salt, tenant_of
+from proxy.core.request_body import is_chat
 from proxy.core.routing import Decision, Reason, RoutingParams, route
 from proxy.core.usage import Reply, Usage
 from proxy.disk_tier import DiskPlan, DiskTier
@@ -111,9 +113,12 @@ class Router:
             return None
         return tenant_of(request.headers, isolation.tenant_header)
 
-    def fingerprint(self, body: dict[str, Any], chat: bool, seed: int = 0) -> Fingerprint:
-        if chat:
-            return fingerprint_chat(body, self._counter.count, seed)
+    def fingerprint(
+        self, body: dict[str, Any], segments: Sequence[Segment] | None, seed: int = 0
+    ) -> Fingerprint:
+        """``segments``: a chat body's, split once by the caller; None for a raw prompt."""
+        if segments is not None:
+            return fingerprint_segments(segments, self._counter.count, seed)
         prompt = body.get("prompt")
         if body.get("input_prefix") is not None or body.get("input_suffix") is not None:
             prompt = f"{body.get('input_prefix', '')}{prompt or ''}{body.get('input_suffix', '')}"
@@ -126,12 +131,12 @@ class Router:
     async def plan(
         self, request: web.Request, body: dict[str, Any], scope: Scope | None = None
     ) -> Plan:
-        chat = "messages" in body or "input" in body
-        if chat and self.backend_tokens is not None:
-            texts = [segment.text for segment in chat_segments(body)]
-            await self._counter.prepare(texts, self.backend_tokens)
+        chat = is_chat(body)
+        segments = chat_segments(body) if chat else None
+        if segments is not None and self.backend_tokens is not None:
+            await self._counter.prepare([s.text for s in segments], self.backend_tokens)
         tenant = self.tenant(request)
-        fp = self.fingerprint(body, chat, salt(tenant) if tenant is not None else 0)
+        fp = self.fingerprint(body, segments, salt(tenant) if tenant is not None else 0)
         key = cache_key(self._settings.routing.cache_key_sources, body, request.headers)
         if key is not None and tenant is not None:
             key = f"{tenant}:{key}"
@@ -141,8 +146,8 @@ class Router:
             ref = await self._shared.get_affinity(key)
             if ref is not None and ref[0] in self._labels:
                 hint = (self._labels[ref[0]], ref[1])
-        if chat and self.churn is not None:
-            self.churn.observe(key, fp, body)
+        if segments is not None and self.churn is not None:
+            self.churn.observe(key, fp, body, segments)
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
         plan = Plan(fp, chat, key, hint, wait_until, tenant=tenant)
         if self._disk is not None and self._settings.routing.pin_slots:

@@ -165,9 +165,13 @@ def _overhead(count: Counter) -> Counter:
 
 
 def fingerprint_chat(body: dict[str, Any], count: Counter, seed: int = 0) -> Fingerprint:
+    return fingerprint_segments(chat_segments(body), count, seed)
+
+
+def fingerprint_segments(segments: Sequence[Segment], count: Counter, seed: int = 0) -> Fingerprint:
+    """The chain of already split chat segments (``chat_segments``)."""
     hashes: list[int] = []
     tokens: list[int] = []
-    segments = chat_segments(body)
     _append(hashes, tokens, segments, _overhead(count), seed)
     anchor = next(
         (i + 1 for i, seg in enumerate(segments[1:], 1) if not seg.text.startswith("system")),

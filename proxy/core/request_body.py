@@ -115,6 +115,11 @@ def _prefix_cache(value: Any) -> Scope | None:
         raise InvalidRequest(str(exc), param="prefix_cache.window", code="invalid_value") from None
 
 
+def is_chat(body: dict[str, Any]) -> bool:
+    """A chat body (``messages``, or a Responses ``input``): one segment per message."""
+    return "messages" in body or "input" in body
+
+
 def pin_body(data: dict[str, Any], slot: int | None, reuse: bool = True) -> bytes:
     """The forwarded body: the client's, with ``id_slot`` and ``cache_prompt`` set by us.
 

@@ -21,11 +21,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench.results_io import RESULTS
 from tests.real.stack import LlamaServer, PrometheusServer, ProxyProcess, require_real_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 BOARD = ROOT / "deploy/grafana/dashboards/llama-cache-proxy.json"
-RESULTS = Path(__file__).parent / "results"
 
 
 def stream(url: str, body: dict[str, Any]) -> str:

@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from bench.inproc import serve
+from bench.results_io import load, print_markdown, save
 from proxy.config import Settings
 from tests.real.stack import LlamaServer, require_real_stack
 
-RESULTS = Path(__file__).parent / "results"
 TOOLS = ["read_file", "write_file", "run_shell", "search_code", "open_url", "list_dir", "git"]
 
 
@@ -139,16 +137,24 @@ def print_table(result: dict[str, Any]) -> None:
         f"agent prompt: {result['system_tokens']} shared tokens + a short task; "
         f"median of {len(result['seconds']['cold'])} runs"
     )
-    print("| request | TTFT (s) | vs cold | route |")
-    print("|---|---|---|---|")
-    for name, label in [
+    labels = [
         ("cold", "cold (after restart, disk off)"),
         ("restored", "restored from disk (after restart)"),
         ("warm", "one more new session right after (no restart)"),
         ("save", "scoped save path (prefill + save, once)"),
-    ]:
-        routes = ",".join(sorted(set(result["routes"][name])))
-        print(f"| {label} | {med[name]:.3f} | {med[name] / med['cold']:.1%} | {routes} |")
+    ]
+    print_markdown(
+        ("request", "TTFT (s)", "vs cold", "route"),
+        (
+            (
+                label,
+                f"{med[name]:.3f}",
+                f"{med[name] / med['cold']:.1%}",
+                ",".join(sorted(set(result["routes"][name]))),
+            )
+            for name, label in labels
+        ),
+    )
 
 
 def main() -> None:
@@ -156,13 +162,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--from-json", action="store_true")
     args = parser.parse_args()
-    path = RESULTS / "disk_ttft.json"
     if args.from_json:
-        result = json.loads(path.read_text())
+        result = load("disk_ttft")
     else:
         result = asyncio.run(run(args.reps))
-        RESULTS.mkdir(exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+        save("disk_ttft", result)
     print_table(result)
 
 

@@ -25,17 +25,16 @@ import argparse
 import json
 import re
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from bench.results_io import RESULTS, print_markdown, save
 from bench.workloads import TRACES
 from proxy.core.disk_scope import ScopeMode, parse_scope, select_prefix
 from proxy.core.fingerprint import Fingerprint
 from proxy.tokenizer import TokenCounter
 
-RESULTS = Path(__file__).parent / "results"
 POLICIES = ["auto:2", "auto:8", "auto:30", "4096", "full"]
 _PARAGRAPH = re.compile(r"\n\s*\n")
 
@@ -126,13 +125,22 @@ def run(min_tokens: int) -> list[dict[str, Any]]:
 
 def print_table(rows: list[dict[str, Any]], min_tokens: int) -> None:
     print(f"\ndisk scope trade-off (min snapshot {min_tokens} tokens; every snapshot kept)")
-    print("| trace | policy | tokens/snapshot | key hits | disk hits | served | snapshots |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['trace']} | {r['policy']} | {r['tokens_per_snapshot']:.0f} | "
-            f"{r['key_hits']:.0%} | {r['disk_hits']:.0%} | {r['served']:.0%} | {r['snapshots']} |"
-        )
+    header = ("trace", "policy", "tokens/snapshot", "key hits", "disk hits", "served", "snapshots")
+    print_markdown(
+        header,
+        (
+            (
+                r["trace"],
+                r["policy"],
+                f"{r['tokens_per_snapshot']:.0f}",
+                f"{r['key_hits']:.0%}",
+                f"{r['disk_hits']:.0%}",
+                f"{r['served']:.0%}",
+                r["snapshots"],
+            )
+            for r in rows
+        ),
+    )
 
 
 def main() -> None:
@@ -140,8 +148,7 @@ def main() -> None:
     parser.add_argument("--min-tokens", type=int, default=256)
     args = parser.parse_args()
     rows = run(args.min_tokens)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "disk_window.json").write_text(json.dumps(rows, indent=1))
+    save("disk_window", rows)
     print_table(rows, args.min_tokens)
     from bench.plots import plot_disk_window
 

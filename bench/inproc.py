@@ -13,9 +13,13 @@ from proxy.config import Settings
 
 
 @asynccontextmanager
-async def serve(settings: Settings) -> AsyncIterator[str]:
-    """``async with serve(settings) as url``: the proxy's base URL while it runs."""
-    runner = web.AppRunner(create_app(settings, registry=CollectorRegistry()))
+async def serve(
+    settings: Settings, registry: CollectorRegistry | None = None
+) -> AsyncIterator[str]:
+    """``async with serve(settings) as url``: the proxy's base URL while it runs (its metrics
+    in ``registry`` when given)."""
+    app = create_app(settings, registry=registry or CollectorRegistry())
+    runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -31,10 +31,10 @@ from typing import Any
 import aiohttp
 
 from bench.overhead import _process
+from bench.results_io import print_markdown, save
 from tests.fake_llama import render_chat, reply_words, tokenize
 from tests.real.stack import _wait_http, free_port
 
-RESULTS = Path(__file__).parent / "results"
 SLOTS_PER_BACKEND, BACKENDS, REPLY = 4, 2, 8
 
 
@@ -166,17 +166,34 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         f"\n{BACKENDS} fake backends x {SLOTS_PER_BACKEND} slots ({slots} slots), queue bound "
         f"{slots * 2}, wait limit 5 s, {REPLY}-token streams at 20 ms/token ({platform.machine()})"
     )
-    print(
-        "| streams | completed | 503 | failed | wrong reply | TTFB p50 ms | TTFB p99 ms "
-        "| direct p99 ms (slots busy) | proxy peak RSS MiB |"
+    header = (
+        "streams",
+        "completed",
+        "503",
+        "failed",
+        "wrong reply",
+        "TTFB p50 ms",
+        "TTFB p99 ms",
+        "direct p99 ms (slots busy)",
+        "proxy peak RSS MiB",
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['concurrency']} | {r['ok']} | {r['503']} | {r['failed']} | {r['mismatch']} | "
-            f"{r['ttfb_p50_ms']:.1f} | {r['ttfb_p99_ms']:.1f} | {r['direct_ttfb_p99_ms']:.1f} | "
-            f"{r['peak_rss_mib']:.0f} |"
-        )
+    print_markdown(
+        header,
+        (
+            (
+                r["concurrency"],
+                r["ok"],
+                r["503"],
+                r["failed"],
+                r["mismatch"],
+                f"{r['ttfb_p50_ms']:.1f}",
+                f"{r['ttfb_p99_ms']:.1f}",
+                f"{r['direct_ttfb_p99_ms']:.1f}",
+                f"{r['peak_rss_mib']:.0f}",
+            )
+            for r in rows
+        ),
+    )
 
 
 def main() -> None:
@@ -184,8 +201,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10)
     args = parser.parse_args()
     rows = run(args.seconds)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "load.json").write_text(json.dumps(rows, indent=1))
+    save("load", rows)
     print_table(rows)
 
 

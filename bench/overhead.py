@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 import aiohttp
 
+from bench.results_io import print_markdown
 from tests.real.stack import _wait_http, free_port
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -130,20 +131,38 @@ def print_table(rows: list[dict[str, object]]) -> None:
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}; fake backend with zero service time"
     )
-    head = (
-        "| mode | conc | direct p50 ms | proxy p50 ms | added p50 ms | direct p99 ms "
-        "| proxy p99 ms | added p99 ms | direct req/s | proxy req/s |"
+    header = (
+        "mode",
+        "conc",
+        "direct p50 ms",
+        "proxy p50 ms",
+        "added p50 ms",
+        "direct p99 ms",
+        "proxy p99 ms",
+        "added p99 ms",
+        "direct req/s",
+        "proxy req/s",
     )
-    print(head)
-    print("|" + "---|" * 10)
+    cells = []
     for r in rows:
         dp50, pp50 = float(r["direct_p50"]), float(r["proxy_p50"])  # type: ignore[arg-type]
         dp99, pp99 = float(r["direct_p99"]), float(r["proxy_p99"])  # type: ignore[arg-type]
-        print(
-            f"| {r['mode']} | {r['conc']} | {dp50:.2f} | {pp50:.2f} | {pp50 - dp50:.2f} "
-            f"| {dp99:.2f} | {pp99:.2f} | {pp99 - dp99:.2f} "
-            f"| {float(r['direct_rps']):.0f} | {float(r['proxy_rps']):.0f} |"
-        )  # type: ignore[arg-type]
+        direct_rps, proxy_rps = float(r["direct_rps"]), float(r["proxy_rps"])  # type: ignore[arg-type]
+        cells.append(
+            (
+                r["mode"],
+                r["conc"],
+                f"{dp50:.2f}",
+                f"{pp50:.2f}",
+                f"{pp50 - dp50:.2f}",
+                f"{dp99:.2f}",
+                f"{pp99:.2f}",
+                f"{pp99 - dp99:.2f}",
+                f"{direct_rps:.0f}",
+                f"{proxy_rps:.0f}",
+            )
+        )
+    print_markdown(header, cells)
     print(
         f"median of added p50 across rows: "
         f"{statistics.median(float(r['proxy_p50']) - float(r['direct_p50']) for r in rows):.2f} ms"

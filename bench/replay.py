@@ -37,11 +37,11 @@ import aiohttp
 from bench.inproc import serve
 from bench.peers import SESSION_HEADERS
 from bench.plots import plot_replay, policy_columns
+from bench.results_io import RESULTS, load, print_markdown, save
 from bench.workloads import Workload, chat_body, lmcache, mooncake
 from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer, tokenize
 
-RESULTS = Path(__file__).parent / "results"
 Send = Callable[[aiohttp.ClientSession, tuple[str, int], int], Awaitable[None]]
 PREFILL_S_PER_TOKEN = 2e-5  # one device per backend; prefill serialized across its slots
 DECODE_S_PER_TOKEN = 0.005  # decoding in parallel across slots
@@ -232,17 +232,24 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         f"{PREFILL_S_PER_TOKEN * 1e6:.0f} us/token serialized per backend, decode "
         f"{DECODE_S_PER_TOKEN * 1e3:.0f} ms/token"
     )
-    print("| workload | fleet | sessions | requests | ideal | " + " | ".join(policies) + " |")
-    print("|---" * (5 + len(policies)) + "|")
-    for r in rows:
-        cells = [
-            f"{r[p]:.3f} ({r[p + '_prefill'] / 1000:.0f}k, {r[p + '_seconds']:.0f}s)"
-            for p in policies
-        ]
-        print(
-            f"| {r['workload']} | {r.get('fleet', '4x4')} | {r['sessions']} | {r['requests']} | "
-            f"{r['ideal']:.3f} | " + " | ".join(cells) + " |"
-        )
+    header = ("workload", "fleet", "sessions", "requests", "ideal", *policies)
+    print_markdown(
+        header,
+        (
+            (
+                r["workload"],
+                r.get("fleet", "-"),  # rows written before the fleet column
+                r["sessions"],
+                r["requests"],
+                f"{r['ideal']:.3f}",
+                *(
+                    f"{r[p]:.3f} ({r[p + '_prefill'] / 1000:.0f}k, {r[p + '_seconds']:.0f}s)"
+                    for p in policies
+                ),
+            )
+            for r in rows
+        ),
+    )
 
 
 def main() -> None:
@@ -269,11 +276,10 @@ def main() -> None:
         stem += "-noram"
     stem = args.out or stem
     if args.from_json:
-        rows = json.loads((RESULTS / f"{stem}.json").read_text())
+        rows = load(stem)
     else:
         rows = asyncio.run(main_async(args))
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+        save(stem, rows)
     print_table(rows)
     plot_replay(rows, RESULTS / f"{stem}.png")
 

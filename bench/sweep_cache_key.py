@@ -16,12 +16,12 @@ import json
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
-from bench.replay import RESULTS, _fleet, _hit
+from bench.inproc import serve
+from bench.replay import _fleet, _hit
+from bench.results_io import print_markdown, save
 from bench.workloads import Workload, lmcache
-from proxy.app import create_app
 from proxy.config import Settings
 from tests.conftest import metric
 
@@ -30,7 +30,7 @@ MIN_PREFIX = (16, 32, 64)
 
 
 async def _run(workload: Workload, similarity: float, min_prefix: int) -> dict[str, float]:
-    fakes = await _fleet(4, 4)
+    fakes = await _fleet(4, 4, None)
     registry = CollectorRegistry()
     settings = Settings.model_validate(
         {
@@ -43,12 +43,8 @@ async def _run(workload: Workload, similarity: float, min_prefix: int) -> dict[s
             },
         }
     )
-    runner = web.AppRunner(create_app(settings, registry=registry))
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
 
-    async def session(index: int, prompts: list[tuple[str, int]]) -> None:
+    async def session(url: str, index: int, prompts: list[tuple[str, int]]) -> None:
         async with aiohttp.ClientSession() as client:
             for prompt, reply in prompts:
                 body = {
@@ -57,11 +53,12 @@ async def _run(workload: Workload, similarity: float, min_prefix: int) -> dict[s
                     "max_tokens": reply,
                     "prompt_cache_key": f"s{index}",
                 }
-                async with client.post(url, json=body) as resp:
+                async with client.post(url + "/v1/completions", json=body) as resp:
                     await resp.read()
 
     try:
-        await asyncio.gather(*(session(i, s) for i, s in enumerate(workload.sessions)))
+        async with serve(settings, registry) as url:
+            await asyncio.gather(*(session(url, i, s) for i, s in enumerate(workload.sessions)))
         page = generate_latest(registry).decode()
         keyed = metric(page, "llama_cache_proxy_cache_key_total") or 1.0
         out = {"hit": _hit(fakes)[0]}
@@ -71,7 +68,6 @@ async def _run(workload: Workload, similarity: float, min_prefix: int) -> dict[s
             )
         return out
     finally:
-        await runner.cleanup()
         for fake in fakes:
             await fake.stop()
 
@@ -94,15 +90,23 @@ async def main_async() -> list[dict[str, Any]]:
 
 def main() -> None:
     rows = asyncio.run(main_async())
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sweep_cache_key.json").write_text(json.dumps(rows, indent=1))
-    print("| workload | similarity | min prefix | hit rate | keyed reuse | unsafe | busy |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['workload']} | {r['similarity']} | {r['min_prefix']} | {r['hit']:.3f} | "
-            f"{r['reuse']:.2f} | {r['unsafe']:.2f} | {r['busy']:.2f} |"
-        )
+    save("sweep_cache_key", rows)
+    header = ("workload", "similarity", "min prefix", "hit rate", "keyed reuse", "unsafe", "busy")
+    print_markdown(
+        header,
+        (
+            (
+                r["workload"],
+                r["similarity"],
+                r["min_prefix"],
+                f"{r['hit']:.3f}",
+                f"{r['reuse']:.2f}",
+                f"{r['unsafe']:.2f}",
+                f"{r['busy']:.2f}",
+            )
+            for r in rows
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from proxy.core.fingerprint import Fingerprint, common_segments
+from proxy.core import ram_cache
+from proxy.core.fingerprint import Fingerprint
+from proxy.core.ram_cache import Parked
 
 
 class BackendPhase(StrEnum):
@@ -89,7 +91,7 @@ class BackendState:
     exact: bool = False  # reuse only as an exact extension (hybrid/recurrent/SWA models)
     ram: bool = True  # runs llama-server's host-RAM prompt cache (default --cache-ram)
     slots: list[SlotState] = field(default_factory=list)
-    ghosts: list[Fingerprint] = field(default_factory=list)  # contents parked in that cache
+    ghosts: list[Parked] = field(default_factory=list)  # that cache's entries, oldest first
 
     def idle_slots(self) -> list[SlotState]:
         return [s for s in self.slots if s.phase is SlotPhase.IDLE]
@@ -103,6 +105,7 @@ class Placement:
     backend: int
     slots: tuple[int, ...]
     pin: int | None  # the id_slot to send; None when the server must choose
+    loads: Parked | None = None  # the RAM-cache entry the server is predicted to load
 
 
 class NoPlacement(StrEnum):
@@ -140,13 +143,14 @@ class Fleet:
             if slot.phase is not SlotPhase.IDLE:
                 raise ValueError(f"slot {slot_id} of {backend.label} is {slot.phase.value}")
             slot.phase = SlotPhase.BUSY
-            slot.last_used = now
             slot.pending = content if slot_id == placement.pin else None
             if backend.ram and slot_id == placement.pin and content is not None:
                 # The server parks what the slot held in its RAM cache as the task starts
-                # (and a parked entry the prompt extends moves into the slot), so the
-                # evicted session can find it there while this request runs.
-                self._park(backend, slot.content, content)
+                # and moves the entry it loads out of the cache into the slot, so the
+                # evicted session can find its content there while this request runs.
+                self._park(backend, slot.content, content, slot.last_used)
+                backend.ghosts = ram_cache.without(backend.ghosts, placement.loads)
+            slot.last_used = now
 
     def release(
         self,
@@ -170,7 +174,7 @@ class Fleet:
             if slot.phase is not SlotPhase.BUSY:
                 continue
             pending, slot.pending = slot.pending, None
-            slot.last_used = now
+            parked_at, slot.last_used = slot.last_used, now
             if not sent:
                 slot.phase = SlotPhase.IDLE
                 continue
@@ -179,27 +183,25 @@ class Fleet:
                 slot.content = None
                 continue
             before, slot.content = slot.content, content if content is not None else pending
-            if backend.ram:
-                self._park(backend, before, slot.content)
+            if backend.ram and pending is None:  # else parked when claimed
+                self._park(backend, before, slot.content, parked_at)
             if n_tokens is not None:
                 slot.n_tokens = n_tokens
 
     def _park(
-        self, backend: BackendState, before: Fingerprint | None, after: Fingerprint | None
+        self,
+        backend: BackendState,
+        before: Fingerprint | None,
+        after: Fingerprint | None,
+        at: float,
     ) -> None:
-        """Model llama-server's RAM prompt cache: a slot's content is saved there when a task
-        takes the slot (``claim``; idle slots are saved on every task) and stays while the
-        slot is overwritten; an entry that is a prefix of a newer one is dropped, and an
-        entry loaded into a slot leaves the cache."""
-
-        def covered(entry: Fingerprint, by: Fingerprint | None) -> bool:
-            return by is not None and common_segments(entry.hashes, by.hashes) == len(entry.hashes)
-
-        ghosts = [g for g in backend.ghosts if not covered(g, after)]
-        if before is not None and not covered(before, after):
-            ghosts = [g for g in ghosts if not covered(g, before)]
-            ghosts.insert(0, before)
-        backend.ghosts = ghosts[: self._ghost_limit]
+        """Model llama-server's RAM prompt cache (``core.ram_cache``): a slot's content
+        ``before`` is saved there when a task takes the slot (idle slots are saved on every
+        task); entries the slot's new content ``after`` contains are dropped."""
+        ghosts = ram_cache.drop_contained(backend.ghosts, after)
+        if before is not None and (after is None or not ram_cache.contains(after, before)):
+            ghosts = ram_cache.save(ghosts, before, at, self._ghost_limit)
+        backend.ghosts = ghosts
 
     def is_draining(self, index: int) -> bool:
         backend = self.backends[index]

@@ -50,10 +50,11 @@ from proxy.core.fleet import (
 from proxy.core.placement import why_not
 from proxy.core.scoring import (
     Candidate,
+    RamView,
     RoutingParams,
     candidate,
-    ghost_reuse,
     predicted_reuse,
+    ram_view,
 )
 from proxy.core.snapshots import Offer
 
@@ -96,12 +97,13 @@ def _cold(
     params: RoutingParams,
     reason: Reason,
     disk: Mapping[int, Offer],
+    ram: Mapping[int, RamView],
 ) -> Decision:
     loads = {b.index: b.busy_count() for b in ready}
     least = min(loads.values())
     limit = least if reason is Reason.BALANCE else least + params.balance_abs
     options = [
-        candidate(fp, b, s, now, params, ghost_reuse(fp, b), loads[b.index], disk.get(b.index))
+        candidate(fp, b, s, now, params, ram.get(b.index), loads[b.index], disk.get(b.index))
         for b in ready
         if loads[b.index] <= limit
         for s in b.idle_slots()
@@ -110,7 +112,8 @@ def _cold(
 
 
 def _place(candidate: Candidate, reason: Reason, key: str | None = None) -> Decision:
-    placement = Placement(candidate.backend.index, (candidate.slot.id,), candidate.slot.id)
+    c = candidate
+    placement = Placement(c.backend.index, (c.slot.id,), c.slot.id, c.loads)
     if candidate.restore is not None and reason is Reason.PREFIX:
         reason = Reason.DISK
     return Decision(placement, reason, candidate.reuse, key_outcome=key, restore=candidate.restore)
@@ -130,8 +133,8 @@ def _affinity(
     backend, slot = backends[index], backends[index].slots[slot_id]
     if backend.phase is not BackendPhase.READY or slot.phase is not SlotPhase.IDLE:
         return None, "busy"
-    parked, load = ghost_reuse(fp, backend), backend.busy_count()
-    found = candidate(fp, backend, slot, now, params, parked, load, disk.get(index))
+    ram, load = ram_view(fp, backend, now, params), backend.busy_count()
+    found = candidate(fp, backend, slot, now, params, ram, load, disk.get(index))
     similar = fp.total > 0 and found.reuse / fp.total >= params.key_similarity
     if similar and found.reuse >= params.key_min_prefix:
         return found, "reuse"
@@ -158,25 +161,26 @@ def route(
         chosen, key = _affinity(fp, backends, affinity, now, params, disk)
         if chosen is not None:
             return _place(chosen, Reason.AFFINITY, key)
-    parked = {b.index: ghost_reuse(fp, b) for b in usable if b.phase is BackendPhase.READY}
-    load = {b.index: b.busy_count() for b in usable if b.phase is BackendPhase.READY}
+    up = [b for b in usable if b.phase is BackendPhase.READY]
+    ram = {b.index: ram_view(fp, b, now, params) for b in up}
+    load = {b.index: b.busy_count() for b in up}
     idle = [
-        candidate(fp, b, s, now, params, parked[b.index], load[b.index], disk.get(b.index))
+        candidate(fp, b, s, now, params, ram[b.index], load[b.index], disk.get(b.index))
         for b in ready
         for s in b.idle_slots()
     ]
     best = max(idle, key=_rank, default=None)
-    waiting = _worth_waiting(fp, usable, best, params, parked) if allow_wait else None
+    waiting = _worth_waiting(fp, usable, best, params, ram) if allow_wait else None
     if waiting is not None:
         return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
     if best is None:
         return why_not(backends, avoid)
     loads = list(load.values())
     if _imbalanced(loads, params) and best.load > min(loads) + params.balance_abs:
-        return _with_key(_cold(fp, ready, now, params, Reason.BALANCE, disk), key)
+        return _with_key(_cold(fp, ready, now, params, Reason.BALANCE, disk, ram), key)
     if best.reuse >= params.min_prefix_tokens and best.score > 0:
         return _place(best, Reason.PREFIX, key)
-    return _with_key(_cold(fp, ready, now, params, Reason.COLD, disk), key)
+    return _with_key(_cold(fp, ready, now, params, Reason.COLD, disk, ram), key)
 
 
 def _with_key(decision: Decision, key: str | None) -> Decision:
@@ -190,7 +194,7 @@ def _worth_waiting(
     backends: Sequence[BackendState],
     best: Candidate | None,
     params: RoutingParams,
-    parked: dict[int, int],
+    ram: Mapping[int, RamView],
 ) -> tuple[tuple[int, int], int] | None:
     """A busy slot, or a full backend whose RAM cache holds the request's prefix, that would
     save at least ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt, more than the
@@ -207,7 +211,7 @@ def _worth_waiting(
             if slot.phase is not SlotPhase.IDLE
         ]
         if backend.slots and not backend.idle_slots():
-            options.append(((backend.index, -1), parked[backend.index]))
+            options.append(((backend.index, -1), ram[backend.index].best()))
         for where, reuse in options:
             if reuse >= floor and (found is None or reuse > found[1]):
                 found = (where, reuse)

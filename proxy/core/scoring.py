@@ -6,9 +6,10 @@
    models without ``--swa-full``) a slot counts only if its whole content is a strict prefix
    of the request: those models cannot roll back into the middle of a cached sequence.
    llama-server's host-RAM prompt cache is modelled per backend (``BackendState.ghosts``:
-   contents its slots held that were overwritten): pinning to a non-empty slot that would
-   lose more than half its content makes the server load the best RAM entry instead, so a
-   session parked there is predicted to come back whole (``predicted_reuse``).
+   contents its slots held that were overwritten; ``core.ram_cache``): pinning to a
+   non-empty slot that would lose more than half its content makes the server load the
+   entry that beats the slot's own content, so a session parked there is predicted to come
+   back whole (``RamView``, ``candidate``).
 2. *Disk*: a snapshot of a prefix of the request restorable on the backend (``Offer`` from
    ``core.snapshots``) serves its tokens in any idle slot, at the restore's cost in
    prefill-token equivalents; the candidate restores when that nets more than the slot's
@@ -19,7 +20,10 @@
    shared prefix); otherwise s's whole content, since that conversation loses its slot.
    Content of another conversation evicted on a backend with the RAM cache, by a request
    that keeps less than half of it, is parked there rather than lost (and comes back the
-   same way), so its damage is scaled by ``ram_discount``.
+   same way), so its damage is scaled by ``ram_discount``. A RAM entry the server would load
+   for the request is moved out of the cache and overwritten beyond what it shares: its
+   loss (the same rule, weighted by when it was parked) is damage too, so a request sharing
+   only a header with a parked session takes a slot that does not make the server load it.
    *Score* = reuse - restore cost - ``eviction_weight`` * damage. So a continuing session
    scores its whole history, while a new session that shares only the system prompt with
    another session's slot prefers restoring it from disk into an empty or stale slot, or
@@ -30,8 +34,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint, common_segments
 from proxy.core.fleet import BackendState, SlotState
+from proxy.core.ram_cache import Parked
 from proxy.core.snapshots import Offer
 
 
@@ -57,6 +63,22 @@ class Candidate:
     score: float
     load: int  # busy slots of the backend when the decision was made
     restore: Offer | None = None  # restore this snapshot into the slot first
+    loads: Parked | None = None  # the RAM-cache entry the server will load into the slot
+
+
+@dataclass(frozen=True)
+class RamView:
+    """A backend's RAM-cache entries as one request sees them, oldest first."""
+
+    prompt_tokens: int = 0
+    entries: tuple[Parked, ...] = ()
+    served: tuple[tuple[int, int], ...] = ()  # (tokens it serves the prompt, its length)
+    damage: tuple[float, ...] = ()  # recency-weighted loss if this request overwrites it
+
+    def best(self) -> int:
+        """What the cache gives the request in a slot that holds nothing it shares."""
+        index = ram_cache.pick(self.served, 0, 0, self.prompt_tokens)
+        return self.served[index][0] if index is not None else 0
 
 
 def _shared(fp: Fingerprint, content: Fingerprint | None) -> int:
@@ -88,8 +110,31 @@ def predicted_reuse(fp: Fingerprint, slot: SlotState, exact: bool, parked: int =
 
 
 def recency(slot: SlotState, now: float, params: RoutingParams) -> float:
-    age = max(0.0, now - slot.last_used)
+    return _recency(slot.last_used, now, params)
+
+
+def _recency(last_used: float, now: float, params: RoutingParams) -> float:
+    age = max(0.0, now - last_used)
     return float(0.5 ** (age / params.value_half_life_s))
+
+
+def _lost(fp: Fingerprint, content: Fingerprint, shared: int, reuse: int) -> int:
+    """Tokens of ``content`` a request reusing ``reuse`` of it overwrites: the tail when it
+    continues that conversation, else all of it (that conversation loses its copy)."""
+    return max(0, content.total - reuse) if content.same_conversation(shared) else content.total
+
+
+def ram_view(fp: Fingerprint, backend: BackendState, now: float, params: RoutingParams) -> RamView:
+    if not backend.ram or not fp.total or not backend.ghosts:
+        return RamView(fp.total)
+    served, damage = [], []
+    for entry in backend.ghosts:
+        shared = _shared(fp, entry.content)
+        reuse = _reuse(fp, entry.content, backend.exact, shared)
+        served.append((reuse, entry.content.total))
+        lost = _lost(fp, entry.content, shared, reuse)
+        damage.append(lost * _recency(entry.at, now, params))
+    return RamView(fp.total, tuple(backend.ghosts), tuple(served), tuple(damage))
 
 
 def candidate(
@@ -98,40 +143,37 @@ def candidate(
     slot: SlotState,
     now: float,
     params: RoutingParams,
-    parked: int = 0,
+    ram: RamView | None = None,
     load: int = 0,
     offer: Offer | None = None,
 ) -> Candidate:
     content = slot.content  # an idle slot: what its KV holds
-    live, shared, keeps_half = 0, 0, False
+    live, shared, consulted, loads, destroyed = 0, 0, False, None, 0.0
     if content is not None and fp.hashes:
         shared = _shared(fp, content)
-        direct = _reuse(fp, content, backend.exact, shared)
-        keeps_half = content.total > 0 and direct >= 0.5 * content.total
-        live = parked if parked > direct and not keeps_half and content.total else direct
+        live = _reuse(fp, content, backend.exact, shared)
+        consulted = backend.ram and ram_cache.consulted(live, content.total)
+        found = ram_cache.pick(ram.served, live, content.total, fp.total) if ram else None
+        if ram is not None and found is not None and consulted:
+            live, loads, destroyed = ram.served[found][0], ram.entries[found], ram.damage[found]
     restore = offer if offer is not None and offer.reuse - offer.cost > live else None
     reuse, gain = (restore.reuse, restore.reuse - restore.cost) if restore else (live, live)
     if content is None or not fp.hashes:
         return Candidate(backend, slot, reuse, gain, load, restore)
-    keeps_half = keeps_half and restore is None
+    if restore is not None:
+        consulted, loads, destroyed = backend.ram, None, 0.0
     ours = content.same_conversation(shared)
-    lost = max(0, content.total - reuse) if ours else content.total
     # Another conversation's content is parked in host RAM, and can come back later, only
-    # when this request keeps less than half of it (the server's own f_keep < 0.5 rule).
-    discount = params.ram_discount if backend.ram and not ours and not keeps_half else 1.0
-    damage = lost * recency(slot, now, params) * discount
-    return Candidate(backend, slot, reuse, gain - params.eviction_weight * damage, load, restore)
+    # when this request keeps less than half of it (the server's own f_keep < 0.5 rule);
+    # an entry the server loads for this request is overwritten beyond what it shares.
+    discount = params.ram_discount if consulted and not ours else 1.0
+    lost = _lost(fp, content, shared, reuse)
+    damage = lost * recency(slot, now, params) * discount + destroyed
+    score = gain - params.eviction_weight * damage
+    return Candidate(backend, slot, reuse, score, load, restore, loads)
 
 
 def ghost_reuse(fp: Fingerprint, backend: BackendState) -> int:
-    """What the backend's RAM prompt cache would restore for this request: the server scans
-    its entries oldest first and takes each that keeps at least a quarter of itself and
-    beats the best so far in both kept share and similarity to the prompt; the last taken
-    wins (so an older short entry can shadow a newer, longer one)."""
-    best, keep_best, sim_best = 0, 0.0, 0.0
-    for ghost in reversed(backend.ghosts) if backend.ram and fp.total else ():
-        reuse = _reuse(fp, ghost, backend.exact)
-        keep, sim = (reuse / ghost.total if ghost.total else 0.0), reuse / fp.total
-        if keep >= 0.25 and keep > keep_best and sim > sim_best:
-            best, keep_best, sim_best = reuse, keep, sim
-    return best
+    """What the backend's RAM prompt cache would restore for this request into a slot that
+    holds nothing it shares (``core.ram_cache.pick``)."""
+    return ram_view(fp, backend, 0.0, RoutingParams()).best()

@@ -43,6 +43,7 @@ async def _observations(url: str) -> dict[str, Any]:
     _, back = await _post(url + "/completion", base)  # f_keep < 0.5: A loaded from RAM
     seen["ram_cache_restores_parked_prompt"] = back["timings"]["cache_n"] >= prompt - 1
     seen["ram_cache_scans_oldest_first"] = await _older_entry_shadows_newer(url)
+    seen["ram_load_moves_entry_out"] = await _loaded_entry_leaves_the_cache(url)
     async with aiohttp.ClientSession() as session, session.get(url + "/slots") as resp:
         slots = await resp.json()
     seen["slots_fields"] = all({"id", "n_ctx", "is_processing"} <= s.keys() for s in slots)
@@ -73,6 +74,24 @@ async def _older_entry_shadows_newer(url: str) -> bool:
     return bool(query["timings"]["cache_n"] < len(tokens["tokens"]) - 3)
 
 
+async def _loaded_entry_leaves_the_cache(url: str) -> bool:
+    """A request that shares only a header with a parked session loads that session's entry
+    (it keeps a quarter of itself) and overwrites its tail: the entry has left the cache, so
+    the session coming back gets only the header (server-task.cpp, prompt cache ``load``)."""
+    header = "Shared header about harbors and lighthouses. " * 4
+    session = header + "Alpha session notes about gardens. " * 8
+
+    def body(prompt: str) -> dict[str, Any]:
+        return {"prompt": prompt, "n_predict": 2, "temperature": 0, "id_slot": 1}
+
+    await _post(url + "/completion", body(session))
+    await _post(url + "/completion", body("Unrelated words about deserts. " * 12))  # parks it
+    await _post(url + "/completion", body(header + "Other tail on bridges and rivers. " * 8))
+    _, back = await _post(url + "/completion", body(session))
+    _, tokens = await _post(url + "/tokenize", {"content": session})
+    return bool(back["timings"]["cache_n"] < len(tokens["tokens"]) / 2)
+
+
 async def test_fake_matches_real_server(llama_servers: Any) -> None:
     real = llama_servers(slots=2)
     fake = FakeLlamaServer(n_slots=2)
@@ -88,6 +107,7 @@ async def test_fake_matches_real_server(llama_servers: Any) -> None:
     assert expected["id_slot_wraps_to"] == 1
     assert expected["ram_cache_restores_parked_prompt"] is True
     assert expected["ram_cache_scans_oldest_first"] is True
+    assert expected["ram_load_moves_entry_out"] is True
 
 
 async def _slot_file_observations(url: str, other_layout_url: str) -> dict[str, Any]:

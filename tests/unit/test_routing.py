@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +15,7 @@ from proxy.core.fleet import (
     SlotPhase,
     SlotProbe,
 )
+from proxy.core.ram_cache import Parked
 from proxy.core.routing import Decision, Reason, RoutingParams, predicted_reuse, route
 from proxy.core.scoring import ghost_reuse
 
@@ -104,8 +107,33 @@ def test_session_evicted_into_ram_is_found_there_while_the_evicting_request_runs
     assert (d.reason, d.wait_for, d.predicted) == (Reason.WAIT, (0, -1), 400)
     f.release(Placement(0, (0,), 0), now=101.0, clean=True, content=fp(9, 10))
     back = decided(route(fp(1, 2, 3, 4, 5), f.backends, PARAMS, now=101.0))
-    assert (back.placement, back.predicted) == (Placement(0, (0,), 0), 400)
+    assert back.placement is not None
+    assert back.placement.loads is not None
+    assert (back.placement.pin, back.predicted) == (0, 400)
+    assert back.placement.loads.content == fp(1, 2, 3, 4)  # the server loads the parked copy
+    f.claim(back.placement, now=101.0, content=fp(1, 2, 3, 4, 5))
+    assert [p.content for p in f.backends[0].ghosts] == [fp(9, 10)]  # moved out, slot parked
     assert not f.backends[1].ghosts
+
+
+def test_header_only_request_does_not_destroy_a_session_parked_in_ram() -> None:
+    f = fleet(2)
+
+    def chat(*segments: int) -> Fingerprint:
+        return replace(fp(*segments), anchor=2)  # system prompt, then the first user message
+
+    hold(f, 0, 0, chat(50, 51, 52, 53), at=90.0)  # an unrelated conversation
+    parked = Parked(chat(1, 2, 3, 4), 99.0)  # a session sharing the system prompt 1
+    f.backends[0].ghosts = [parked]
+    # Pinned to slot 0 (keeps nothing of it), the server would load the parked session for
+    # its 100-token header and overwrite the rest: the request takes the empty slot instead.
+    d = decided(route(chat(1, 30, 31, 32), f.backends, PARAMS, now=100.0))
+    assert d.placement == Placement(0, (1,), 1)
+    assert f.backends[0].ghosts == [parked]
+    # The session itself is served from RAM through the slot that keeps nothing of it.
+    back = decided(route(chat(1, 2, 3, 4, 5), f.backends, PARAMS, now=100.0))
+    assert back.placement == Placement(0, (0,), 0, parked)
+    assert back.predicted == 400
 
 
 def test_load_gate_sends_a_hot_prefix_to_an_idle_backend() -> None:
@@ -213,8 +241,8 @@ def test_property_no_fewer_reused_tokens_without_a_reason(
 
 def test_ram_cache_takes_entries_oldest_first_when_they_beat_the_best_so_far() -> None:
     f = fleet(1)
-    older, newer = fp(1, 2, 3, 8), fp(1, 2, 3, 4, 9, 10, 11, 12)  # newest first, as parked
-    f.backends[0].ghosts = [newer, older]
+    older, newer = Parked(fp(1, 2, 3, 8), 1.0), Parked(fp(1, 2, 3, 4, 9, 10, 11, 12), 2.0)
+    f.backends[0].ghosts = [older, newer]  # oldest first, like the server's list
     # older: keeps 300/400, similarity 300/500; newer keeps only 400/800: not better in both
     assert ghost_reuse(fp(1, 2, 3, 4, 5), f.backends[0]) == 300
     f.backends[0].ghosts = [newer]

@@ -1,0 +1,86 @@
+"""llama-server's host-RAM prompt cache (``--cache-ram``), modelled from outside.
+
+The server keeps saved slot states in a list, oldest first (server-task.cpp,
+``server_prompt_cache``); the proxy keeps the same list per backend, of fingerprints
+(``Parked``: what was saved, and when its slot was last used).
+
+*Save* (``save``): the server saves a slot's content when a task takes the slot through the
+RAM hook, and every idle slot after each task (``--cache-idle-slots``). A save is skipped
+when an entry already contains the content; entries the content contains are dropped; the
+new entry is the newest; the oldest go beyond the bound.
+
+*Load* (``pick``): the hook runs for a pinned slot that is not empty and would keep less
+than half its content (``f_keep < 0.5``; an empty pinned slot skips it, upstream #28139).
+The server scans the entries oldest first and takes one that keeps at least a quarter of
+itself (``f_keep >= 0.25``) and beats the best so far in both kept share and similarity to
+the prompt, starting from the slot's own content; the last taken wins (so an older entry can
+shadow a newer, longer one). The entry taken is *moved* into the slot: it leaves the cache,
+and whatever the prompt does not share with it is overwritten. So a request of another
+conversation that shares only a header with a parked session destroys that session's copy
+unless the pinned slot's own content keeps at least as large a share — the router scores
+that as eviction damage (``core.scoring``) and ``Fleet.claim`` removes the entry taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from proxy.core.fingerprint import Fingerprint, common_segments
+
+
+@dataclass(frozen=True)
+class Parked:
+    content: Fingerprint
+    at: float  # last use of the slot it came from: its recency weights losing it
+
+
+def consulted(kept: int, content_tokens: int) -> bool:
+    """Whether pinning to a slot holding ``content_tokens`` of which the prompt keeps
+    ``kept`` makes the server consult its RAM cache (``f_keep < 0.5``; NaN when empty)."""
+    return content_tokens > 0 and kept < 0.5 * content_tokens
+
+
+def pick(
+    entries: Sequence[tuple[int, int]], kept: int, content_tokens: int, prompt_tokens: int
+) -> int | None:
+    """Index of the entry the server loads, or None. ``entries``: per entry, oldest first,
+    (tokens it serves the prompt, its length); ``kept``/``content_tokens``: the same for the
+    slot's own content (0/0: empty, any entry wins)."""
+    if prompt_tokens <= 0:
+        return None
+    keep_best = kept / content_tokens if content_tokens else -1.0
+    sim_best = kept / prompt_tokens
+    chosen = None
+    for index, (reuse, length) in enumerate(entries):
+        keep, sim = (reuse / length if length else 0.0), reuse / prompt_tokens
+        if keep >= 0.25 and keep > keep_best and sim > sim_best:
+            chosen, keep_best, sim_best = index, keep, sim
+    return chosen
+
+
+def contains(entry: Fingerprint, content: Fingerprint) -> bool:
+    """``content`` is a prefix of ``entry``."""
+    return common_segments(entry.hashes, content.hashes) == len(content.hashes)
+
+
+def save(entries: Sequence[Parked], content: Fingerprint, at: float, limit: int) -> list[Parked]:
+    """The cache after saving ``content``."""
+    if not content.hashes or any(contains(e.content, content) for e in entries):
+        return list(entries)
+    kept = [e for e in entries if not contains(content, e.content)]
+    kept.append(Parked(content, at))
+    return kept[-limit:] if limit > 0 else []
+
+
+def without(entries: Sequence[Parked], gone: Parked | None) -> list[Parked]:
+    """The cache after ``gone`` was loaded into a slot (it leaves the cache)."""
+    return [e for e in entries if e is not gone]
+
+
+def drop_contained(entries: Sequence[Parked], content: Fingerprint | None) -> list[Parked]:
+    """The cache without entries ``content`` contains: a slot now holds them, and saving the
+    slot later drops them."""
+    if content is None:
+        return list(entries)
+    return [e for e in entries if not contains(content, e.content)]

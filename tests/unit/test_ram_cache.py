@@ -1,0 +1,43 @@
+"""The model of llama-server's host-RAM prompt cache (``proxy.core.ram_cache``)."""
+
+from __future__ import annotations
+
+from proxy.core import ram_cache
+from proxy.core.fingerprint import Fingerprint
+from proxy.core.ram_cache import Parked
+
+
+def fp(*segments: int) -> Fingerprint:
+    return Fingerprint(tuple(segments), tuple(100 * (i + 1) for i in range(len(segments))))
+
+
+def test_cache_is_consulted_only_for_a_non_empty_slot_keeping_less_than_half() -> None:
+    assert ram_cache.consulted(kept=100, content_tokens=300)
+    assert not ram_cache.consulted(kept=150, content_tokens=300)
+    assert not ram_cache.consulted(kept=0, content_tokens=0)  # empty pinned slot: NaN
+
+
+def test_an_entry_must_keep_a_quarter_of_itself_and_beat_the_slot_in_both_shares() -> None:
+    header_only = [(100, 400)]  # serves 100 of the prompt, keeps 0.25 of itself
+    assert ram_cache.pick(header_only, kept=0, content_tokens=300, prompt_tokens=400) == 0
+    # the slot's own content keeps 100/300 > 0.25: the entry is not better, it stays parked
+    assert ram_cache.pick(header_only, kept=100, content_tokens=300, prompt_tokens=400) is None
+    assert ram_cache.pick([(90, 400)], kept=0, content_tokens=300, prompt_tokens=400) is None
+    assert ram_cache.pick([(0, 0), (300, 400)], 0, 0, 400) == 1  # an empty slot: any entry
+
+
+def test_save_skips_contained_content_drops_entries_it_contains_and_bounds_the_list() -> None:
+    entries = ram_cache.save([], fp(1, 2), at=1.0, limit=3)
+    assert ram_cache.save(entries, fp(1), at=2.0, limit=3) == entries  # already contained
+    longer = ram_cache.save(entries, fp(1, 2, 3), at=2.0, limit=3)
+    assert [e.content for e in longer] == [fp(1, 2, 3)]  # the prefix entry is dropped
+    full = longer
+    for i in range(5):
+        full = ram_cache.save(full, fp(10 + i), at=3.0 + i, limit=3)
+    assert [e.content for e in full] == [fp(12), fp(13), fp(14)]  # the oldest went
+
+
+def test_a_loaded_entry_leaves_the_cache() -> None:
+    a, b = Parked(fp(1, 2), 1.0), Parked(fp(1, 2), 2.0)
+    assert ram_cache.without([a, b], a) == [b]
+    assert ram_cache.drop_contained([a, Parked(fp(7), 3.0)], fp(1, 2, 3)) == [Parked(fp(7), 3.0)]

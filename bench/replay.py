@@ -80,6 +80,7 @@ async def _run_sessions(workload: Workload, send: Send) -> None:
 
 CHAT = False  # --chat
 RAM_CACHE = True  # --no-ram-cache: backends run with --cache-ram 0
+RAM_TOKENS: int | None = None  # --ram-tokens: what each backend's RAM cache holds
 
 
 async def _post(
@@ -109,6 +110,7 @@ async def _fleet(backends: int, slots: int, save_dir: Path | None) -> list[FakeL
             gen_s_per_token=DECODE_S_PER_TOKEN,
             save_dir=save_dir,
             ram_cache=RAM_CACHE,
+            ram_tokens=RAM_TOKENS,
         )
         await fake.start()
         fakes.append(fake)
@@ -147,7 +149,10 @@ async def run_policy(
                 disk["park"] = "off"
             settings = Settings.model_validate(
                 {
-                    "backends": [{"url": u, "ram_cache": RAM_CACHE} for u in urls],
+                    "backends": [
+                        {"url": u, "ram_cache": RAM_CACHE, "ram_cache_tokens": RAM_TOKENS}
+                        for u in urls
+                    ],
                     "routing": routing,
                     "disk": disk,
                     "queue": {"max_wait_seconds": 600},
@@ -195,6 +200,12 @@ def scenarios(
     return out if full else out[:1] + out[5:6]
 
 
+def _ram_label() -> str:
+    if not RAM_CACHE:
+        return ", RAM off"
+    return f", RAM {RAM_TOKENS // 1000}k" if RAM_TOKENS else ""
+
+
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     from bench.peers import available_peers
 
@@ -207,7 +218,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         backends, slots = shape or (args.backends, args.slots)
         row: dict[str, Any] = {
             "workload": workload.name,
-            "fleet": f"{backends}x{slots}",
+            "fleet": f"{backends}x{slots}" + _ram_label(),
             "sessions": len(workload.sessions),
             "requests": sum(len(s) for s in workload.sessions),
             "ideal": ideal_hit_rate(workload),
@@ -266,14 +277,19 @@ def main() -> None:
     parser.add_argument(
         "--no-ram-cache", action="store_true", help="fakes without the host-RAM prompt cache"
     )
+    parser.add_argument(
+        "--ram-tokens", type=int, help="bound each fake's RAM cache (and tell the proxy)"
+    )
     args = parser.parse_args()
-    global CHAT, RAM_CACHE
-    CHAT, RAM_CACHE = args.chat, not args.no_ram_cache
+    global CHAT, RAM_CACHE, RAM_TOKENS
+    CHAT, RAM_CACHE, RAM_TOKENS = args.chat, not args.no_ram_cache, args.ram_tokens
     stem = "replay-partial" if (args.only or args.policies or args.quick) else "replay"
     if args.chat:
         stem = "replay-chat" if stem == "replay" else stem + "-chat"
     if args.no_ram_cache:
         stem += "-noram"
+    elif args.ram_tokens:
+        stem += f"-ram{args.ram_tokens // 1000}k"
     stem = args.out or stem
     if args.from_json:
         rows = load(stem)

@@ -53,6 +53,7 @@ def create_app(
         [b.label for b in settings.backends],
         [b.kv_reuse == "exact" for b in settings.backends],
         [b.ram_cache for b in settings.backends],
+        ram_tokens=[b.ram_cache_tokens for b in settings.backends],
     )
     scheduler = Scheduler(fleet, settings.queue, metrics, clock)
     if store is None:

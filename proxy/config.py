@@ -54,8 +54,9 @@ class BackendSettings(_Frozen):
         default="prefix",
         description="exact: hybrid/recurrent/SWA model, reuse only an exact extension of a slot",
     )
-    ram_cache: bool = Field(
-        default=True, description="backend keeps llama-server's host-RAM prompt cache on"
+    ram_cache: bool = Field(True, description="backend keeps llama-server's RAM prompt cache on")
+    ram_cache_tokens: int | None = Field(
+        None, ge=1, description="tokens it holds: --cache-ram MiB / KV bytes per token"
     )
     slot_save_dir: str | None = Field(
         default=None,

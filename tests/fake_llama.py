@@ -17,7 +17,9 @@ them, at the level the proxy depends on:
   its tokens (``f_keep < 0.5``), first saves its tokens and then scans the entries oldest
   first, taking each that keeps at least a quarter of itself and beats the best so far (from
   the slot's own tokens) in both kept share and similarity; the last taken moves into the
-  slot; a pinned *empty* slot skips this (upstream #28139);
+  slot; a pinned *empty* slot skips this (upstream #28139); ``ram_tokens`` bounds it like
+  ``--cache-ram`` MiB (bytes per token fixed by the model): an entry larger is not saved,
+  and the oldest entries go to make room;
 - ``/v1/messages`` ignores ``id_slot``; ``n_predict: 0`` still samples one token;
 - prefill is serialized per server (one compute device: ``prompt_s_per_token`` per processed
   token, one request at a time), decoding runs in parallel across slots;
@@ -115,7 +117,7 @@ class FakeLlamaServer:
         abort_release_s: float = 0.2,
         model: str = "fake-model",
         ram_cache: bool = True,
-        ram_entries: int = 64,
+        ram_tokens: int | None = None,
         save_dir: Path | None = None,
         unified: bool = False,
     ) -> None:
@@ -124,7 +126,7 @@ class FakeLlamaServer:
         self.tokens_restored = 0
         self.slot_actions: list[tuple[str, int, str]] = []
         self.ram_cache = ram_cache
-        self.ram_entries = ram_entries
+        self.ram_tokens = ram_tokens  # None: unlimited (--cache-ram -1)
         self.ram: list[list[str]] = []
         self.slots = [FakeSlot(i) for i in range(n_slots)]
         self.n_ctx = n_ctx
@@ -385,9 +387,13 @@ class FakeLlamaServer:
             return
         if any(_lcp(e, tokens) == len(tokens) for e in self.ram):
             return  # an entry already contains it
+        budget = self.ram_tokens
+        if budget is not None and len(tokens) > budget:
+            return  # larger than the whole cache: skipped
         self.ram = [e for e in self.ram if _lcp(e, tokens) < len(e)]
+        while budget is not None and self.ram and sum(map(len, self.ram)) + len(tokens) > budget:
+            self.ram.pop()  # the oldest
         self.ram.insert(0, list(tokens))
-        del self.ram[self.ram_entries :]
 
     def _ram_load(self, slot: FakeSlot, prompt: list[str]) -> None:
         self._ram_save(slot.tokens)

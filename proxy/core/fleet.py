@@ -90,6 +90,7 @@ class BackendState:
     max_task_id: int = -1
     exact: bool = False  # reuse only as an exact extension (hybrid/recurrent/SWA models)
     ram: bool = True  # runs llama-server's host-RAM prompt cache (default --cache-ram)
+    ram_tokens: int | None = None  # what that cache holds, in tokens (None: not bounded)
     slots: list[SlotState] = field(default_factory=list)
     ghosts: list[Parked] = field(default_factory=list)  # that cache's entries, oldest first
 
@@ -123,6 +124,7 @@ class Fleet:
         exact: Sequence[bool] = (),
         ram: Sequence[bool] = (),
         ghost_limit: int = 64,
+        ram_tokens: Sequence[int | None] = (),
     ) -> None:
         self.backends = [
             BackendState(
@@ -130,6 +132,7 @@ class Fleet:
                 label,
                 exact=bool(exact[i]) if i < len(exact) else False,
                 ram=bool(ram[i]) if i < len(ram) else True,
+                ram_tokens=ram_tokens[i] if i < len(ram_tokens) else None,
             )
             for i, label in enumerate(labels)
         ]
@@ -200,7 +203,7 @@ class Fleet:
         task); entries the slot's new content ``after`` contains are dropped."""
         ghosts = ram_cache.drop_contained(backend.ghosts, after)
         if before is not None and (after is None or not ram_cache.contains(after, before)):
-            ghosts = ram_cache.save(ghosts, before, at, self._ghost_limit)
+            ghosts = ram_cache.save(ghosts, before, at, self._ghost_limit, backend.ram_tokens)
         backend.ghosts = ghosts
 
     def is_draining(self, index: int) -> bool:

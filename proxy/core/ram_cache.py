@@ -6,8 +6,10 @@ The server keeps saved slot states in a list, oldest first (server-task.cpp,
 
 *Save* (``save``): the server saves a slot's content when a task takes the slot through the
 RAM hook, and every idle slot after each task (``--cache-idle-slots``). A save is skipped
-when an entry already contains the content; entries the content contains are dropped; the
-new entry is the newest; the oldest go beyond the bound.
+when an entry already contains the content, or when it is larger than the whole cache;
+entries the content contains are dropped; the oldest go until it fits the byte budget
+(``--cache-ram``, 8 GiB by default: configured here in tokens, ``ram_cache_tokens``); the
+new entry is the newest.
 
 *Load* (``pick``): the hook runs for a pinned slot that is not empty and would keep less
 than half its content (``f_keep < 0.5``; an empty pinned slot skips it, upstream #28139).
@@ -64,11 +66,24 @@ def contains(entry: Fingerprint, content: Fingerprint) -> bool:
     return common_segments(entry.hashes, content.hashes) == len(content.hashes)
 
 
-def save(entries: Sequence[Parked], content: Fingerprint, at: float, limit: int) -> list[Parked]:
-    """The cache after saving ``content``."""
+def save(
+    entries: Sequence[Parked],
+    content: Fingerprint,
+    at: float,
+    limit: int,
+    budget: int | None = None,
+) -> list[Parked]:
+    """The cache after saving ``content``; ``budget``: tokens the cache holds (``--cache-ram``
+    MiB over the model's KV bytes per token), None for no bound but ``limit`` entries."""
     if not content.hashes or any(contains(e.content, content) for e in entries):
         return list(entries)
+    if budget is not None and content.total > budget:
+        return list(entries)  # larger than the whole cache: the server skips it
     kept = [e for e in entries if not contains(content, e.content)]
+    while (
+        budget is not None and kept and sum(e.content.total for e in kept) + content.total > budget
+    ):
+        kept.pop(0)  # the oldest makes room
     kept.append(Parked(content, at))
     return kept[-limit:] if limit > 0 else []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -92,15 +93,22 @@ async def _loaded_entry_leaves_the_cache(url: str) -> bool:
     return bool(back["timings"]["cache_n"] < len(tokens["tokens"]) / 2)
 
 
-async def test_fake_matches_real_server(llama_servers: Any) -> None:
-    real = llama_servers(slots=2)
-    fake = FakeLlamaServer(n_slots=2)
+async def _same_on_both(
+    observe: Callable[[str], Awaitable[dict[str, Any]]], real_url: str, fake: FakeLlamaServer
+) -> dict[str, Any]:
+    """The real server's observations, once the fake has made the same ones."""
     await fake.start()
     try:
-        expected = await _observations(real.url)
-        assert await _observations(fake.url) == expected
+        expected = await observe(real_url)
+        assert await observe(fake.url) == expected
     finally:
         await fake.stop()
+    return expected
+
+
+async def test_fake_matches_real_server(llama_servers: Any) -> None:
+    real = llama_servers(slots=2)
+    expected = await _same_on_both(_observations, real.url, FakeLlamaServer(n_slots=2))
     assert expected["repeat_reuses_all_but_one"] is True
     assert expected["cache_prompt_false"] == 0
     assert expected["n_over_slots_status"] == 400
@@ -108,6 +116,42 @@ async def test_fake_matches_real_server(llama_servers: Any) -> None:
     assert expected["ram_cache_restores_parked_prompt"] is True
     assert expected["ram_cache_scans_oldest_first"] is True
     assert expected["ram_load_moves_entry_out"] is True
+
+
+async def _ram_budget_observations(url: str) -> dict[str, bool]:
+    """With room for one parked prompt (``--cache-ram 1``: 1 MiB, about 45 tokens of this
+    model's KV), a parked prompt comes back, and parking a second one evicts the first."""
+
+    def text(word: str) -> str:
+        return f"Budget {word} words about orchards and their tall trees. " * 3
+
+    def body(prompt: str, slot: int | None) -> dict[str, Any]:
+        pinned = {"id_slot": slot} if slot is not None else {}
+        return {"prompt": prompt, "n_predict": 2, "temperature": 0, **pinned}
+
+    async def cached(prompt: str) -> bool:  # unpinned: the LRU slot, through the RAM cache
+        _, reply = await _post(url + "/completion", body(prompt, None))
+        _, tokens = await _post(url + "/tokenize", {"content": prompt})
+        return bool(reply["timings"]["cache_n"] > len(tokens["tokens"]) / 2)
+
+    seen = {}
+    for word in ("alpha", "beta"):
+        await _post(url + "/completion", body(text(word), 1))
+    seen["one_parked_prompt_comes_back"] = await cached(text("alpha"))
+    for word in ("gamma", "delta", "epsilon"):
+        await _post(url + "/completion", body(text(word), 1))
+    seen["second_parked_prompt_evicts_the_first"] = not await cached(text("gamma"))
+    return seen
+
+
+async def test_fake_ram_budget_matches_real_server(llama_servers: Any) -> None:
+    real = llama_servers(slots=2, extra=("--cache-ram", "1"))
+    fake = FakeLlamaServer(n_slots=2, ram_tokens=40)  # one 29-word entry fits, two do not
+    expected = await _same_on_both(_ram_budget_observations, real.url, fake)
+    assert expected == {
+        "one_parked_prompt_comes_back": True,
+        "second_parked_prompt_evicts_the_first": True,
+    }
 
 
 async def _slot_file_observations(url: str, other_layout_url: str) -> dict[str, Any]:

@@ -41,3 +41,12 @@ def test_a_loaded_entry_leaves_the_cache() -> None:
     a, b = Parked(fp(1, 2), 1.0), Parked(fp(1, 2), 2.0)
     assert ram_cache.without([a, b], a) == [b]
     assert ram_cache.drop_contained([a, Parked(fp(7), 3.0)], fp(1, 2, 3)) == [Parked(fp(7), 3.0)]
+
+
+def test_budget_skips_an_entry_larger_than_the_cache_and_evicts_the_oldest_to_fit() -> None:
+    entries = ram_cache.save([], fp(1, 2), at=1.0, limit=64, budget=500)  # 200 tokens
+    assert ram_cache.save(entries, fp(5, 6, 7, 8, 9, 10), 2.0, 64, budget=500) == entries
+    entries = ram_cache.save(entries, fp(3, 4, 5), at=2.0, limit=64, budget=500)  # 300: fits
+    assert [e.content for e in entries] == [fp(1, 2), fp(3, 4, 5)]
+    entries = ram_cache.save(entries, fp(7), at=3.0, limit=64, budget=500)
+    assert [e.content for e in entries] == [fp(3, 4, 5), fp(7)]  # the oldest made room

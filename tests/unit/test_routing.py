@@ -136,6 +136,17 @@ def test_header_only_request_does_not_destroy_a_session_parked_in_ram() -> None:
     assert back.predicted == 400
 
 
+def test_ram_budget_evicts_the_oldest_parked_session_from_the_model() -> None:
+    f = Fleet(["b0"], ram_tokens=[300])  # the backend's RAM cache holds 300 tokens
+    f.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 0, -1),)), now=0.0)
+    hold(f, 0, 0, fp(1, 2))
+    for content in (fp(3, 4), fp(5)):
+        f.claim(Placement(0, (0,), 0), now=100.0, content=content)
+        f.release(Placement(0, (0,), 0), now=101.0, clean=True, content=content)
+    assert [p.content for p in f.backends[0].ghosts] == [fp(3, 4)]  # fp(1, 2) made room
+    assert ghost_reuse(fp(1, 2, 9), f.backends[0]) == 0
+
+
 def test_load_gate_sends_a_hot_prefix_to_an_idle_backend() -> None:
     f = fleet(5, 5)
     for slot in range(4):

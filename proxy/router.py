@@ -194,6 +194,9 @@ class Router:
             ratio = usage.prompt_tokens / plan.fp.total
             previous = self._scale.get(backend)
             self._scale[backend] = ratio if previous is None else 0.8 * previous + 0.2 * ratio
+            budget = self._settings.backends[backend].ram_cache_tokens
+            if budget is not None:  # the RAM cache's size in the fingerprint's estimates
+                self._fleet.backends[backend].ram_tokens = round(budget / self._scale[backend])
 
     def headers(self, plan: Plan) -> dict[str, str]:
         decision = plan.decision

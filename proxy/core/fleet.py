@@ -154,6 +154,16 @@ class Fleet:
                 self._park(backend, slot.content, content, slot.last_used)
                 backend.ghosts = ram_cache.without(backend.ghosts, placement.loads)
             slot.last_used = now
+        if backend.ram:  # --cache-idle-slots: every task saves each idle slot's content
+            for idle in backend.idle_slots():
+                if idle.content is not None:
+                    backend.ghosts = ram_cache.save(
+                        backend.ghosts,
+                        idle.content,
+                        idle.last_used,
+                        self._ghost_limit,
+                        backend.ram_tokens,
+                    )
 
     def release(
         self,

@@ -88,6 +88,22 @@ def save(
     return kept[-limit:] if limit > 0 else []
 
 
+def evicted_by(entries: Sequence[Parked], content: Fingerprint, budget: int | None) -> int:
+    """How many of the oldest entries saving ``content`` evicts (the server saves a pinned
+    slot's content *before* it loads an entry, so those cannot be loaded)."""
+    if (
+        budget is None
+        or content.total > budget
+        or any(contains(e.content, content) for e in entries)
+    ):
+        return 0
+    kept = [e for e in entries if not contains(content, e.content)]
+    held, gone = sum(e.content.total for e in kept), 0
+    while gone < len(kept) and held + content.total > budget:
+        held, gone = held - kept[gone].content.total, gone + 1
+    return entries.index(kept[gone - 1]) + 1 if gone else 0
+
+
 def without(entries: Sequence[Parked], gone: Parked | None) -> list[Parked]:
     """The cache after ``gone`` was loaded into a slot (it leaves the cache)."""
     return [e for e in entries if e is not gone]

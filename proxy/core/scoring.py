@@ -128,11 +128,14 @@ def ram_view(fp: Fingerprint, backend: BackendState, now: float, params: Routing
     if not backend.ram or not fp.total or not backend.ghosts:
         return RamView(fp.total)
     served, damage = [], []
+    resident = [s.expected for s in backend.slots if s.expected is not None]
     for entry in backend.ghosts:
         shared = _shared(fp, entry.content)
         reuse = _reuse(fp, entry.content, backend.exact, shared)
         served.append((reuse, entry.content.total))
-        lost = _lost(fp, entry.content, shared, reuse)
+        # a copy of what a slot holds loses nothing when it leaves the cache
+        held = any(ram_cache.contains(r, entry.content) for r in resident)
+        lost = 0 if held else _lost(fp, entry.content, shared, reuse)
         damage.append(lost * _recency(entry.at, now, params))
     return RamView(fp.total, tuple(backend.ghosts), tuple(served), tuple(damage))
 
@@ -153,9 +156,12 @@ def candidate(
         shared = _shared(fp, content)
         live = _reuse(fp, content, backend.exact, shared)
         consulted = backend.ram and ram_cache.consulted(live, content.total)
-        found = ram_cache.pick(ram.served, live, content.total, fp.total) if ram else None
-        if ram is not None and found is not None and consulted:
-            live, loads, destroyed = ram.served[found][0], ram.entries[found], ram.damage[found]
+        if ram is not None and consulted:
+            skip = ram_cache.evicted_by(ram.entries, content, backend.ram_tokens)
+            found = ram_cache.pick(ram.served[skip:], live, content.total, fp.total)
+            if found is not None:
+                i = found + skip
+                live, loads, destroyed = ram.served[i][0], ram.entries[i], ram.damage[i]
     restore = offer if offer is not None and offer.reuse - offer.cost > live else None
     reuse, gain = (restore.reuse, restore.reuse - restore.cost) if restore else (live, live)
     if content is None or not fp.hashes:

@@ -50,3 +50,11 @@ def test_budget_skips_an_entry_larger_than_the_cache_and_evicts_the_oldest_to_fi
     assert [e.content for e in entries] == [fp(1, 2), fp(3, 4, 5)]
     entries = ram_cache.save(entries, fp(7), at=3.0, limit=64, budget=500)
     assert [e.content for e in entries] == [fp(3, 4, 5), fp(7)]  # the oldest made room
+
+
+def test_saving_the_pinned_slot_first_evicts_entries_it_then_cannot_load() -> None:
+    entries = [Parked(fp(1, 2), 1.0), Parked(fp(3), 2.0)]  # 300 tokens held
+    assert ram_cache.evicted_by(entries, fp(7, 8), budget=400) == 1  # fp(1, 2) makes room
+    assert ram_cache.evicted_by(entries, fp(7, 8), budget=None) == 0
+    assert ram_cache.evicted_by(entries, fp(1), budget=400) == 0  # already held: not saved
+    assert ram_cache.evicted_by(entries, fp(7, 8, 9, 10, 11), budget=400) == 0  # too large

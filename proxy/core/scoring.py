@@ -151,10 +151,10 @@ def candidate(
     offer: Offer | None = None,
 ) -> Candidate:
     content = slot.content  # an idle slot: what its KV holds
-    live, shared, consulted, loads, destroyed = 0, 0, False, None, 0.0
+    live, direct, shared, consulted, loads, destroyed = 0, 0, 0, False, None, 0.0
     if content is not None and fp.hashes:
         shared = _shared(fp, content)
-        live = _reuse(fp, content, backend.exact, shared)
+        live = direct = _reuse(fp, content, backend.exact, shared)
         consulted = backend.ram and ram_cache.consulted(live, content.total)
         if ram is not None and consulted:
             skip = ram_cache.evicted_by(ram.entries, content, backend.ram_tokens)
@@ -170,10 +170,13 @@ def candidate(
         consulted, loads, destroyed = backend.ram, None, 0.0
     ours = content.same_conversation(shared)
     # Another conversation's content is parked in host RAM, and can come back later, only
-    # when this request keeps less than half of it (the server's own f_keep < 0.5 rule);
-    # an entry the server loads for this request is overwritten beyond what it shares.
-    discount = params.ram_discount if consulted and not ours else 1.0
-    lost = _lost(fp, content, shared, reuse)
+    # when this request keeps less than half of it (the server's own f_keep < 0.5 rule), and
+    # so is any content a RAM load displaces; an entry the server loads for this request is
+    # overwritten beyond what it shares.
+    discount = params.ram_discount if consulted and (not ours or loads is not None) else 1.0
+    # what the slot's own content loses is judged by what the request shares with *it*, not
+    # by tokens a RAM entry or a snapshot brings into the slot
+    lost = _lost(fp, content, shared, direct)
     damage = lost * recency(slot, now, params) * discount + destroyed
     score = gain - params.eviction_weight * damage
     return Candidate(backend, slot, reuse, score, load, restore, loads)

@@ -136,6 +136,17 @@ def test_header_only_request_does_not_destroy_a_session_parked_in_ram() -> None:
     assert back.predicted == 400
 
 
+def test_session_stays_in_its_slot_rather_than_loading_its_ram_copy_elsewhere() -> None:
+    f = fleet(2)
+    hold(f, 0, 0, fp(50, 51, 52), at=90.0)  # older content of another prompt
+    hold(f, 0, 1, fp(1, 2, 3, 4, 5))
+    f.backends[0].ghosts = [Parked(fp(1, 2, 3, 4, 5), 100.0)]  # idle save: a copy of slot 1
+    # Loading the copy into slot 0 would serve as much, but parks slot 0's content for
+    # nothing (and the copy may not be in RAM yet: idle slots are saved after the load).
+    d = decided(route(fp(1, 2, 3, 4, 5, 6), f.backends, PARAMS, now=100.0))
+    assert d.placement == Placement(0, (1,), 1)
+
+
 def test_ram_budget_evicts_the_oldest_parked_session_from_the_model() -> None:
     f = Fleet(["b0"], ram_tokens=[300])  # the backend's RAM cache holds 300 tokens
     f.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 0, -1),)), now=0.0)

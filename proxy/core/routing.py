@@ -15,7 +15,9 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
 3. *Load gate* (like SGLang's cache-aware policy): with ``load`` = busy slots of a backend,
    the fleet is imbalanced when ``max - min > balance_abs`` and ``max > balance_rel * min``.
    Then a best candidate on a backend loaded above ``min + balance_abs`` is dropped for the
-   least loaded backend ("balance"), so a hot prefix does not pile onto one backend.
+   least loaded backend ("balance"), so a hot prefix shared by many sessions does not pile
+   onto one backend — unless the prompt extends all of what the candidate reuses (a session
+   continuing in its slot or from its RAM copy: moving it would re-prefill its history).
 4. Best idle candidate by (score, -backend load, -age) with reuse >= ``min_prefix_tokens``
    and a positive score: "prefix". Otherwise "cold": among backends loaded at most
    ``balance_abs`` above the least loaded one, the idle slot with the best score (empty or
@@ -176,7 +178,8 @@ def route(
     if best is None:
         return why_not(backends, avoid)
     loads = list(load.values())
-    if _imbalanced(loads, params) and best.load > min(loads) + params.balance_abs:
+    overloaded = best.load > min(loads) + params.balance_abs and not best.extends
+    if _imbalanced(loads, params) and overloaded:
         return _with_key(_cold(fp, ready, now, params, Reason.BALANCE, disk, ram), key)
     if best.reuse >= params.min_prefix_tokens and best.score > 0:
         return _place(best, Reason.PREFIX, key)

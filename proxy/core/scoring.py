@@ -64,6 +64,7 @@ class Candidate:
     load: int  # busy slots of the backend when the decision was made
     restore: Offer | None = None  # restore this snapshot into the slot first
     loads: Parked | None = None  # the RAM-cache entry the server will load into the slot
+    extends: bool = False  # the prompt extends all of what it reuses: a session continuing
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,9 @@ def candidate(
     lost = _lost(fp, content, shared, direct)
     damage = lost * recency(slot, now, params) * discount + destroyed
     score = gain - params.eviction_weight * damage
-    return Candidate(backend, slot, reuse, score, load, restore, loads)
+    source = loads.content if loads is not None else content
+    extends = restore is None and _shared(fp, source) == len(source.hashes) and reuse > 0
+    return Candidate(backend, slot, reuse, score, load, restore, loads, extends)
 
 
 def ghost_reuse(fp: Fingerprint, backend: BackendState) -> int:

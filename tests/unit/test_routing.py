@@ -162,11 +162,20 @@ def test_load_gate_sends_a_hot_prefix_to_an_idle_backend() -> None:
     f = fleet(5, 5)
     for slot in range(4):
         f.claim(Placement(0, (slot,), slot), now=1.0)
-    hold(f, 0, 4, fp(1, 2))
+    hold(f, 0, 4, fp(1, 2, 9))  # another session behind the hot prefix fp(1, 2)
     d = decided(route(fp(1, 2, 3), f.backends, PARAMS, now=100.0, allow_wait=False))
     assert d.reason is Reason.BALANCE
     assert d.placement is not None
     assert d.placement.backend == 1
+
+
+def test_load_gate_does_not_move_a_session_continuing_in_its_slot() -> None:
+    f = fleet(5, 5)
+    for slot in range(4):
+        f.claim(Placement(0, (slot,), slot), now=1.0)
+    hold(f, 0, 4, fp(1, 2, 3))  # this session's previous turn
+    d = decided(route(fp(1, 2, 3, 4), f.backends, PARAMS, now=100.0, allow_wait=False))
+    assert (d.reason, d.placement) == (Reason.PREFIX, Placement(0, (4,), 4))
 
 
 def test_exact_backends_only_count_a_strict_extension() -> None:

@@ -66,6 +66,23 @@ def contains(entry: Fingerprint, content: Fingerprint) -> bool:
     return common_segments(entry.hashes, content.hashes) == len(content.hashes)
 
 
+def _make_room(
+    entries: Sequence[Parked], content: Fingerprint, budget: int | None
+) -> tuple[list[Parked], int] | None:
+    """None when the server skips saving ``content`` (already held, or larger than the whole
+    cache); else the entries the save keeps (those ``content`` contains are dropped) and how
+    many of their oldest go to make room under ``budget``."""
+    if not content.hashes or any(contains(e.content, content) for e in entries):
+        return None
+    if budget is not None and content.total > budget:
+        return None
+    kept = [e for e in entries if not contains(content, e.content)]
+    held, gone = sum(e.content.total for e in kept), 0
+    while budget is not None and gone < len(kept) and held + content.total > budget:
+        held, gone = held - kept[gone].content.total, gone + 1
+    return kept, gone
+
+
 def save(
     entries: Sequence[Parked],
     content: Fingerprint,
@@ -75,33 +92,22 @@ def save(
 ) -> list[Parked]:
     """The cache after saving ``content``; ``budget``: tokens the cache holds (``--cache-ram``
     MiB over the model's KV bytes per token), None for no bound but ``limit`` entries."""
-    if not content.hashes or any(contains(e.content, content) for e in entries):
+    room = _make_room(entries, content, budget)
+    if room is None:
         return list(entries)
-    if budget is not None and content.total > budget:
-        return list(entries)  # larger than the whole cache: the server skips it
-    kept = [e for e in entries if not contains(content, e.content)]
-    while (
-        budget is not None and kept and sum(e.content.total for e in kept) + content.total > budget
-    ):
-        kept.pop(0)  # the oldest makes room
-    kept.append(Parked(content, at))
-    return kept[-limit:] if limit > 0 else []
+    kept, gone = room
+    after = [*kept[gone:], Parked(content, at)]
+    return after[-limit:] if limit > 0 else []
 
 
 def evicted_by(entries: Sequence[Parked], content: Fingerprint, budget: int | None) -> int:
     """How many of the oldest entries saving ``content`` evicts (the server saves a pinned
     slot's content *before* it loads an entry, so those cannot be loaded)."""
-    if (
-        budget is None
-        or content.total > budget
-        or any(contains(e.content, content) for e in entries)
-    ):
+    room = _make_room(entries, content, budget)
+    if room is None or not room[1]:
         return 0
-    kept = [e for e in entries if not contains(content, e.content)]
-    held, gone = sum(e.content.total for e in kept), 0
-    while gone < len(kept) and held + content.total > budget:
-        held, gone = held - kept[gone].content.total, gone + 1
-    return entries.index(kept[gone - 1]) + 1 if gone else 0
+    kept, gone = room
+    return entries.index(kept[gone - 1]) + 1
 
 
 def without(entries: Sequence[Parked], gone: Parked | None) -> list[Parked]:

@@ -3,7 +3,9 @@
 A chat prompt of N tokens (a system prompt and alternating turns) is fingerprinted and
 routed against a 4 x 4 fleet whose slots hold other sessions. "seen" means the same
 prompt's prefix was fingerprinted before (token counts come from the per-text cache), which
-is the steady state of an agent session; "cold" clears that cache first.
+is the steady state of an agent session; "cold" clears that cache first. "RAM model full":
+seen, with each backend's model of the RAM prompt cache at its entry limit, every entry a
+2k-token session sharing the prompt's system prompt (the worst case: each one is checked).
 
     python -m bench.routing_cost
 """
@@ -15,7 +17,9 @@ import statistics
 import time
 
 from proxy.core.fingerprint import fingerprint_chat
+from proxy.core.fleet import GHOST_LIMIT as LIMIT
 from proxy.core.fleet import BackendPhase, Fleet, Probe, SlotProbe
+from proxy.core.ram_cache import Parked
 from proxy.core.routing import RoutingParams, route
 from proxy.tokenizer import TokenCounter
 
@@ -25,8 +29,10 @@ WORDS = [
 ]  # fmt: skip
 
 
-def conversation(tokens: int, turn_tokens: int = 400) -> dict[str, object]:
-    messages = [{"role": "system", "content": " ".join(WORDS * 60)}]
+def conversation(tokens: int, turn_tokens: int = 400, session: str = "") -> dict[str, object]:
+    messages: list[dict[str, str]] = [{"role": "system", "content": " ".join(WORDS * 60)}]
+    if session:
+        messages.append({"role": "user", "content": session})
     i = 0
     while sum(len(str(m["content"])) for m in messages) / 4 < tokens:
         role = "user" if i % 2 == 0 else "assistant"
@@ -36,19 +42,23 @@ def conversation(tokens: int, turn_tokens: int = 400) -> dict[str, object]:
     return {"messages": messages}
 
 
-def fleet_with_sessions(counter: TokenCounter) -> Fleet:
-    fleet = Fleet([f"b{i}" for i in range(4)])
+def fleet_with_sessions(counter: TokenCounter, parked: int = 0) -> Fleet:
+    fleet = Fleet([f"b{i}" for i in range(4)], ghost_limit=max(parked, 1))
     for index in range(4):
         probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(4)))
         fleet.apply_probe(index, probe, now=0.0)
         for slot in fleet.backends[index].slots:
             slot.content = fingerprint_chat(conversation(2000 + 100 * slot.id), counter.count)
+        fleet.backends[index].ghosts = [
+            Parked(fingerprint_chat(conversation(2000, session=f"{index}/{k}"), counter.count), 0)
+            for k in range(parked)
+        ]
     return fleet
 
 
-def measure(tokens: int, seen: bool, repeats: int = 30) -> float:
+def measure(tokens: int, seen: bool, repeats: int = 30, parked: int = 0) -> float:
     counter = TokenCounter()
-    fleet = fleet_with_sessions(counter)
+    fleet = fleet_with_sessions(counter, parked)
     body = conversation(tokens)
     params = RoutingParams()
     samples = []
@@ -69,12 +79,13 @@ def main() -> None:
         f"machine: {platform.machine()}, Python {platform.python_version()}; "
         "median of 30, fingerprint + routing decision over a 4 x 4 fleet"
     )
-    print("| prompt tokens | prefix seen (ms) | cold (ms) |")
-    print("|---|---|---|")
+    print(f"| prompt tokens | prefix seen (ms) | cold (ms) | RAM model full ({LIMIT}) (ms) |")
+    print("|---|---|---|---|")
     for tokens in (8_000, 32_000, 128_000):
         print(
             f"| {tokens // 1000}k | {measure(tokens, True):.2f} | "
-            f"{measure(tokens, False, repeats=5):.1f} |"
+            f"{measure(tokens, False, repeats=5):.1f} | "
+            f"{measure(tokens, True, parked=LIMIT):.2f} |"
         )
 
 

@@ -20,6 +20,12 @@ Restart detection from probes: llama-server gives no boot id, so a restart is in
 when a backend returns to READY from any other phase, when its slot count changes, or
 when the highest ``id_task`` it reports goes down (task ids grow for a process's life).
 All functions take ``now`` from the caller; nothing here reads a clock.
+
+Each backend's RAM prompt cache is modelled (``core.ram_cache``) up to ``GHOST_LIMIT``
+entries, or its token budget when configured: the server bounds it only by memory, so a
+model of 64 entries forgot prefixes the server still held (Mooncake synthetic trace: 0.086
+-> 0.110 hit rate at 256, the ideal); routing checks each entry in O(1) unless the prompt
+shares a quarter of it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from enum import StrEnum
 from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.ram_cache import Parked
+
+GHOST_LIMIT = 256
 
 
 class BackendPhase(StrEnum):
@@ -123,7 +131,7 @@ class Fleet:
         labels: Sequence[str],
         exact: Sequence[bool] = (),
         ram: Sequence[bool] = (),
-        ghost_limit: int = 64,
+        ghost_limit: int = GHOST_LIMIT,
         ram_tokens: Sequence[int | None] = (),
     ) -> None:
         self.backends = [

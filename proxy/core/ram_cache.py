@@ -25,16 +25,30 @@ that as eviction damage (``core.scoring``) and ``Fleet.claim`` removes the entry
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from proxy.core.fingerprint import Fingerprint, common_segments
+from proxy.core.fingerprint import Fingerprint
 
 
 @dataclass(frozen=True)
 class Parked:
     content: Fingerprint
     at: float  # last use of the slot it came from: its recency weights losing it
+    # segments a prompt must share for the server to load it (f_keep >= 0.25)
+    quarter: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        quarter = bisect_left(self.content.tokens, 0.25 * self.content.total) + 1
+        object.__setattr__(self, "quarter", quarter)
+
+    def loadable_by(self, fp: Fingerprint) -> bool:
+        """Whether ``fp`` shares at least a quarter of this entry (one hash compare: chain
+        hashes cover whole prefixes), so that the server may load it; the routing view
+        measures only these, keeping its cost flat in the number of entries."""
+        q = self.quarter
+        return q <= len(fp.hashes) and fp.hashes[q - 1] == self.content.hashes[q - 1]
 
 
 def consulted(kept: int, content_tokens: int) -> bool:
@@ -62,8 +76,10 @@ def pick(
 
 
 def contains(entry: Fingerprint, content: Fingerprint) -> bool:
-    """``content`` is a prefix of ``entry``."""
-    return common_segments(entry.hashes, content.hashes) == len(content.hashes)
+    """``content`` is a prefix of ``entry``: each chain hash covers the whole prefix up to
+    its segment, so comparing ``entry``'s hash at ``content``'s last segment decides it."""
+    n = len(content.hashes)
+    return n == 0 or (n <= len(entry.hashes) and entry.hashes[n - 1] == content.hashes[-1])
 
 
 def _make_room(
@@ -103,6 +119,8 @@ def save(
 def evicted_by(entries: Sequence[Parked], content: Fingerprint, budget: int | None) -> int:
     """How many of the oldest entries saving ``content`` evicts (the server saves a pinned
     slot's content *before* it loads an entry, so those cannot be loaded)."""
+    if budget is None:
+        return 0
     room = _make_room(entries, content, budget)
     if room is None or not room[1]:
         return 0

@@ -135,7 +135,7 @@ def _affinity(
     backend, slot = backends[index], backends[index].slots[slot_id]
     if backend.phase is not BackendPhase.READY or slot.phase is not SlotPhase.IDLE:
         return None, "busy"
-    ram, load = ram_view(fp, backend, now, params), backend.busy_count()
+    ram, load = ram_view(fp, backend), backend.busy_count()
     found = candidate(fp, backend, slot, now, params, ram, load, disk.get(index))
     similar = fp.total > 0 and found.reuse / fp.total >= params.key_similarity
     if similar and found.reuse >= params.key_min_prefix:
@@ -164,7 +164,7 @@ def route(
         if chosen is not None:
             return _place(chosen, Reason.AFFINITY, key)
     up = [b for b in usable if b.phase is BackendPhase.READY]
-    ram = {b.index: ram_view(fp, b, now, params) for b in up}
+    ram = {b.index: ram_view(fp, b) for b in up}
     load = {b.index: b.busy_count() for b in up}
     idle = [
         candidate(fp, b, s, now, params, ram[b.index], load[b.index], disk.get(b.index))

@@ -74,12 +74,24 @@ class RamView:
     prompt_tokens: int = 0
     entries: tuple[Parked, ...] = ()
     served: tuple[tuple[int, int], ...] = ()  # (tokens it serves the prompt, its length)
-    damage: tuple[float, ...] = ()  # recency-weighted loss if this request overwrites it
+    shared: tuple[int, ...] = ()  # segments each entry shares with the request
+    resident: tuple[Fingerprint, ...] = ()  # what the backend's slots hold
 
     def best(self) -> int:
         """What the cache gives the request in a slot that holds nothing it shares."""
         index = ram_cache.pick(self.served, 0, 0, self.prompt_tokens)
         return self.served[index][0] if index is not None else 0
+
+    def damage(self, index: int, fp: Fingerprint, now: float, params: RoutingParams) -> float:
+        """Recency-weighted loss if the request loads (and so overwrites) entry ``index``;
+        computed only for the entry a candidate would load, since views are rebuilt for
+        every decision and most entries are never picked."""
+        entry = self.entries[index]
+        # a copy of what a slot holds loses nothing when it leaves the cache
+        if any(ram_cache.contains(r, entry.content) for r in self.resident):
+            return 0.0
+        lost = _lost(fp, entry.content, self.shared[index], self.served[index][0])
+        return lost * _recency(entry.at, now, params)
 
 
 def _shared(fp: Fingerprint, content: Fingerprint | None) -> int:
@@ -125,20 +137,19 @@ def _lost(fp: Fingerprint, content: Fingerprint, shared: int, reuse: int) -> int
     return max(0, content.total - reuse) if content.same_conversation(shared) else content.total
 
 
-def ram_view(fp: Fingerprint, backend: BackendState, now: float, params: RoutingParams) -> RamView:
+def ram_view(fp: Fingerprint, backend: BackendState) -> RamView:
     if not backend.ram or not fp.total or not backend.ghosts:
         return RamView(fp.total)
-    served, damage = [], []
-    resident = [s.expected for s in backend.slots if s.expected is not None]
-    for entry in backend.ghosts:
-        shared = _shared(fp, entry.content)
-        reuse = _reuse(fp, entry.content, backend.exact, shared)
-        served.append((reuse, entry.content.total))
-        # a copy of what a slot holds loses nothing when it leaves the cache
-        held = any(ram_cache.contains(r, entry.content) for r in resident)
-        lost = 0 if held else _lost(fp, entry.content, shared, reuse)
-        damage.append(lost * _recency(entry.at, now, params))
-    return RamView(fp.total, tuple(backend.ghosts), tuple(served), tuple(damage))
+    # an entry the prompt shares less than a quarter of is never loaded: served as 0
+    shared = tuple(
+        _shared(fp, entry.content) if entry.loadable_by(fp) else 0 for entry in backend.ghosts
+    )
+    served = tuple(
+        (_reuse(fp, entry.content, backend.exact, n) if n else 0, entry.content.total)
+        for entry, n in zip(backend.ghosts, shared, strict=True)
+    )
+    resident = tuple(s.expected for s in backend.slots if s.expected is not None)
+    return RamView(fp.total, tuple(backend.ghosts), served, shared, resident)
 
 
 def candidate(
@@ -162,7 +173,8 @@ def candidate(
             found = ram_cache.pick(ram.served[skip:], live, content.total, fp.total)
             if found is not None:
                 i = found + skip
-                live, loads, destroyed = ram.served[i][0], ram.entries[i], ram.damage[i]
+                live, loads = ram.served[i][0], ram.entries[i]
+                destroyed = ram.damage(i, fp, now, params)
     restore = offer if offer is not None and offer.reuse - offer.cost > live else None
     reuse, gain = (restore.reuse, restore.reuse - restore.cost) if restore else (live, live)
     if content is None or not fp.hashes:
@@ -188,4 +200,4 @@ def candidate(
 def ghost_reuse(fp: Fingerprint, backend: BackendState) -> int:
     """What the backend's RAM prompt cache would restore for this request into a slot that
     holds nothing it shares (``core.ram_cache.pick``)."""
-    return ram_view(fp, backend, 0.0, RoutingParams()).best()
+    return ram_view(fp, backend).best()

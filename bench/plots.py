@@ -20,8 +20,9 @@ def _pyplot() -> Any:
 
 def policy_columns(row: dict[str, Any]) -> list[str]:
     """The routing policies a replay row has results for, in run order."""
-    fixed = ("workload", "fleet", "sessions", "requests", "ideal")
-    return [k for k in row if k not in fixed and not k.endswith(("_prefill", "_seconds"))]
+    fixed = ("workload", "fleet", "sessions", "requests", "ideal", "repeats")
+    ends = ("_prefill", "_seconds", "_runs")
+    return [k for k in row if k not in fixed and not k.endswith(ends)]
 
 
 def plot_replay(rows: list[dict[str, Any]], path: Path) -> None:

@@ -15,7 +15,10 @@ with its cache-aware policy (``sglang-router``) and its session policy
 ``--chat`` sends each prompt as chat messages (``workloads.chat_body``) instead of a raw
 completion prompt: the disk tier's scoped snapshots need message boundaries.
 
-    python -m bench.replay [--backends 4] [--slots 4] [--peers]
+    python -m bench.replay [--backends 4] [--slots 4] [--peers] [--repeat N]
+
+With ``--repeat N`` every policy runs N times per workload (in rounds, each on a fresh
+fleet) and the table shows means; the JSON keeps each run's hit rate (``<policy>_runs``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import itertools
 import json
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -223,10 +227,20 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
             "requests": sum(len(s) for s in workload.sessions),
             "ideal": ideal_hit_rate(workload),
         }
+        if args.repeat > 1:
+            row["repeats"] = args.repeat
+        for _ in range(args.repeat):  # rounds: every policy once per round, so drift is shared
+            for policy in policies:
+                hit, prefill, seconds = await run_policy(policy, workload, backends, slots, peers)
+                row.setdefault(policy + "_runs", []).append(hit)
+                row.setdefault(policy + "_prefills", []).append(prefill)
+                row.setdefault(policy + "_times", []).append(seconds)
         for policy in policies:
-            row[policy], row[policy + "_prefill"], row[policy + "_seconds"] = await run_policy(
-                policy, workload, backends, slots, peers
-            )
+            row[policy] = statistics.fmean(row[policy + "_runs"])
+            row[policy + "_prefill"] = statistics.fmean(row.pop(policy + "_prefills"))
+            row[policy + "_seconds"] = statistics.fmean(row.pop(policy + "_times"))
+            if args.repeat == 1:
+                del row[policy + "_runs"]
         rows.append(row)
         print(
             json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
@@ -274,6 +288,9 @@ def main() -> None:
     parser.add_argument("--out", help="results file stem under bench/results (default: derived)")
     parser.add_argument("--policies", nargs="*", help="run only these of ours, e.g. ours-patient")
     parser.add_argument("--chat", action="store_true", help="send prompts as chat messages")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per policy (fresh fleets); table: means"
+    )
     parser.add_argument(
         "--no-ram-cache", action="store_true", help="fakes without the host-RAM prompt cache"
     )

@@ -233,8 +233,8 @@ class ProxyHandlers:
                     upstream,
                     self._route_headers(request, placement, backend.label, plan),
                     self._clock,
+                    lambda done: self._record(index, done, request),
                 )
-                self._record(index, outcome, request)
                 await self._disk_after(plan, placement, outcome)
         except UpstreamConnectError:
             released = True  # nothing reached the backend; the caller retries and releases

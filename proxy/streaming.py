@@ -12,12 +12,16 @@ connection is then closed so llama-server cancels the generation.
 
 ``Outcome.complete`` is true only when the upstream body was read to its end: the caller
 frees the slot at once then, and otherwise lets it drain.
+
+``on_usage`` (the caller's metrics) runs once per response, as soon as its usage is known and
+before the bytes that carry it reach the client: a client that reads ``/metrics`` right after
+its stream ends finds its own request counted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 from aiohttp import web
@@ -46,6 +50,7 @@ async def relay(
     upstream: aiohttp.ClientResponse,
     extra_headers: dict[str, str],
     clock: Callable[[], float],
+    on_usage: Callable[[Outcome], None],
 ) -> Outcome:
     headers = client_response_headers(upstream.headers.items())
     if not _is_stream(upstream):
@@ -53,8 +58,10 @@ async def relay(
         response = web.Response(status=upstream.status, body=body, headers=headers)
         response.headers.update(extra_headers)
         usage, reply = read_body(body) if upstream.status == 200 else (None, None)
-        return Outcome(response, usage, reply, complete=True)
-    return await _relay_stream(request, upstream, headers, extra_headers, clock)
+        outcome = Outcome(response, usage, reply, complete=True)
+        on_usage(outcome)
+        return outcome
+    return await _relay_stream(request, upstream, headers, extra_headers, clock, on_usage)
 
 
 async def _relay_stream(
@@ -63,26 +70,35 @@ async def _relay_stream(
     headers: list[tuple[str, str]],
     extra_headers: dict[str, str],
     clock: Callable[[], float],
+    on_usage: Callable[[Outcome], None],
 ) -> Outcome:
     response = web.StreamResponse(status=upstream.status, headers=headers)
     response.headers.update(extra_headers)
     outcome = Outcome(response)
     scanner = SseScanner()
+    recorded = False
     await response.prepare(request)
     try:
         async for chunk in upstream.content.iter_any():
             if outcome.first_byte_at is None:
                 outcome.first_byte_at = clock()
             scanner.feed(chunk)
+            if scanner.usage is not None and not recorded:
+                recorded = True  # the chunk that ends the stream carries it: count it first
+                on_usage(replace(outcome, usage=scanner.usage))
             await response.write(chunk)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if request.transport is None or request.transport.is_closing():
             raise  # the client left: nothing to tell it
+        if not recorded:
+            on_usage(outcome)
         await response.write(sse_error_event(translate_stream_error(exc)))
         await response.write_eof()
         return outcome
     scanner.close()
     outcome.usage, outcome.reply = scanner.usage, scanner.reply
     outcome.complete = True
+    if not recorded:
+        on_usage(outcome)
     await response.write_eof()
     return outcome

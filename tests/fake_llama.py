@@ -133,6 +133,7 @@ class FakeLlamaServer:
         self.prompt_s_per_token = prompt_s_per_token
         self.gen_s_per_token = gen_s_per_token
         self.abort_release_s = abort_release_s
+        self.linger_s = 0.0
         self.model = model
         self.loading = False
         self.received: list[tuple[str, dict[str, Any], dict[str, str]]] = []
@@ -518,6 +519,7 @@ class FakeLlamaServer:
         await self._free(slots)
         for event in _final_chunks(request.path, body, "".join(reply), final, slot, self):
             await response.write(_sse(event))
+        await asyncio.sleep(self.linger_s)  # a server slow to close the stream after [DONE]
         await response.write_eof()
         return response
 

@@ -138,6 +138,21 @@ async def test_stream_relayed_and_usage_counted(fakes: Any, proxy: Any) -> None:
     assert metric(page, "llama_cache_proxy_time_to_first_token_seconds_count") == 3
 
 
+async def test_stream_usage_counted_before_the_client_sees_its_end(fakes: Any, proxy: Any) -> None:
+    fake = await fakes()
+    fake.linger_s = 2.0  # the upstream stream stays open after its last event
+    client = await proxy([fake])
+    body = chat("one two three", stream=True, stream_options={"include_usage": True})
+    resp = await client.post("/v1/chat/completions", json=body)
+    async for line in resp.content:  # a client stops reading at [DONE], as OpenClaw does
+        if line.startswith(b"data: [DONE]"):
+            break
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_prompt_tokens_total") > 0
+    assert metric(page, "llama_cache_proxy_time_to_first_token_seconds_count") == 1
+    resp.close()
+
+
 def _cache_n(stream: str) -> int:
     return int(json.loads(stream.split("data: ")[-3])["timings"]["cache_n"])
 

@@ -99,6 +99,22 @@ def test_most_of_a_short_prompt_is_worth_waiting_for() -> None:
     assert (longer.reason, longer.placement) == (Reason.COLD, Placement(0, (1,), 1))
 
 
+def test_a_saturated_fleet_waits_for_any_real_saving() -> None:
+    f = fleet(4, 4, 4, 4)
+    prompt = fp(*range(1, 9), size=50)  # 400 tokens; a busy slot holds its first 50
+    for b, s in [(b, s) for b in range(4) for s in range(4)][:-2]:
+        content = fp(1, 99, size=50) if (b, s) == (0, 0) else fp(1000 + 4 * b + s)
+        f.claim(Placement(b, (s,), s), now=100.0, content=content)
+    roomy = decided(route(prompt, f.backends, PARAMS, now=100.0))  # two idle slots of 16
+    assert (roomy.reason, roomy.placement) == (Reason.COLD, Placement(3, (2,), 2))
+    f.claim(Placement(3, (2,), 2), now=100.0, content=fp(2000))  # one idle slot of 16 left
+    saturated = decided(route(prompt, f.backends, PARAMS, now=100.0))
+    assert (saturated.reason, saturated.wait_for) == (Reason.WAIT, (0, 0))
+    small = fleet(1, 1)  # a small fleet with an idle slot is never saturated
+    small.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 99, size=50))
+    assert decided(route(prompt, small.backends, PARAMS, now=100.0)).reason is Reason.COLD
+
+
 def test_session_evicted_into_ram_is_found_there_while_the_evicting_request_runs() -> None:
     f = fleet(1, 1)  # RAM prompt cache on (the default)
     hold(f, 0, 0, fp(1, 2, 3, 4))

@@ -43,7 +43,7 @@ def conversation(tokens: int, turn_tokens: int = 400, session: str = "") -> dict
 
 
 def fleet_with_sessions(counter: TokenCounter, parked: int = 0) -> Fleet:
-    fleet = Fleet([f"b{i}" for i in range(4)], ghost_limit=max(parked, 1))
+    fleet = Fleet([f"b{i}" for i in range(4)])
     for index in range(4):
         probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(4)))
         fleet.apply_probe(index, probe, now=0.0)

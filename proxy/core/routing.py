@@ -179,9 +179,7 @@ def route(
         for s in b.idle_slots()
     ]
     best = max(idle, key=_rank, default=None)
-    idle_slots = sum(len(b.idle_slots()) for b in ready)
-    crowded = idle_slots * SATURATED <= sum(len(b.slots) for b in up)
-    waiting = _worth_waiting(fp, usable, best, params, ram, crowded) if allow_wait else None
+    waiting = _worth_waiting(fp, up, best, params, ram) if allow_wait else None
     if waiting is not None:
         return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
     if best is None:
@@ -207,18 +205,17 @@ def _worth_waiting(
     best: Candidate | None,
     params: RoutingParams,
     ram: Mapping[int, RamView],
-    crowded: bool,
 ) -> tuple[tuple[int, int], int] | None:
     """A busy slot, or a full backend whose RAM cache holds the request's prefix, that would
     save at least ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt, more than the
-    best idle choice (``min_prefix_tokens`` when ``crowded``)."""
+    best idle choice (``min_prefix_tokens`` when the fleet is saturated)."""
+    idle = sum(len(b.idle_slots()) for b in backends)
+    crowded = idle * SATURATED <= sum(len(b.slots) for b in backends)
     share = max(params.min_prefix_tokens, params.wait_min_fraction * fp.total)
     extra = params.min_prefix_tokens if crowded else min(params.wait_min_tokens, share)
     floor = (best.reuse if best is not None else 0) + extra
     found: tuple[tuple[int, int], int] | None = None
-    for backend in backends:
-        if backend.phase is not BackendPhase.READY:
-            continue
+    for backend in backends:  # the ready ones
         options = [
             ((backend.index, slot.id), predicted_reuse(fp, slot, backend.exact))
             for slot in backend.slots

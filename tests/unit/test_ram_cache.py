@@ -58,6 +58,8 @@ def test_saving_the_pinned_slot_first_evicts_entries_it_then_cannot_load() -> No
     assert ram_cache.evicted_by(entries, fp(7, 8), budget=None) == 0
     assert ram_cache.evicted_by(entries, fp(1), budget=400) == 0  # already held: not saved
     assert ram_cache.evicted_by(entries, fp(7, 8, 9, 10, 11), budget=400) == 0  # too large
+    many = [Parked(fp(i), float(i)) for i in range(10, 20)]  # 1000 tokens held
+    assert ram_cache.evicted_by(many, fp(1, 2, 3), budget=1000) == 3  # the oldest three go
 
 
 def test_an_entry_is_loadable_only_by_a_prompt_sharing_a_quarter_of_it() -> None:
@@ -68,9 +70,3 @@ def test_an_entry_is_loadable_only_by_a_prompt_sharing_a_quarter_of_it() -> None
     served = [(100 * 2, 800)]
     assert ram_cache.pick(served, 0, 0, 300) == 0  # agrees with the server's own rule
     assert ram_cache.pick([(100, 800)], 0, 0, 300) is None
-
-
-def test_saving_into_an_unbounded_cache_evicts_nothing() -> None:
-    entries = [Parked(fp(i), float(i)) for i in range(10, 20)]
-    assert ram_cache.evicted_by(entries, fp(1, 2, 3), budget=None) == 0
-    assert ram_cache.evicted_by(entries, fp(1, 2, 3), budget=1000) == 3  # 1000 held + 300

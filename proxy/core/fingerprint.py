@@ -96,9 +96,10 @@ def _append(
         tokens.append((tokens[-1] if tokens else 0) + count(segment.text))
 
 
-def common_segments(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the shared prefix of two hash chains (binary search on chain equality)."""
-    lo, hi = 0, min(len(a), len(b))
+def common_segments(a: Sequence[int], b: Sequence[int], lo: int = 0) -> int:
+    """Length of the shared prefix of two hash chains (binary search on chain equality);
+    ``lo``: segments already known to be shared."""
+    hi = min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[mid - 1] == b[mid - 1]:

@@ -29,7 +29,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from proxy.core.fingerprint import Fingerprint
+from proxy.core.fingerprint import Fingerprint, common_segments
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,23 @@ class Parked:
         quarter = bisect_left(self.content.tokens, 0.25 * self.content.total) + 1
         object.__setattr__(self, "quarter", quarter)
 
-    def loadable_by(self, fp: Fingerprint) -> bool:
-        """Whether ``fp`` shares at least a quarter of this entry (one hash compare: chain
-        hashes cover whole prefixes), so that the server may load it; the routing view
-        measures only these, keeping its cost flat in the number of entries."""
-        q = self.quarter
-        return q <= len(fp.hashes) and fp.hashes[q - 1] == self.content.hashes[q - 1]
+
+def shared_segments(fp: Fingerprint, entries: Sequence[Parked]) -> tuple[int, ...]:
+    """Segments ``fp`` shares with each entry; 0 for one it shares less than a quarter of,
+    which the server never loads. One hash compare at the entry's quarter decides that (chain
+    hashes cover whole prefixes) and one more at the next segment finds the usual case, a
+    prompt sharing just an entry's header (a common system prompt): only entries sharing
+    more are binary-searched, so the routing view costs a few compares per entry."""
+    hashes, n, out = fp.hashes, len(fp.hashes), []
+    for entry in entries:
+        q, own = entry.quarter, entry.content.hashes
+        if q > n or hashes[q - 1] != own[q - 1]:
+            out.append(0)
+        elif q == n or q == len(own) or hashes[q] != own[q]:
+            out.append(q)
+        else:
+            out.append(common_segments(hashes, own, q + 1))
+    return tuple(out)
 
 
 def consulted(kept: int, content_tokens: int) -> bool:

@@ -140,14 +140,18 @@ def _lost(fp: Fingerprint, content: Fingerprint, shared: int, reuse: int) -> int
 def ram_view(fp: Fingerprint, backend: BackendState) -> RamView:
     if not backend.ram or not fp.total or not backend.ghosts:
         return RamView(fp.total)
-    # an entry the prompt shares less than a quarter of is never loaded: served as 0
-    shared = tuple(
-        _shared(fp, entry.content) if entry.loadable_by(fp) else 0 for entry in backend.ghosts
-    )
-    served = tuple(
-        (_reuse(fp, entry.content, backend.exact, n) if n else 0, entry.content.total)
-        for entry, n in zip(backend.ghosts, shared, strict=True)
-    )
+    shared = ram_cache.shared_segments(fp, backend.ghosts)
+    if backend.exact:
+        served = tuple(
+            (_reuse(fp, entry.content, True, n) if n else 0, entry.content.total)
+            for entry, n in zip(backend.ghosts, shared, strict=True)
+        )
+    else:  # _reuse without the exact rule, inlined: this runs for every entry of the cache
+        tokens, cap = fp.tokens, fp.total - 1
+        served = tuple(
+            (min(tokens[n - 1], cap) if n else 0, entry.content.total)
+            for entry, n in zip(backend.ghosts, shared, strict=True)
+        )
     resident = tuple(s.expected for s in backend.slots if s.expected is not None)
     return RamView(fp.total, tuple(backend.ghosts), served, shared, resident)
 

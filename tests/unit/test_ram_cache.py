@@ -2,13 +2,42 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from proxy.core import ram_cache
-from proxy.core.fingerprint import Fingerprint
+from proxy.core.fingerprint import Fingerprint, common_segments
 from proxy.core.ram_cache import Parked
 
 
 def fp(*segments: int) -> Fingerprint:
     return Fingerprint(tuple(segments), tuple(100 * (i + 1) for i in range(len(segments))))
+
+
+def chain(segments: list[int], sizes: list[int]) -> Fingerprint:
+    """A real hash chain: each hash covers the whole prefix up to its segment."""
+    hashes = tuple(hash(tuple(segments[: i + 1])) for i in range(len(segments)))
+    tokens = tuple(sum(sizes[: i + 1]) for i in range(len(segments)))
+    return Fingerprint(hashes, tokens)
+
+
+segments = st.lists(st.integers(0, 2), min_size=1, max_size=8)
+
+
+@given(segments, st.lists(segments, min_size=1, max_size=6), st.data())
+def test_shared_segments_is_the_common_prefix_of_entries_the_prompt_shares_a_quarter_of(
+    prompt: list[int], contents: list[list[int]], data: st.DataObject
+) -> None:
+    def sized(segs: list[int]) -> Fingerprint:
+        sizes = data.draw(st.lists(st.integers(1, 50), min_size=len(segs), max_size=len(segs)))
+        return chain(segs, sizes)
+
+    request, entries = sized(prompt), [Parked(sized(c), 0.0) for c in contents]
+    expected = []
+    for entry in entries:
+        n = common_segments(request.hashes, entry.content.hashes)
+        expected.append(n if entry.content.tokens_at(n) >= 0.25 * entry.content.total else 0)
+    assert ram_cache.shared_segments(request, entries) == tuple(expected)
 
 
 def test_cache_is_consulted_only_for_a_non_empty_slot_keeping_less_than_half() -> None:
@@ -64,9 +93,11 @@ def test_saving_the_pinned_slot_first_evicts_entries_it_then_cannot_load() -> No
 
 def test_an_entry_is_loadable_only_by_a_prompt_sharing_a_quarter_of_it() -> None:
     entry = Parked(fp(1, 2, 3, 4, 5, 6, 7, 8), 1.0)  # 800 tokens: a quarter is 2 segments
-    assert entry.loadable_by(fp(1, 2, 9))
-    assert not entry.loadable_by(fp(1, 9, 9))  # 100 of 800 shared: never loaded
-    assert not entry.loadable_by(fp(1))  # a prompt shorter than the quarter
+    assert ram_cache.shared_segments(fp(1, 2, 9), [entry]) == (2,)
+    assert ram_cache.shared_segments(fp(1, 9, 9), [entry]) == (0,)  # 100 of 800: never loaded
+    assert ram_cache.shared_segments(fp(1), [entry]) == (0,)  # shorter than the quarter
+    assert ram_cache.shared_segments(fp(1, 2, 3, 4, 9), [entry]) == (4,)  # past the quarter
+    assert ram_cache.shared_segments(fp(1, 2, 3, 4, 5, 6, 7, 8, 9), [entry]) == (8,)  # all of it
     served = [(100 * 2, 800)]
     assert ram_cache.pick(served, 0, 0, 300) == 0  # agrees with the server's own rule
     assert ram_cache.pick([(100, 800)], 0, 0, 300) is None

@@ -17,7 +17,12 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    Then a best candidate on a backend loaded above ``min + balance_abs`` is dropped for the
    least loaded backend ("balance"), so a hot prefix shared by many sessions does not pile
    onto one backend — unless the prompt extends all of what the candidate reuses (a session
-   continuing in its slot or from its RAM copy: moving it would re-prefill its history).
+   continuing in its slot or from its RAM copy: moving it would re-prefill its history), or
+   the candidate saves as much as would be worth a wait (step 5's threshold): the router
+   would wait for that backend if it were full, so it does not flee it while it has an idle
+   slot. (Replay, taubench 4 x 4: when the gate moved one or two diverged sessions per run off
+   their 127-153-token RAM copies, six runs gave 0.866-0.872, mean 0.870; four runs now give
+   0.871-0.873, mean 0.872; magagent, miniswe and Mooncake unchanged.)
 4. Best idle candidate by (score, -backend load, -age) with reuse >= ``min_prefix_tokens``
    and a positive score: "prefix". Otherwise "cold": among backends loaded at most
    ``balance_abs`` above the least loaded one, the idle slot with the best score (empty or
@@ -185,7 +190,8 @@ def route(
     if best is None:
         return why_not(backends, avoid)
     loads = list(load.values())
-    overloaded = best.load > min(loads) + params.balance_abs and not best.extends
+    kept = best.extends or best.reuse >= _significant(fp, params)
+    overloaded = best.load > min(loads) + params.balance_abs and not kept
     if _imbalanced(loads, params) and overloaded:
         return _with_key(_cold(fp, ready, now, params, Reason.BALANCE, disk, ram), key)
     if best.reuse >= params.min_prefix_tokens and best.score > 0:
@@ -197,6 +203,13 @@ def _with_key(decision: Decision, key: str | None) -> Decision:
     if key is None:
         return decision
     return replace(decision, key_outcome=key)
+
+
+def _significant(fp: Fingerprint, params: RoutingParams) -> float:
+    """A saving worth a wait: ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt when
+    that is fewer (but at least ``min_prefix_tokens``)."""
+    share = max(params.min_prefix_tokens, params.wait_min_fraction * fp.total)
+    return min(params.wait_min_tokens, share)
 
 
 def _worth_waiting(
@@ -211,8 +224,7 @@ def _worth_waiting(
     best idle choice (``min_prefix_tokens`` when the fleet is saturated)."""
     idle = sum(len(b.idle_slots()) for b in backends)
     crowded = idle * SATURATED <= sum(len(b.slots) for b in backends)
-    share = max(params.min_prefix_tokens, params.wait_min_fraction * fp.total)
-    extra = params.min_prefix_tokens if crowded else min(params.wait_min_tokens, share)
+    extra = params.min_prefix_tokens if crowded else _significant(fp, params)
     floor = (best.reuse if best is not None else 0) + extra
     found: tuple[tuple[int, int], int] | None = None
     for backend in backends:  # the ready ones

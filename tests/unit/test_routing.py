@@ -178,11 +178,24 @@ def test_load_gate_sends_a_hot_prefix_to_an_idle_backend() -> None:
     f = fleet(5, 5)
     for slot in range(4):
         f.claim(Placement(0, (slot,), slot), now=1.0)
-    hold(f, 0, 4, fp(1, 2, 9))  # another session behind the hot prefix fp(1, 2)
-    d = decided(route(fp(1, 2, 3), f.backends, PARAMS, now=100.0, allow_wait=False))
+    hold(f, 0, 4, fp(1, 2, 9, size=10))  # another session behind the hot prefix fp(1, 2)
+    request = fp(1, 2, 3, 4, 5, 6, size=10)  # shares 20 of 60 tokens: less than half
+    d = decided(route(request, f.backends, PARAMS, now=100.0, allow_wait=False))
     assert d.reason is Reason.BALANCE
     assert d.placement is not None
     assert d.placement.backend == 1
+
+
+def test_load_gate_keeps_a_saving_worth_waiting_for() -> None:
+    """A request sharing most of its prompt with the loaded backend stays: moving would
+    give up a saving the router would wait for if that backend were full."""
+    f = fleet(5, 5)
+    for slot in range(4):
+        f.claim(Placement(0, (slot,), slot), now=1.0)
+    hold(f, 0, 4, fp(1, 2, 9, size=10))  # its own history, rewritten after segment 2
+    request = fp(1, 2, 3, size=10)  # shares 20 of 30 tokens
+    d = decided(route(request, f.backends, PARAMS, now=100.0, allow_wait=False))
+    assert (d.reason, d.placement) == (Reason.PREFIX, Placement(0, (4,), 4))
 
 
 def test_load_gate_does_not_move_a_session_continuing_in_its_slot() -> None:

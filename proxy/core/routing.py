@@ -40,6 +40,12 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    4 x 4 fleet: magagent 0.817-0.825 -> 0.825-0.830, Mooncake conversation 0.161 -> 0.165,
    miniswe 0.943 -> 0.945 of 0.945, same wall time). Small fleets are never saturated while
    a slot is idle, so a lone request never waits beside an idle slot for a few tokens.
+   Outside saturation a request also waits when pinning the best idle slot would make the
+   server load a parked RAM entry and overwrite more of it than the request gains (score
+   below ``-SPARE_PARKED``): any non-empty slot it keeps less than half of would load that
+   entry, so it waits until the entry's own session takes it back or the bound passes (replay,
+   magagent 2 x 3: a new prompt type sharing only the 358-token system header destroyed a
+   session's parked 926-token prompt, 567 tokens re-prefilled, twice per run).
 
 Never is a slot that is not IDLE placed (property-tested). Ties break by backend index and
 slot id, so the same inputs always give the same decision.
@@ -73,6 +79,7 @@ from proxy.core.snapshots import Offer
 __all__ = ["Decision", "Reason", "RoutingParams", "predicted_reuse", "route"]
 
 SATURATED = 16  # a fleet with at most one idle slot in this many is saturated
+SPARE_PARKED = 256  # net tokens lost by destroying a parked RAM entry that are worth a wait
 
 
 class Reason(StrEnum):
@@ -185,6 +192,8 @@ def route(
     ]
     best = max(idle, key=_rank, default=None)
     waiting = _worth_waiting(fp, up, best, params, ram) if allow_wait else None
+    if waiting is None and allow_wait and best is not None:
+        waiting = _spare_parked(up, best)
     if waiting is not None:
         return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
     if best is None:
@@ -205,6 +214,25 @@ def _with_key(decision: Decision, key: str | None) -> Decision:
     return replace(decision, key_outcome=key)
 
 
+def _crowded(backends: Sequence[BackendState]) -> bool:
+    """At most one slot in ``SATURATED`` idle: the next request takes any idle slot anyway."""
+    idle = sum(len(b.idle_slots()) for b in backends)
+    return idle * SATURATED <= sum(len(b.slots) for b in backends)
+
+
+def _spare_parked(
+    backends: Sequence[BackendState], best: Candidate
+) -> tuple[tuple[int, int], int] | None:
+    """Wait (for any slot: the caller re-decides when one frees) rather than pin the best idle
+    slot when that makes the server load a parked RAM entry and overwrite more of it than the
+    request gains (score below ``-SPARE_PARKED``); not in a saturated fleet, where waiting
+    already happens for any saving and idle slots go to the next request."""
+    if best.loads is None or best.score >= -SPARE_PARKED or _crowded(backends):
+        return None
+    busy = [(b.index, s.id) for b in backends for s in b.slots if s.phase is not SlotPhase.IDLE]
+    return (busy[0], best.reuse) if busy else None
+
+
 def _significant(fp: Fingerprint, params: RoutingParams) -> float:
     """A saving worth a wait: ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt when
     that is fewer (but at least ``min_prefix_tokens``)."""
@@ -222,9 +250,7 @@ def _worth_waiting(
     """A busy slot, or a full backend whose RAM cache holds the request's prefix, that would
     save at least ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt, more than the
     best idle choice (``min_prefix_tokens`` when the fleet is saturated)."""
-    idle = sum(len(b.idle_slots()) for b in backends)
-    crowded = idle * SATURATED <= sum(len(b.slots) for b in backends)
-    extra = params.min_prefix_tokens if crowded else _significant(fp, params)
+    extra = params.min_prefix_tokens if _crowded(backends) else _significant(fp, params)
     floor = (best.reuse if best is not None else 0) + extra
     found: tuple[tuple[int, int], int] | None = None
     for backend in backends:  # the ready ones

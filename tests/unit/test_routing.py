@@ -152,6 +152,32 @@ def test_header_only_request_does_not_destroy_a_session_parked_in_ram() -> None:
     assert back.predicted == 400
 
 
+def test_request_waits_rather_than_make_the_server_destroy_a_parked_session() -> None:
+    f = fleet(3)
+
+    def chat(*segments: int) -> Fingerprint:
+        return replace(fp(*segments), anchor=2)
+
+    hold(f, 0, 0, chat(50, 51, 52, 53), at=90.0)  # the one idle slot: an unrelated conversation
+    for slot in (1, 2):
+        f.claim(Placement(0, (slot,), slot), now=100.0, content=chat(60 + slot, 70))
+    parked = Parked(chat(1, 2, 3, 4), 99.0)  # a session sharing the 100-token system prompt
+    f.backends[0].ghosts = [parked]
+    # Pinned to slot 0, the server would load the parked session for the header (a quarter of
+    # it) and overwrite 300 of its tokens, to save 100: the request waits for another slot.
+    request = chat(1, 30, 31, 32, 33, 34, 35, 36)
+    d = decided(route(request, f.backends, PARAMS, now=100.0))
+    assert (d.reason, d.placement, d.wait_for) == (Reason.WAIT, None, (0, 1))
+    late = decided(route(request, f.backends, PARAMS, now=100.0, allow_wait=False))
+    assert late.placement == Placement(0, (0,), 0, parked)  # past the bound it goes ahead
+    # the session comes back and takes its copy into slot 1; then the request goes ahead
+    f.release(Placement(0, (1,), 1), now=101.0, clean=True, content=chat(1, 2, 3, 4, 5))
+    f.backends[0].ghosts = []
+    after = decided(route(request, f.backends, PARAMS, now=101.0))
+    assert after.placement is not None
+    assert after.placement.loads is None
+
+
 def test_session_stays_in_its_slot_rather_than_loading_its_ram_copy_elsewhere() -> None:
     f = fleet(2)
     hold(f, 0, 0, fp(50, 51, 52), at=90.0)  # older content of another prompt

@@ -229,8 +229,9 @@ def _spare_parked(
     already happens for any saving and idle slots go to the next request."""
     if best.loads is None or best.score >= -SPARE_PARKED or _crowded(backends):
         return None
-    busy = [(b.index, s.id) for b in backends for s in b.slots if s.phase is not SlotPhase.IDLE]
-    return (busy[0], best.reuse) if busy else None
+    busy = ((b.index, s.id) for b in backends for s in b.slots if s.phase is not SlotPhase.IDLE)
+    first = next(busy, None)
+    return (first, best.reuse) if first is not None else None
 
 
 def _significant(fp: Fingerprint, params: RoutingParams) -> float:

@@ -314,4 +314,4 @@ def _reconcile(slot: SlotState, seen_tokens: int) -> None:
         return
     keep = content.total * seen_tokens / slot.n_tokens
     segments = sum(1 for t in content.tokens if t <= keep)
-    slot.content = Fingerprint(content.hashes[:segments], content.tokens[:segments])
+    slot.content = Fingerprint(content.hashes[:segments], content.tokens[:segments], content.anchor)

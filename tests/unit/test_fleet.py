@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.core.fingerprint import fingerprint_chat
 from proxy.core.fleet import (
     BackendPhase,
     Fleet,
@@ -174,3 +175,26 @@ def test_property_never_places_a_slot_that_is_not_idle(
 @given(fleets())
 def test_property_placement_is_deterministic(fleet: Fleet) -> None:
     assert place(fleet.backends, Need()) == place(fleet.backends, Need())
+
+
+def test_probe_trims_a_slot_to_its_kv_length_and_keeps_the_conversation_anchor() -> None:
+    """/slots reports fewer tokens than the proxy believed (the server dropped a tail): the
+    content is cut to that share, and still tells a stranger from the session it belongs to."""
+    messages = [
+        {"role": "system", "content": "s " * 40},
+        {"role": "user", "content": "u " * 40},
+        {"role": "assistant", "content": "a " * 40},
+        {"role": "user", "content": "v " * 40},
+    ]
+    content = fingerprint_chat({"messages": messages}, lambda text: len(text.split()))
+    assert content.anchor == 3
+    fleet = ready_fleet(1)
+    fleet.claim(Placement(0, (0,), 0), now=1.0, content=content)
+    fleet.release(Placement(0, (0,), 0), now=2.0, clean=True, content=content, n_tokens=100)
+    fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 60, 3),)), now=3.0)
+    trimmed = fleet.backends[0].slots[0].content
+    assert trimmed is not None
+    assert trimmed.hashes == content.hashes[:3]
+    assert trimmed.anchor == content.anchor
+    assert not trimmed.same_conversation(2)  # shares only the system prompt: a stranger
+    assert trimmed.same_conversation(3)

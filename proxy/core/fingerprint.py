@@ -182,7 +182,12 @@ def fingerprint_segments(segments: Sequence[Segment], count: Counter, seed: int 
 
 
 def fingerprint_tokens(ids: Sequence[int], block_tokens: int, seed: int = 0) -> Fingerprint:
-    """Raw prompt as token ids, in blocks of ``block_tokens`` (the last block may be short)."""
+    """Raw prompt as token ids, in blocks of ``block_tokens`` (the last block may be short).
+
+    Anchor 0: with no message boundaries, any content counts as the conversation a request
+    continues (damage = the tail it overwrites). The server's own rule instead (continuing
+    when it keeps half the content, so other content is discounted as parked in RAM) replayed
+    worse: magagent 0.830 -> 0.825, Mooncake conversation 0.164 -> 0.162."""
     hashes: list[int] = []
     tokens: list[int] = []
     for start in range(0, len(ids), block_tokens):

@@ -69,6 +69,7 @@ def create_app(
     )
     disk = DiskTier(settings, fleet, shared, metrics, wall, clock)
     router = Router(settings, fleet, shared, TokenCounter(), metrics, clock, disk)
+    router.queued = scheduler.waiting
     router.churn = churn = ChurnTracker(metrics, wall)
     handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock, disk)
 

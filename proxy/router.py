@@ -105,6 +105,7 @@ class Router:
         self.churn: ChurnTracker | None = None  # prefix-churn diagnostics (app.py)
         # with ``tokenizer: backend``: counts a text with a ready backend's tokenizer
         self.backend_tokens: Callable[[str], Awaitable[int | None]] | None = None
+        self.queued: Callable[[], int] = lambda: 0  # requests waiting for a slot (app.py)
 
     def tenant(self, request: web.Request) -> str | None:
         """The request's tenant under cache isolation (None when isolation is off)."""
@@ -166,6 +167,7 @@ class Router:
                 allow_wait=now < plan.wait_until,
                 avoid=avoid,
                 disk=plan.disk.offers if plan.disk is not None else None,
+                queued=self.queued(),
             )
             if isinstance(decision, NoPlacement):
                 return decision

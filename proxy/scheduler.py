@@ -43,6 +43,10 @@ class Scheduler:
         self._recheck = recheck_seconds
         self._waiters: list[_Waiter] = []
 
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return sum(1 for w in self._waiters if not w[2].done())
+
     def _unavailable(self, message: str, reason: str) -> ServiceUnavailable:
         self._metrics.rejected.labels(reason).inc()
         retry = str(self._settings.retry_after_seconds)

@@ -1,0 +1,36 @@
+"""The slot queue as the router sees it: how many requests wait for a slot."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import CollectorRegistry
+
+from proxy.config import QueueSettings
+from proxy.core.fleet import BackendPhase, Fleet, NoPlacement, Placement, Probe, SlotProbe
+from proxy.core.placement import Need, place
+from proxy.metrics import ProxyMetrics
+from proxy.scheduler import Scheduler
+
+
+async def test_waiting_counts_the_requests_queued_for_a_slot() -> None:
+    fleet = Fleet(["b0"])
+    fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 0, -1),)), now=0.0)
+    scheduler = Scheduler(fleet, QueueSettings(), ProxyMetrics(CollectorRegistry()), time.monotonic)
+
+    def decide() -> Placement | NoPlacement:
+        return place(fleet.backends, Need())
+
+    first = await scheduler.acquire(decide)
+    assert scheduler.waiting() == 0
+    queued = [asyncio.create_task(scheduler.acquire(decide)) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert scheduler.waiting() == 3
+    scheduler.release(first, clean=True)  # the first waiter gets the slot
+    await asyncio.sleep(0.01)
+    assert scheduler.waiting() == 2
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
+    assert scheduler.waiting() == 0

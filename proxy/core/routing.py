@@ -52,8 +52,8 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    ``min_prefix_tokens`` is worth it. Not for a busy slot: a full backend frees *some* slot
    far sooner than one given slot finishes its request (the same rule for busy slots:
    magagent 4 x 4 0.830 -> 0.828 with wall time 19 -> 23 s). (Replay, taubench as chat, 24
-   sessions on 2 x 2: 0.845-0.869 -> 0.873-0.874, peers 0.874; magagent on the same fleet
-   0.829 -> 0.837; 4 x 4 rows unchanged.)
+   sessions on 2 x 2: 0.846-0.869 -> 0.866-0.874, mean 0.872, peers 0.874; magagent on the
+   same fleet 0.829 -> 0.837; 4 x 4 rows unchanged.)
 
 Never is a slot that is not IDLE placed (property-tested). Ties break by backend index and
 slot id, so the same inputs always give the same decision.

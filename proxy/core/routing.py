@@ -201,7 +201,7 @@ def route(
         for s in b.idle_slots()
     ]
     best = max(idle, key=_rank, default=None)
-    pressed = sum(len(b.idle_slots()) for b in up) < queued  # idle slots go to waiters anyway
+    pressed = _idle(up) < queued  # idle slots go to waiters anyway
     waiting = _worth_waiting(fp, up, best, params, ram, pressed) if allow_wait else None
     if waiting is None and allow_wait and best is not None:
         waiting = _spare_parked(up, best)
@@ -225,10 +225,13 @@ def _with_key(decision: Decision, key: str | None) -> Decision:
     return replace(decision, key_outcome=key)
 
 
+def _idle(backends: Sequence[BackendState]) -> int:
+    return sum(len(b.idle_slots()) for b in backends)
+
+
 def _crowded(backends: Sequence[BackendState]) -> bool:
     """At most one slot in ``SATURATED`` idle: the next request takes any idle slot anyway."""
-    idle = sum(len(b.idle_slots()) for b in backends)
-    return idle * SATURATED <= sum(len(b.slots) for b in backends)
+    return _idle(backends) * SATURATED <= sum(len(b.slots) for b in backends)
 
 
 def _spare_parked(

@@ -66,7 +66,7 @@ class AdminHandlers:
                     "directory": disk.directory(i),
                     "supported": state.supported,
                     "layout": state.layout.__dict__ if state.layout else None,
-                    "prefill_tokens_per_s": round(state.prefill_tps, 1),
+                    "prefill_tokens_per_s": round(self._fleet.backends[i].prefill_tps, 1),
                     "restore_bytes_per_s": round(state.restore_bps),
                 }
                 for i, state in enumerate(disk.backends)

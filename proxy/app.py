@@ -70,6 +70,11 @@ def create_app(
     disk = DiskTier(settings, fleet, shared, metrics, wall, clock)
     router = Router(settings, fleet, shared, TokenCounter(), metrics, clock, disk)
     router.queued = scheduler.waiting
+
+    def wake_later(delay: float) -> None:
+        asyncio.get_running_loop().call_later(delay, scheduler.wake)
+
+    router.wake_later = wake_later
     router.churn = churn = ChurnTracker(metrics, wall)
     handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock, disk)
 

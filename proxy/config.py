@@ -124,10 +124,9 @@ class RoutingSettings(_Frozen):
     block_tokens: int = Field(default=16, ge=4, description="raw-prompt fingerprint block size")
     min_prefix_tokens: int = Field(default=16, ge=0)
     wait_min_tokens: int = Field(default=1024, ge=0, description="saving worth waiting for")
-    wait_min_fraction: float = Field(
-        default=0.5, ge=0, le=1, description="...or this share of the prompt, if smaller"
-    )
+    wait_min_fraction: float = Field(default=0.5, ge=0, le=1, description="...or this share")
     max_slot_wait_seconds: float = Field(default=5.0, ge=0, description="wait for a busy slot")
+    hold_max_seconds: float = Field(default=2.0, ge=0, description="slot held for a session")
     eviction_weight: float = Field(default=1.0, ge=0)
     value_half_life_seconds: float = Field(default=600.0, gt=0)
     balance_abs: int = Field(default=2, ge=0)

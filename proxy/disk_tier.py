@@ -68,7 +68,6 @@ class BackendDiskState:
     epoch: int = -1
     layout: Layout | None = None
     supported: bool = True  # False after a 501: no --slot-save-path
-    prefill_tps: float = 1000.0  # measured from responses (EMA)
     restore_bps: float = 1e9  # measured from restores (EMA)
 
 
@@ -161,8 +160,8 @@ class DiskTier:
 
     def _usable(self) -> list[BackendDisk]:
         return [
-            BackendDisk(i, self.directory(i), s.layout, s.prefill_tps, s.restore_bps)
-            for i, s in enumerate(self.backends)
+            BackendDisk(i, self.directory(i), s.layout, b.prefill_tps, s.restore_bps)
+            for (i, s), b in zip(enumerate(self.backends), self._fleet.backends, strict=True)
             if s.supported and s.layout is not None
         ]
 
@@ -246,9 +245,6 @@ class DiskTier:
         assert self.steps is not None
         assert placement.pin is not None
         state = self.backends[placement.backend]
-        if usage is not None and usage.prompt_ms and usage.prompt_tokens > usage.cached_tokens:
-            tps = (usage.prompt_tokens - usage.cached_tokens) / (usage.prompt_ms / 1000)
-            state.prefill_tps = 0.8 * state.prefill_tps + 0.2 * tps
         if usage is not None:
             await self.judge_restore(dp, usage.cached_tokens, usage.prompt_tokens)
         if dp.scope.mode is ScopeMode.FULL and state.supported and state.layout is not None:

@@ -146,16 +146,9 @@ class ProxyHandlers:
         """Disk-tier work on the slot before the request is sent (save, restore, park)."""
         if plan is None or plan.disk is None or plan.decision is None:
             return
-        decision = plan.decision
-        await self._disk.before(
-            plan.disk,
-            plan.fp,
-            decision.restore,
-            decision.predicted,
-            placement,
-            parsed.data,
-            plan.chat,
-        )
+        d = plan.decision
+        args = (plan.disk, plan.fp, d.restore, d.predicted, placement, parsed.data, plan.chat)
+        await self._disk.before(*args)
 
     def _may_reuse(self, plan: Plan | None, placement: Placement, pin: int | None) -> bool:
         """Cache isolation (``core.isolation``): reuse the slot's KV only when it cannot
@@ -281,6 +274,7 @@ class ProxyHandlers:
         if clean and outcome is not None and outcome.response.status == 200:
             if plan is not None:
                 content = self._router.content_after(plan, outcome.reply)
+                self._router.released(plan, content)
             if outcome.usage is not None:
                 n_tokens = outcome.usage.kv_tokens
         self._scheduler.release(placement, clean=clean, content=content, n_tokens=n_tokens)

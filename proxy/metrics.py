@@ -72,6 +72,12 @@ class ProxyMetrics:
         )
         self.in_flight = gauge("requests_in_flight", "Requests being served")
         self.queued = gauge("requests_queued", "Requests waiting for a slot")
+        self.slot_hold = gauge(
+            "slot_hold_seconds", "How long a slot a session left is held for its next turn"
+        )
+        self.slot_hold_waits = counter(
+            "slot_hold_waits", "Requests that waited because every idle slot was held"
+        )
         self.rejected = counter(
             "queue_rejections", "Requests answered 503 by the queue", ["reason"]
         )

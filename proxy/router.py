@@ -31,6 +31,7 @@ from proxy.core.fingerprint import (
 from proxy.core.fleet import Fleet, NoPlacement, Placement
 from proxy.core.isolation import salt, tenant_of
 from proxy.core.request_body import is_chat
+from proxy.core.returns import ReturnTracker
 from proxy.core.routing import Decision, Reason, RoutingParams, route
 from proxy.core.usage import Reply, Usage
 from proxy.disk_tier import DiskPlan, DiskTier
@@ -50,6 +51,7 @@ class Plan:
     wait_until: float
     decision: Decision | None = None
     waits: int = field(default=0)
+    held: bool = False  # waited for a slot held for its session
     disk: DiskPlan | None = None
     tenant: str | None = None  # under cache isolation
 
@@ -106,6 +108,10 @@ class Router:
         # with ``tokenizer: backend``: counts a text with a ready backend's tokenizer
         self.backend_tokens: Callable[[str], Awaitable[int | None]] | None = None
         self.queued: Callable[[], int] = lambda: 0  # requests waiting for a slot (app.py)
+        # how soon sessions come back, and so how long a slot they left is held for them
+        self.returns = ReturnTracker(settings.routing.hold_max_seconds)
+        self.wake_later: Callable[[float], None] = lambda delay: None  # re-decide (app.py)
+        self._wake_due = 0.0
 
     def tenant(self, request: web.Request) -> str | None:
         """The request's tenant under cache isolation (None when isolation is off)."""
@@ -149,6 +155,7 @@ class Router:
                 hint = (self._labels[ref[0]], ref[1])
         if segments is not None and self.churn is not None:
             self.churn.observe(key, fp, body, segments)
+        self.returns.arrived(fp, self._clock())
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
         plan = Plan(fp, chat, key, hint, wait_until, tenant=tenant)
         if self._disk is not None and self._settings.routing.pin_slots:
@@ -158,6 +165,8 @@ class Router:
     def decider(self, plan: Plan, avoid: frozenset[int]) -> Callable[[], Placement | NoPlacement]:
         def decide() -> Placement | NoPlacement:
             now = self._clock()
+            hold = self.returns.hold(now)
+            self._metrics.slot_hold.set(hold)
             decision = route(
                 plan.fp,
                 self._fleet.backends,
@@ -168,16 +177,32 @@ class Router:
                 avoid=avoid,
                 disk=plan.disk.offers if plan.disk is not None else None,
                 queued=self.queued(),
+                hold=hold,
             )
             if isinstance(decision, NoPlacement):
                 return decision
             plan.decision = decision
             if decision.placement is None:
                 plan.waits += 1
+                if decision.until is not None:
+                    self._held(plan, decision.until, now)
                 return NoPlacement.BUSY
             return decision.placement
 
         return decide
+
+    def _held(self, plan: Plan, until: float, now: float) -> None:
+        """A request waits for a held slot: count it, and re-decide when the hold ends."""
+        if not plan.held:
+            plan.held = True
+            self._metrics.slot_hold_waits.inc()
+        if not now < self._wake_due <= until:
+            self._wake_due = until
+            self.wake_later(max(0.0, until - now))
+
+    def released(self, plan: Plan, content: Fingerprint) -> None:
+        """A response ended: the slot now holds ``content`` until its session is back."""
+        self.returns.released(plan.fp, content, self._clock())
 
     def content_after(self, plan: Plan, reply: Reply | None) -> Fingerprint:
         """What the slot holds after a complete response: prompt, then the reply."""
@@ -192,6 +217,10 @@ class Router:
         return round(decision.predicted * self._scale.get(backend, 1.0))
 
     def _learn_scale(self, backend: int, plan: Plan, usage: Usage) -> None:
+        state = self._fleet.backends[backend]
+        if usage.prompt_ms and usage.prompt_tokens > usage.cached_tokens:
+            tps = (usage.prompt_tokens - usage.cached_tokens) / (usage.prompt_ms / 1000)
+            state.prefill_tps = 0.8 * state.prefill_tps + 0.2 * tps
         if plan.fp.total > 0 and usage.prompt_tokens > 0:
             ratio = usage.prompt_tokens / plan.fp.total
             previous = self._scale.get(backend)

@@ -25,7 +25,8 @@ them, at the level the proxy depends on:
   token, one request at a time), decoding runs in parallel across slots;
 - an aborted request keeps its slot busy for ``abort_release_s`` (the real server polls the
   socket once a second);
-- responses carry ``timings`` (``prompt_n``, ``cache_n``) like the real ones, streamed
+- responses carry ``timings`` (``prompt_n``, ``cache_n``, ``prompt_ms`` when prefill takes
+  time) like the real ones, streamed
   (last chunk) and not;
 - slot save/restore (``POST /slots/{id}?action=save|restore``, reference §5): 501 without a
   save directory; filenames with ``/``, ``\\`` or ``..`` are a 400; an action on a busy slot
@@ -471,15 +472,18 @@ class FakeLlamaServer:
         self.tokens_prompt += len(prompt)
         if body.get("n_predict") == 0:
             self.tokens_warm += len(prompt)  # a disk-tier warm-up, not a client's prompt
+        prompt_ms = 0.0  # no prefill time modelled: none reported
         if self.prompt_s_per_token:
+            started = time.monotonic()
             async with self._compute:
                 await asyncio.sleep(processed * self.prompt_s_per_token)
+            prompt_ms = (time.monotonic() - started) * 1000  # waiting for the device included
         slot.tokens = list(prompt)
         reply = self._reply(prompt, body)
         timings = {
             "prompt_n": processed,
             "cache_n": n_past,
-            "prompt_ms": 0.0,
+            "prompt_ms": prompt_ms,
             "predicted_n": len(reply),
             "predicted_ms": 0.0,
         }

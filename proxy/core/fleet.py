@@ -99,6 +99,7 @@ class BackendState:
     exact: bool = False  # reuse only as an exact extension (hybrid/recurrent/SWA models)
     ram: bool = True  # runs llama-server's host-RAM prompt cache (default --cache-ram)
     ram_tokens: int | None = None  # what that cache holds, in tokens (None: not bounded)
+    prefill_tps: float = 1000.0  # prompt tokens computed per second (timings.prompt_ms, EMA)
     slots: list[SlotState] = field(default_factory=list)
     ghosts: list[Parked] = field(default_factory=list)  # that cache's entries, oldest first
 

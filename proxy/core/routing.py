@@ -55,6 +55,11 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    sessions on 2 x 2: 0.846-0.869 -> 0.866-0.874, mean 0.872, peers 0.874; magagent on the
    same fleet 0.829 -> 0.837; 4 x 4 rows unchanged.)
 
+6. *Holds* (``core.returns``): an idle slot its session left less than ``hold`` seconds
+   ago (learned from how fast sessions come back) is not taken by another session when the
+   server could not park what it holds; if every idle slot is held the request waits, until
+   the session is back or the hold ends (``Decision.until``).
+
 Never is a slot that is not IDLE placed (property-tested). Ties break by backend index and
 slot id, so the same inputs always give the same decision.
 """
@@ -74,6 +79,7 @@ from proxy.core.fleet import (
     SlotPhase,
 )
 from proxy.core.placement import why_not
+from proxy.core.returns import held, held_until
 from proxy.core.scoring import (
     Candidate,
     RamView,
@@ -107,6 +113,7 @@ class Decision:
     wait_for: tuple[int, int] | None = None
     key_outcome: str | None = None  # reuse | busy | unsafe, for keyed requests
     restore: Offer | None = None  # restore this disk snapshot into the slot first
+    until: float | None = None  # waiting for a held slot: its hold ends then
 
 
 def _imbalanced(loads: Sequence[int], params: RoutingParams) -> bool:
@@ -127,6 +134,7 @@ def _cold(
     reason: Reason,
     disk: Mapping[int, Offer],
     ram: Mapping[int, RamView],
+    spared: frozenset[tuple[int, int]],
 ) -> Decision:
     loads = {b.index: b.busy_count() for b in ready}
     least = min(loads.values())
@@ -134,10 +142,11 @@ def _cold(
     options = [
         candidate(fp, b, s, now, params, ram.get(b.index), loads[b.index], disk.get(b.index))
         for b in ready
-        if loads[b.index] <= limit
         for s in b.idle_slots()
+        if (b.index, s.id) not in spared
     ]
-    return _place(max(options, key=_rank), reason)
+    balanced = [c for c in options if c.load <= limit]
+    return _place(max(balanced or options, key=_rank), reason)
 
 
 def _place(candidate: Candidate, reason: Reason, key: str | None = None) -> Decision:
@@ -181,9 +190,11 @@ def route(
     avoid: frozenset[int] = frozenset(),
     disk: Mapping[int, Offer] | None = None,
     queued: int = 0,
+    hold: float = 0.0,
 ) -> Decision | NoPlacement:
     """The decision for ``fp``; ``disk``: per backend, the best snapshot it could restore;
-    ``queued``: requests waiting for a slot (this one included, if it waits)."""
+    ``queued``: requests waiting for a slot (this one included, if it waits); ``hold``:
+    seconds a freed slot is held for its session (``core.returns``)."""
     disk = disk or {}
     usable = [b for b in backends if b.index not in avoid]
     ready = [b for b in usable if b.phase is BackendPhase.READY and b.idle_slots()]
@@ -200,6 +211,14 @@ def route(
         for b in ready
         for s in b.idle_slots()
     ]
+    least = params.min_prefix_tokens
+    spared = frozenset(
+        _slot(c) for c in idle if allow_wait and held(c.backend, c.slot, fp, now, hold, least)
+    )
+    if spared and len(spared) == len(idle):
+        until = min(held_until(c.backend, c.slot, hold) for c in idle)
+        return Decision(None, Reason.WAIT, 0, _slot(idle[0]), key, until=until)
+    idle = [c for c in idle if _slot(c) not in spared]
     best = max(idle, key=_rank, default=None)
     pressed = _idle(up) < queued  # idle slots go to waiters anyway
     waiting = _worth_waiting(fp, up, best, params, ram, pressed) if allow_wait else None
@@ -213,16 +232,20 @@ def route(
     kept = best.extends or best.reuse >= _significant(fp, params)
     overloaded = best.load > min(loads) + params.balance_abs and not kept
     if _imbalanced(loads, params) and overloaded:
-        return _with_key(_cold(fp, ready, now, params, Reason.BALANCE, disk, ram), key)
+        return _with_key(_cold(fp, ready, now, params, Reason.BALANCE, disk, ram, spared), key)
     if best.reuse >= params.min_prefix_tokens and best.score > 0:
         return _place(best, Reason.PREFIX, key)
-    return _with_key(_cold(fp, ready, now, params, Reason.COLD, disk, ram), key)
+    return _with_key(_cold(fp, ready, now, params, Reason.COLD, disk, ram, spared), key)
 
 
 def _with_key(decision: Decision, key: str | None) -> Decision:
     if key is None:
         return decision
     return replace(decision, key_outcome=key)
+
+
+def _slot(c: Candidate) -> tuple[int, int]:
+    return c.backend.index, c.slot.id
 
 
 def _idle(backends: Sequence[BackendState]) -> int:

@@ -157,7 +157,8 @@ async def test_park_before_evict_brings_a_session_back_from_disk(
         ],
     }
     back = await client.post("/v1/chat/completions", json=a2)
-    assert back.headers["X-Cache-Route"] == "disk"
+    # the stranger's slot is held for it a moment (core.returns) before A's restore
+    assert back.headers["X-Cache-Route"] in ("disk", "wait+disk")
     assert [a[0] for a in fake.slot_actions] == ["save", "restore"]
     cached = (await back.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= reply["usage"]["prompt_tokens"] - 1  # all of A's previous prompt

@@ -304,12 +304,19 @@ def scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | None]
 
 
 @settings(max_examples=300)
-@given(scenes(), st.booleans())
+@given(scenes(), st.booleans(), st.sampled_from([0.0, 0.5, 50.0]), st.booleans())
 def test_property_never_a_busy_slot(
-    scene: tuple[Fleet, Fingerprint, tuple[int, int] | None], allow_wait: bool
+    scene: tuple[Fleet, Fingerprint, tuple[int, int] | None],
+    allow_wait: bool,
+    hold: float,
+    ram: bool,
 ) -> None:
     f, request, hint = scene
-    result = route(request, f.backends, PARAMS, now=100.0, affinity=hint, allow_wait=allow_wait)
+    for backend in f.backends:
+        backend.ram = ram  # without it, slots a session just left are held
+    result = route(
+        request, f.backends, PARAMS, now=100.0, affinity=hint, allow_wait=allow_wait, hold=hold
+    )
     if isinstance(result, Decision) and result.placement is not None:
         backend = f.backends[result.placement.backend]
         assert backend.phase is BackendPhase.READY

@@ -1,0 +1,121 @@
+"""How fast sessions come back, and the slots held for them (``core.returns``)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.core.fingerprint import Fingerprint
+from proxy.core.fleet import BackendPhase, Fleet, Placement, Probe, SlotProbe
+from proxy.core.returns import ReturnTracker, estimate, held, lost_if_evicted
+from proxy.core.routing import Reason, route
+from tests.unit.test_routing import PARAMS, decided, fp
+
+
+def chat(*segments: int, anchor: int = 2) -> Fingerprint:
+    return Fingerprint(segments, tuple(100 * (i + 1) for i in range(len(segments))), anchor)
+
+
+def test_a_session_continuing_its_last_prompt_is_a_return() -> None:
+    tracker = ReturnTracker(max_hold=2.0)
+    prompt = chat(1, 2, 3)
+    tracker.released(prompt, chat(1, 2, 3, 4), now=10.0)
+    assert tracker.arrived(chat(1, 2, 3, 4, 5), now=10.05) == pytest.approx(0.05)
+    assert tracker.arrived(chat(1, 2, 3, 4, 6), now=10.06) is None  # counted once
+    assert tracker.hold(10.06) == pytest.approx(0.1)  # twice the 90th-percentile gap
+
+
+def test_the_hold_starts_at_its_bound_and_drops_to_zero_when_sessions_do_not_come_back() -> None:
+    tracker = ReturnTracker(max_hold=2.0)
+    assert tracker.hold(0.0) == 2.0  # nothing seen yet
+    for i in range(10):
+        tracker.released(chat(1, 100 + i), chat(1, 100 + i, 7), now=i / 10)
+    assert tracker.hold(1.5) == 2.0  # releases younger than the bound are not misses yet
+    assert tracker.hold(20.0) == 0.0  # none came back within 2 s
+
+
+def test_a_request_sharing_only_the_system_prompt_is_not_a_return() -> None:
+    tracker = ReturnTracker(max_hold=2.0)
+    tracker.released(chat(1, 2), chat(1, 2, 3), now=0.0)  # system 1, first user message 2
+    assert tracker.arrived(chat(1, 9), now=0.01) is None
+    assert tracker.arrived(chat(1, 2, 3, 4), now=0.02) == pytest.approx(0.02)
+
+
+def test_a_prefix_two_waiting_sessions_share_names_neither() -> None:
+    tracker = ReturnTracker(max_hold=2.0)
+    tracker.released(chat(1, 2), chat(1, 2, 3), now=0.0)
+    tracker.released(chat(1, 2), chat(1, 2, 4), now=0.0)  # same prompt, another session
+    assert tracker.arrived(chat(1, 2, 5), now=0.01) is None
+    assert tracker.arrived(chat(1, 2, 4, 6), now=0.02) == pytest.approx(0.02)  # by its reply
+
+
+def test_holding_is_off_at_max_hold_zero() -> None:
+    tracker = ReturnTracker(max_hold=0.0)
+    tracker.released(chat(1, 2), chat(1, 2, 3), now=0.0)
+    assert tracker.arrived(chat(1, 2, 3, 4), now=0.01) is None
+    assert tracker.hold(0.01) == 0.0
+
+
+@given(st.lists(st.one_of(st.none(), st.floats(0, 2.0)), max_size=50), st.floats(0, 5))
+def test_the_estimate_stays_within_its_bound(outcomes: list[float | None], bound: float) -> None:
+    assert 0.0 <= estimate(outcomes, bound) <= bound
+
+
+def no_ram_fleet(slots: int = 1, ram: bool = False, ram_tokens: int | None = None) -> Fleet:
+    f = Fleet(["b0"], ram=[ram], ram_tokens=[ram_tokens])
+    probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(slots)))
+    f.apply_probe(0, probe, now=0.0)
+    return f
+
+
+def left(f: Fleet, slot: int, content: Fingerprint, at: float) -> None:
+    f.claim(Placement(0, (slot,), slot), now=at - 1.0, content=content)
+    f.release(Placement(0, (slot,), slot), now=at, clean=True, content=content)
+
+
+def test_a_slot_its_session_just_left_is_held_from_another_session() -> None:
+    f = no_ram_fleet()
+    left(f, 0, fp(1, 2, 3), at=100.0)
+    stranger = route(fp(8, 9), f.backends, PARAMS, now=100.01, hold=0.1)
+    d = decided(stranger)
+    assert (d.reason, d.placement, d.until) == (Reason.WAIT, None, 100.1)
+    back = decided(route(fp(1, 2, 3, 4), f.backends, PARAMS, now=100.01, hold=0.1))
+    assert back.reason is Reason.PREFIX
+    assert back.placement == Placement(0, (0,), 0)
+    later = decided(route(fp(8, 9), f.backends, PARAMS, now=100.2, hold=0.1))
+    assert later.reason is Reason.COLD  # the hold is over
+    bounded = decided(route(fp(8, 9), f.backends, PARAMS, now=100.01, hold=0.1, allow_wait=False))
+    assert bounded.placement == Placement(0, (0,), 0)  # its own wait bound passed: no hold
+
+
+def test_another_idle_slot_is_taken_instead_of_a_held_one() -> None:
+    f = no_ram_fleet(slots=2)
+    left(f, 0, fp(1, 2, 3), at=100.0)
+    left(f, 1, fp(5, 6), at=50.0)
+    d = decided(route(fp(8, 9), f.backends, PARAMS, now=100.01, hold=0.1))
+    assert d.placement == Placement(0, (1,), 1)
+
+
+def test_a_hold_never_outlasts_recomputing_the_content() -> None:
+    f = no_ram_fleet()
+    left(f, 0, fp(1, 2, 3), at=100.0)  # 300 tokens
+    backend = f.backends[0]
+    backend.prefill_tps = 1000.0  # 0.3 s to compute them again
+    assert held(backend, backend.slots[0], fp(8, 9), now=100.2, hold=2.0, min_tokens=16)
+    assert not held(backend, backend.slots[0], fp(8, 9), now=100.4, hold=2.0, min_tokens=16)
+    d = decided(route(fp(8, 9), f.backends, PARAMS, now=100.2, hold=2.0))
+    assert d.until == pytest.approx(100.3)
+
+
+def test_content_the_server_can_park_in_ram_is_not_held() -> None:
+    unbounded = no_ram_fleet(ram=True)
+    left(unbounded, 0, fp(1, 2, 3), at=100.0)
+    assert not lost_if_evicted(unbounded.backends[0])
+    d = decided(route(fp(8, 9), unbounded.backends, PARAMS, now=100.01, hold=0.1))
+    assert d.placement == Placement(0, (0,), 0)
+    small = no_ram_fleet(slots=2, ram=True, ram_tokens=400)  # less than its slots hold
+    left(small, 0, fp(1, 2, 3), at=100.0)
+    left(small, 1, fp(4, 5, 6), at=100.0)
+    assert lost_if_evicted(small.backends[0])
+    assert decided(route(fp(8, 9), small.backends, PARAMS, now=100.01, hold=0.1)).until

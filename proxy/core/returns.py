@@ -31,6 +31,10 @@ hold never costs more time than it saves), when what it would overwrite is at le
 smaller than what all its slots hold (whatever it parks now is pushed out before the
 session is back). With an unbounded RAM cache nothing is held: the server parks the
 content and loads it back (holding there anyway lowered magagent 4 x 4 0.832 -> 0.829).
+(Replay, RAM cache off, 20-25 sessions on 2 x 2 slots as chat: miniswe 0.008 -> 0.829,
+magagent 0.029 -> 0.400, taubench 0.083 -> 0.500, every peer router 0.003-0.218; a RAM
+cache of 8k tokens on 4 x 4: magagent 0.588 -> 0.737. A first variant that held every
+such slot a fixed 0.1 s: taubench 0.411 at 18 s wall, against 0.500 at 15 s now.)
 """
 
 from __future__ import annotations

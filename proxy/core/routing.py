@@ -221,7 +221,7 @@ def route(
     idle = [c for c in idle if _slot(c) not in spared]
     best = max(idle, key=_rank, default=None)
     pressed = _idle(up) < queued  # idle slots go to waiters anyway
-    waiting = _worth_waiting(fp, up, best, params, ram, pressed) if allow_wait else None
+    waiting = _worth_waiting(fp, up, best, params, ram, pressed, spared) if allow_wait else None
     if waiting is None and allow_wait and best is not None:
         waiting = _spare_parked(up, best)
     if waiting is not None:
@@ -285,6 +285,7 @@ def _worth_waiting(
     params: RoutingParams,
     ram: Mapping[int, RamView],
     pressed: bool,
+    spared: frozenset[tuple[int, int]],
 ) -> tuple[tuple[int, int], int] | None:
     """A busy slot, or a full backend whose RAM cache holds the request's prefix, that would
     save at least ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt, more than the
@@ -300,7 +301,8 @@ def _worth_waiting(
             for slot in backend.slots
             if slot.phase is not SlotPhase.IDLE
         ]
-        if backend.slots and not backend.idle_slots():
+        free = [s for s in backend.idle_slots() if (backend.index, s.id) not in spared]
+        if backend.slots and not free:  # full, or its idle slots held for their sessions
             options.append(((backend.index, -1), ram[backend.index].best()))
         for where, reuse in options:
             least = floor_ram if where[1] < 0 else floor

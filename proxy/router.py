@@ -216,7 +216,8 @@ class Router:
         backend = decision.placement.backend if decision.placement is not None else -1
         return round(decision.predicted * self._scale.get(backend, 1.0))
 
-    def _learn_scale(self, backend: int, plan: Plan, usage: Usage) -> None:
+    def _learn(self, backend: int, plan: Plan, usage: Usage) -> None:
+        """From a response's usage: the backend's prefill rate and its tokens per estimate."""
         state = self._fleet.backends[backend]
         if usage.prompt_ms and usage.prompt_tokens > usage.cached_tokens:
             tps = (usage.prompt_tokens - usage.cached_tokens) / (usage.prompt_ms / 1000)
@@ -245,7 +246,7 @@ class Router:
         if decision is not None:
             self._count(decision, label, usage)
         if usage is not None:
-            self._learn_scale(placement.backend, plan, usage)
+            self._learn(placement.backend, plan, usage)
         if placement.pin is None:
             return
         if plan.key is not None:

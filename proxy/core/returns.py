@@ -151,16 +151,16 @@ def held(
 ) -> bool:
     """``slot`` (idle) is held for its session from the request ``fp``."""
     content = slot.content
-    if content is None or hold <= 0:
+    if content is None or hold <= 0 or now >= held_until(backend, slot, hold):
+        return False  # most idle slots: not freed just now
+    if not lost_if_evicted(backend):
         return False
     shared = common_segments(fp.hashes, content.hashes)
     reuse = fp.tokens_at(shared)
     # a chat request continues the conversation when it shares its first user message; a
     # raw prompt (no messages) when it keeps half of the content
     ours = content.same_conversation(shared) if content.anchor else 2 * reuse >= content.total
-    if ours or content.total - reuse < min_tokens:
-        return False
-    return now < held_until(backend, slot, hold) and lost_if_evicted(backend)
+    return not ours and content.total - reuse >= min_tokens
 
 
 def held_until(backend: BackendState, slot: SlotState, hold: float) -> float:

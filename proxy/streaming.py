@@ -20,6 +20,7 @@ its stream ends finds its own request counted.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -100,5 +101,7 @@ async def _relay_stream(
     outcome.complete = True
     if not recorded:
         on_usage(outcome)
-    await response.write_eof()
+    # the client may close after the last byte of the reply, before the chunk terminator
+    with contextlib.suppress(ConnectionResetError):
+        await response.write_eof()
     return outcome

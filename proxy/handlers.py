@@ -37,7 +37,7 @@ from proxy.middleware import RECORD
 from proxy.router import Plan, Router
 from proxy.scheduler import Scheduler
 from proxy.shared_state import SharedState
-from proxy.streaming import Outcome, relay
+from proxy.streaming import Outcome, relay, to_the_end
 from proxy.upstream import ROUTES, LlamaServerClient, Route, SlotUse, UpstreamConnectError
 
 
@@ -211,7 +211,6 @@ class ProxyHandlers:
         record.backend = backend.label
         record.slot = placement.pin if placement else None
         outcome: Outcome | None = None
-        content = None
         released = placement is None
         try:
             async with self.client.send(
@@ -228,7 +227,6 @@ class ProxyHandlers:
                     self._clock,
                     lambda done: self._record(index, done, request),
                 )
-                await self._disk_after(plan, placement, outcome)
         except UpstreamConnectError:
             released = True  # nothing reached the backend; the caller retries and releases
             raise
@@ -239,30 +237,34 @@ class ProxyHandlers:
             self._metrics.upstream_errors.labels(backend.label, "failed").inc()
             raise
         finally:
-            if not released:
+            if not released and (outcome is None or not outcome.complete):
                 assert placement is not None
+                released = True
                 try:
-                    # the lease goes before the slot is free here, so no request of this
-                    # replica can take the slot while the old lease is still being deleted
-                    if outcome is not None and outcome.complete:
-                        await self._shared.give_back(placement)
-                    else:
-                        self._shared.abandon(placement)  # still busy upstream: let it expire
+                    self._shared.abandon(placement)  # still busy upstream: let it expire
                 finally:
-                    content = self._release(placement, outcome, plan)
-        if placement is not None and plan is not None and content is not None:
-            await self._router.record(plan, placement, content, outcome.usage)
+                    self._release(placement, outcome, plan)
+        if not released:
+            assert placement is not None
+            assert outcome is not None
+            await to_the_end(self._finish(plan, placement, outcome))
         return outcome.response
 
-    async def _disk_after(
-        self, plan: Plan | None, placement: Placement | None, outcome: Outcome
-    ) -> None:
-        """Disk-tier work on a complete response, while the slot is still ours."""
-        if plan is None or plan.disk is None or placement is None:
-            return
-        if outcome.complete and outcome.response.status == 200:
-            content = self._router.content_after(plan, outcome.reply)
-            await self._disk.after(plan.disk, placement, outcome.usage, content)
+    async def _finish(self, plan: Plan | None, placement: Placement, outcome: Outcome) -> None:
+        """After a complete response: disk-tier work, free the slot, record what it holds."""
+        try:
+            if plan is not None and plan.disk is not None and outcome.response.status == 200:
+                held = self._router.content_after(plan, outcome.reply)
+                await self._disk.after(plan.disk, placement, outcome.usage, held)
+        finally:
+            try:
+                # the lease goes before the slot is free here, so no request of this
+                # replica can take the slot while the old lease is still being deleted
+                await self._shared.give_back(placement)
+            finally:
+                content = self._release(placement, outcome, plan)
+        if plan is not None and content is not None:
+            await self._router.record(plan, placement, content, outcome.usage)
 
     def _release(
         self, placement: Placement, outcome: Outcome | None, plan: Plan | None

@@ -13,6 +13,13 @@ connection is then closed so llama-server cancels the generation.
 ``Outcome.complete`` is true only when the upstream body was read to its end: the caller
 frees the slot at once then, and otherwise lets it drain.
 
+A client that has its whole reply may close the connection at once (OpenClaw does, at
+``[DONE]``), which cancels the handler (``handler_cancellation``). Once the stream's final event
+(the one with usage) has been relayed the response counts as complete: a cancellation then, or
+a reset while ending the chunked body, does not undo it (the server releases the slot before it
+sends that event). ``to_the_end`` runs the caller's bookkeeping after a complete response
+(freeing the slot, recording what it holds) through such a cancellation.
+
 ``on_usage`` (the caller's metrics) runs once per response, as soon as its usage is known and
 before the bytes that carry it reach the client: a client that reads ``/metrics`` right after
 its stream ends finds its own request counted.
@@ -20,9 +27,11 @@ its stream ends finds its own request counted.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -90,18 +99,51 @@ async def _relay_stream(
             await response.write(chunk)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if request.transport is None or request.transport.is_closing():
+            if recorded:
+                return _completed(outcome, scanner)  # the client left with its whole reply
             raise  # the client left: nothing to tell it
         if not recorded:
             on_usage(outcome)
         await response.write(sse_error_event(translate_stream_error(exc)))
         await response.write_eof()
         return outcome
-    scanner.close()
-    outcome.usage, outcome.reply = scanner.usage, scanner.reply
-    outcome.complete = True
+    except asyncio.CancelledError:
+        if not recorded:
+            raise  # the client left before its reply ended: the generation is cancelled
+        _uncancel()
+        return _completed(outcome, scanner)
+    _completed(outcome, scanner)
     if not recorded:
         on_usage(outcome)
     # the client may close after the last byte of the reply, before the chunk terminator
     with contextlib.suppress(ConnectionResetError):
         await response.write_eof()
     return outcome
+
+
+def _completed(outcome: Outcome, scanner: SseScanner) -> Outcome:
+    scanner.close()
+    outcome.usage, outcome.reply = scanner.usage, scanner.reply
+    outcome.complete = True
+    return outcome
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+
+
+T = TypeVar("T")
+
+
+async def to_the_end(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even if the client leaves (cancelling the handler) meanwhile."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if task.done():
+            raise
+        _uncancel()
+        return await task

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -166,3 +167,29 @@ async def test_conversation_id_and_hop_by_hop_headers_not_forwarded(fakes: Any, 
     assert "authorization" in forwarded
     assert "x-conversation-id" not in forwarded
     assert "proxy-authorization" not in forwarded
+
+
+async def test_client_closing_after_done_still_records_the_turn(
+    fakes: Any, proxy: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = await fakes()
+    fake.linger_s = 0.3  # the client is gone before the proxy ends the chunked body
+    client = await proxy([fake])
+    first = chat("one two three " * 20, stream=True, prompt_cache_key="k")
+    resp = await client.post("/v1/chat/completions", json=first)
+    reply = []
+    async for line in resp.content:  # OpenClaw closes as soon as it has [DONE]
+        if line.startswith(b"data: [DONE]"):
+            break
+        if line.startswith(b"data: {"):
+            reply.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+    resp.close()
+    await asyncio.sleep(0.6)
+    page = await (await client.get("/metrics")).text()
+    labels = {"endpoint": "/v1/chat/completions", "status": "200"}
+    assert metric(page, "llama_cache_proxy_requests_total", **labels) == 1
+    assert "unexpected error" not in caplog.text
+    turn = [*first["messages"], {"role": "assistant", "content": "".join(reply)}]
+    second = chat("four", messages=[*turn, {"role": "user", "content": "four"}], max_tokens=2)
+    answer = await client.post("/v1/chat/completions", json={**second, "prompt_cache_key": "k"})
+    assert answer.headers["X-Cache-Route"] == "affinity"

@@ -103,7 +103,6 @@ class Router:
         self.params = routing_params(settings)
         self._labels = {b.label: b.index for b in fleet.backends}
         # backend tokens per estimated token, learned from responses (1.0 until then)
-        self._scale: dict[int, float] = {}
         self.churn: ChurnTracker | None = None  # prefix-churn diagnostics (app.py)
         # with ``tokenizer: backend``: counts a text with a ready backend's tokenizer
         self.backend_tokens: Callable[[str], Awaitable[int | None]] | None = None
@@ -213,8 +212,10 @@ class Router:
 
     def _in_backend_tokens(self, decision: Decision) -> int:
         """The prediction in the chosen backend's tokens (estimates x the learned ratio)."""
-        backend = decision.placement.backend if decision.placement is not None else -1
-        return round(decision.predicted * self._scale.get(backend, 1.0))
+        if decision.placement is None:
+            return decision.predicted
+        scale = self._fleet.backends[decision.placement.backend].token_scale
+        return round(decision.predicted * (scale or 1.0))
 
     def _learn(self, backend: int, plan: Plan, usage: Usage) -> None:
         """From a response's usage: the backend's prefill rate and its tokens per estimate."""
@@ -223,12 +224,8 @@ class Router:
             tps = (usage.prompt_tokens - usage.cached_tokens) / (usage.prompt_ms / 1000)
             state.prefill_tps = 0.8 * state.prefill_tps + 0.2 * tps
         if plan.fp.total > 0 and usage.prompt_tokens > 0:
-            ratio = usage.prompt_tokens / plan.fp.total
-            previous = self._scale.get(backend)
-            self._scale[backend] = ratio if previous is None else 0.8 * previous + 0.2 * ratio
-            budget = self._settings.backends[backend].ram_cache_tokens
-            if budget is not None:  # the RAM cache's size in the fingerprint's estimates
-                self._fleet.backends[backend].ram_tokens = round(budget / self._scale[backend])
+            ratio, previous = usage.prompt_tokens / plan.fp.total, state.token_scale
+            state.token_scale = ratio if previous is None else 0.8 * previous + 0.2 * ratio
 
     def headers(self, plan: Plan) -> dict[str, str]:
         decision = plan.decision

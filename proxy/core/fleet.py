@@ -100,6 +100,7 @@ class BackendState:
     ram: bool = True  # runs llama-server's host-RAM prompt cache (default --cache-ram)
     ram_tokens: int | None = None  # what that cache holds, in tokens (None: not bounded)
     prefill_tps: float = 1000.0  # prompt tokens computed per second (timings.prompt_ms, EMA)
+    token_scale: float | None = None  # its tokens per fingerprint estimate (EMA)
     slots: list[SlotState] = field(default_factory=list)
     ghosts: list[Parked] = field(default_factory=list)  # that cache's entries, oldest first
 
@@ -108,6 +109,14 @@ class BackendState:
 
     def busy_count(self) -> int:
         return sum(1 for s in self.slots if s.phase is not SlotPhase.IDLE)
+
+    def kv_tokens(self, content: Fingerprint, n_tokens: int = 0) -> int:
+        """The server's tokens for a slot holding ``content``: its real length when known,
+        else the fingerprint's estimate at the learned scale."""
+        return n_tokens if n_tokens > 0 else round(content.total * (self.token_scale or 1.0))
+
+    def parked(self, content: Fingerprint, at: float, n_tokens: int = 0) -> Parked:
+        return Parked(content, at, self.kv_tokens(content, n_tokens))
 
 
 @dataclass(frozen=True)
@@ -157,22 +166,20 @@ class Fleet:
             slot.phase = SlotPhase.BUSY
             slot.pending = content if slot_id == placement.pin else None
             if backend.ram and slot_id == placement.pin and content is not None:
-                # The server parks what the slot held in its RAM cache as the task starts
+                # The server parks what the slot held in its RAM cache as the task starts,
+                # when the prompt keeps less than half of it (else its hook does not run),
                 # and moves the entry it loads out of the cache into the slot, so the
                 # evicted session can find its content there while this request runs.
-                self._park(backend, slot.content, content, slot.last_used)
+                old, entry = slot.content, None
+                if old is not None and ram_cache.hook_runs(old, content):
+                    entry = backend.parked(old, slot.last_used, slot.n_tokens)
+                self._park(backend, entry, content)
                 backend.ghosts = ram_cache.without(backend.ghosts, placement.loads)
             slot.last_used = now
         if backend.ram:  # --cache-idle-slots: every task saves each idle slot's content
             for idle in backend.idle_slots():
                 if idle.content is not None:
-                    backend.ghosts = ram_cache.save(
-                        backend.ghosts,
-                        idle.content,
-                        idle.last_used,
-                        self._ghost_limit,
-                        backend.ram_tokens,
-                    )
+                    self._park(backend, backend.parked(idle.content, idle.last_used, idle.n_tokens))
 
     def release(
         self,
@@ -206,24 +213,16 @@ class Fleet:
                 continue
             before, slot.content = slot.content, content if content is not None else pending
             if backend.ram and pending is None:  # else parked when claimed
-                self._park(backend, before, slot.content, parked_at)
+                entry = backend.parked(before, parked_at, slot.n_tokens) if before else None
+                self._park(backend, entry, slot.content)
             if n_tokens is not None:
                 slot.n_tokens = n_tokens
 
     def _park(
-        self,
-        backend: BackendState,
-        before: Fingerprint | None,
-        after: Fingerprint | None,
-        at: float,
+        self, backend: BackendState, before: Parked | None, after: Fingerprint | None = None
     ) -> None:
-        """Model llama-server's RAM prompt cache (``core.ram_cache``): a slot's content
-        ``before`` is saved there when a task takes the slot (idle slots are saved on every
-        task); entries the slot's new content ``after`` contains are dropped."""
-        ghosts = ram_cache.drop_contained(backend.ghosts, after)
-        if before is not None and (after is None or not ram_cache.contains(after, before)):
-            ghosts = ram_cache.save(ghosts, before, at, self._ghost_limit, backend.ram_tokens)
-        backend.ghosts = ghosts
+        limit, budget = self._ghost_limit, backend.ram_tokens
+        backend.ghosts = ram_cache.park(backend.ghosts, before, after, limit, budget)
 
     def is_draining(self, index: int) -> bool:
         backend = self.backends[index]

@@ -2,7 +2,9 @@
 
 The server keeps saved slot states in a list, oldest first (server-task.cpp,
 ``server_prompt_cache``); the proxy keeps the same list per backend, of fingerprints
-(``Parked``: what was saved, and when its slot was last used).
+(``Parked``: what was saved, when its slot was last used, and its size in the server's own
+tokens: the slot's real KV length when known, which the byte budget is counted in; the
+fingerprint's estimates can be several times off on code).
 
 *Save* (``save``): the server saves a slot's content when a task takes the slot through the
 RAM hook, and every idle slot after each task (``--cache-idle-slots``). A save is skipped
@@ -36,12 +38,17 @@ from proxy.core.fingerprint import Fingerprint, common_segments
 class Parked:
     content: Fingerprint
     at: float  # last use of the slot it came from: its recency weights losing it
+    size: int | None = None  # tokens it takes in the cache (None: the fingerprint's estimate)
     # segments a prompt must share for the server to load it (f_keep >= 0.25)
     quarter: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         quarter = bisect_left(self.content.tokens, 0.25 * self.content.total) + 1
         object.__setattr__(self, "quarter", quarter)
+
+    @property
+    def tokens(self) -> int:
+        return self.content.total if self.size is None else self.size
 
 
 def shared_segments(fp: Fingerprint, entries: Sequence[Parked]) -> tuple[int, ...]:
@@ -94,45 +101,42 @@ def contains(entry: Fingerprint, content: Fingerprint) -> bool:
 
 
 def _make_room(
-    entries: Sequence[Parked], content: Fingerprint, budget: int | None
+    entries: Sequence[Parked], new: Parked, budget: int | None
 ) -> tuple[list[Parked], int] | None:
-    """None when the server skips saving ``content`` (already held, or larger than the whole
-    cache); else the entries the save keeps (those ``content`` contains are dropped) and how
+    """None when the server skips saving ``new`` (already held, or larger than the whole
+    cache); else the entries the save keeps (those ``new`` contains are dropped) and how
     many of their oldest go to make room under ``budget``."""
+    content, size = new.content, new.tokens
     if not content.hashes or any(contains(e.content, content) for e in entries):
         return None
-    if budget is not None and content.total > budget:
+    if budget is not None and size > budget:
         return None
     kept = [e for e in entries if not contains(content, e.content)]
-    held, gone = sum(e.content.total for e in kept), 0
-    while budget is not None and gone < len(kept) and held + content.total > budget:
-        held, gone = held - kept[gone].content.total, gone + 1
+    held, gone = sum(e.tokens for e in kept), 0
+    while budget is not None and gone < len(kept) and held + size > budget:
+        held, gone = held - kept[gone].tokens, gone + 1
     return kept, gone
 
 
 def save(
-    entries: Sequence[Parked],
-    content: Fingerprint,
-    at: float,
-    limit: int,
-    budget: int | None = None,
+    entries: Sequence[Parked], new: Parked, limit: int, budget: int | None = None
 ) -> list[Parked]:
-    """The cache after saving ``content``; ``budget``: tokens the cache holds (``--cache-ram``
+    """The cache after saving ``new``; ``budget``: tokens the cache holds (``--cache-ram``
     MiB over the model's KV bytes per token), None for no bound but ``limit`` entries."""
-    room = _make_room(entries, content, budget)
+    room = _make_room(entries, new, budget)
     if room is None:
         return list(entries)
     kept, gone = room
-    after = [*kept[gone:], Parked(content, at)]
+    after = [*kept[gone:], new]
     return after[-limit:] if limit > 0 else []
 
 
-def evicted_by(entries: Sequence[Parked], content: Fingerprint, budget: int | None) -> int:
-    """How many of the oldest entries saving ``content`` evicts (the server saves a pinned
+def evicted_by(entries: Sequence[Parked], new: Parked, budget: int | None) -> int:
+    """How many of the oldest entries saving ``new`` evicts (the server saves a pinned
     slot's content *before* it loads an entry, so those cannot be loaded)."""
     if budget is None:
         return 0
-    room = _make_room(entries, content, budget)
+    room = _make_room(entries, new, budget)
     if room is None or not room[1]:
         return 0
     kept, gone = room
@@ -142,6 +146,29 @@ def evicted_by(entries: Sequence[Parked], content: Fingerprint, budget: int | No
 def without(entries: Sequence[Parked], gone: Parked | None) -> list[Parked]:
     """The cache after ``gone`` was loaded into a slot (it leaves the cache)."""
     return [e for e in entries if e is not gone]
+
+
+def hook_runs(content: Fingerprint, prompt: Fingerprint) -> bool:
+    """Whether ``prompt``, pinned to a slot holding ``content``, makes the server save the
+    slot and load from its RAM cache: it keeps less than half of the content."""
+    kept = prompt.tokens_at(common_segments(prompt.hashes, content.hashes))
+    return consulted(kept, content.total)
+
+
+def park(
+    entries: Sequence[Parked],
+    before: Parked | None,
+    after: Fingerprint | None,
+    limit: int,
+    budget: int | None = None,
+) -> list[Parked]:
+    """The cache after a task takes a slot: its content ``before`` is saved (None: not, or
+    an idle slot's save with ``after`` None); entries the slot's new content ``after``
+    contains are dropped (saving the slot later drops them)."""
+    kept = drop_contained(entries, after)
+    if before is None or (after is not None and contains(after, before.content)):
+        return kept
+    return save(kept, before, limit, budget)
 
 
 def drop_contained(entries: Sequence[Parked], content: Fingerprint | None) -> list[Parked]:

@@ -23,18 +23,19 @@ cost of a wait for whoever would have taken it: worth it only if sessions do com
   it within ``max_hold`` seconds.
 
 *Holding* (``held``): an idle slot is held from requests of other conversations (a chat
-request that does not share the content's first user message; a raw prompt that keeps
-less than half of it) for ``hold`` seconds after its session left it, but never longer
-than the backend would take to compute the content again (at its measured prefill rate: a
-hold never costs more time than it saves), when what it would overwrite is at least
-``min_tokens`` and would be lost: the backend runs no RAM prompt cache, or a bounded one
-smaller than what all its slots hold (whatever it parks now is pushed out before the
-session is back). With an unbounded RAM cache nothing is held: the server parks the
-content and loads it back (holding there anyway lowered magagent 4 x 4 0.832 -> 0.829).
+request that does not share the content's first user message; a raw prompt that keeps less
+than half of it) for ``hold`` seconds after its session left it, but never longer than twice
+the time the backend would take to compute the content again (its real length, at the
+measured prefill rate: an unheld session pays that recompute, and the slot it then takes
+loses another session's content), when what it would overwrite is at least ``min_tokens``
+and would be lost: the backend runs no RAM prompt cache, or a bounded one smaller than what
+all its slots hold, in the server's tokens (whatever it parks now is pushed out before the
+session is back). With an unbounded RAM cache nothing is held: the server parks the content
+and loads it back (holding there anyway lowered magagent 4 x 4 0.832 -> 0.829).
 (Replay, RAM cache off, 20-25 sessions on 2 x 2 slots as chat: miniswe 0.008 -> 0.829,
-magagent 0.029 -> 0.400, taubench 0.083 -> 0.500, every peer router 0.003-0.218; a RAM
-cache of 8k tokens on 4 x 4: magagent 0.588 -> 0.737. A first variant that held every
-such slot a fixed 0.1 s: taubench 0.411 at 18 s wall, against 0.500 at 15 s now.)
+magagent 0.029 -> 0.400, taubench 0.083 -> 0.500, every peer router 0.003-0.218; a RAM cache
+of 8k tokens on 4 x 4: magagent 0.588 -> 0.737. A first variant that held every such slot a
+fixed 0.1 s: taubench 0.411 at 18 s wall, against 0.500 at 15 s now.)
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def lost_if_evicted(backend: BackendState) -> bool:
         return True
     if backend.ram_tokens is None:
         return False
-    held = sum(s.content.total for s in backend.slots if s.content is not None)
+    held = sum(backend.kv_tokens(s.content, s.n_tokens) for s in backend.slots if s.content)
     return held > backend.ram_tokens
 
 
@@ -165,5 +166,6 @@ def held(
 
 def held_until(backend: BackendState, slot: SlotState, hold: float) -> float:
     """When ``slot``'s hold ends: never later than re-computing its content would take."""
-    tokens = slot.content.total if slot.content is not None else 0
-    return slot.last_used + min(hold, tokens / max(backend.prefill_tps, 1.0))
+    content = slot.content
+    tokens = backend.kv_tokens(content, slot.n_tokens) if content is not None else 0
+    return slot.last_used + min(hold, 2 * tokens / max(backend.prefill_tps, 1.0))

@@ -173,7 +173,8 @@ def candidate(
         live = direct = _reuse(fp, content, backend.exact, shared)
         consulted = backend.ram and ram_cache.consulted(live, content.total)
         if ram is not None and consulted:
-            skip = ram_cache.evicted_by(ram.entries, content, backend.ram_tokens)
+            saved = backend.parked(content, now, slot.n_tokens)
+            skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
             found = ram_cache.pick(ram.served[skip:], live, content.total, fp.total)
             if found is not None:
                 i = found + skip

@@ -56,13 +56,13 @@ def test_an_entry_must_keep_a_quarter_of_itself_and_beat_the_slot_in_both_shares
 
 
 def test_save_skips_contained_content_drops_entries_it_contains_and_bounds_the_list() -> None:
-    entries = ram_cache.save([], fp(1, 2), at=1.0, limit=3)
-    assert ram_cache.save(entries, fp(1), at=2.0, limit=3) == entries  # already contained
-    longer = ram_cache.save(entries, fp(1, 2, 3), at=2.0, limit=3)
+    entries = ram_cache.save([], Parked(fp(1, 2), 1.0), limit=3)
+    assert ram_cache.save(entries, Parked(fp(1), 2.0), limit=3) == entries  # already contained
+    longer = ram_cache.save(entries, Parked(fp(1, 2, 3), 2.0), limit=3)
     assert [e.content for e in longer] == [fp(1, 2, 3)]  # the prefix entry is dropped
     full = longer
     for i in range(5):
-        full = ram_cache.save(full, fp(10 + i), at=3.0 + i, limit=3)
+        full = ram_cache.save(full, Parked(fp(10 + i), 3.0 + i), limit=3)
     assert [e.content for e in full] == [fp(12), fp(13), fp(14)]  # the oldest went
 
 
@@ -73,22 +73,32 @@ def test_a_loaded_entry_leaves_the_cache() -> None:
 
 
 def test_budget_skips_an_entry_larger_than_the_cache_and_evicts_the_oldest_to_fit() -> None:
-    entries = ram_cache.save([], fp(1, 2), at=1.0, limit=64, budget=500)  # 200 tokens
-    assert ram_cache.save(entries, fp(5, 6, 7, 8, 9, 10), 2.0, 64, budget=500) == entries
-    entries = ram_cache.save(entries, fp(3, 4, 5), at=2.0, limit=64, budget=500)  # 300: fits
+    entries = ram_cache.save([], Parked(fp(1, 2), 1.0), limit=64, budget=500)  # 200 tokens
+    assert ram_cache.save(entries, Parked(fp(5, 6, 7, 8, 9, 10), 2.0), 64, budget=500) == entries
+    entries = ram_cache.save(entries, Parked(fp(3, 4, 5), 2.0), 64, budget=500)  # 300: fits
     assert [e.content for e in entries] == [fp(1, 2), fp(3, 4, 5)]
-    entries = ram_cache.save(entries, fp(7), at=3.0, limit=64, budget=500)
+    entries = ram_cache.save(entries, Parked(fp(7), 3.0), limit=64, budget=500)
     assert [e.content for e in entries] == [fp(3, 4, 5), fp(7)]  # the oldest made room
+
+
+def test_sizes_are_the_servers_tokens_when_known() -> None:
+    # estimates 100 per segment; the server's real KV lengths are what its byte budget holds
+    entries = ram_cache.save([], Parked(fp(1, 2), 1.0, size=600), limit=64, budget=1000)
+    entries = ram_cache.save(entries, Parked(fp(3), 2.0, size=300), limit=64, budget=1000)
+    assert [e.content for e in entries] == [fp(1, 2), fp(3)]  # 900 of 1000
+    assert ram_cache.evicted_by(entries, Parked(fp(4), 3.0, size=200), budget=1000) == 1
+    assert ram_cache.save(entries, Parked(fp(5), 3.0, size=1200), 64, budget=1000) == entries
 
 
 def test_saving_the_pinned_slot_first_evicts_entries_it_then_cannot_load() -> None:
     entries = [Parked(fp(1, 2), 1.0), Parked(fp(3), 2.0)]  # 300 tokens held
-    assert ram_cache.evicted_by(entries, fp(7, 8), budget=400) == 1  # fp(1, 2) makes room
-    assert ram_cache.evicted_by(entries, fp(7, 8), budget=None) == 0
-    assert ram_cache.evicted_by(entries, fp(1), budget=400) == 0  # already held: not saved
-    assert ram_cache.evicted_by(entries, fp(7, 8, 9, 10, 11), budget=400) == 0  # too large
+    evicted = ram_cache.evicted_by
+    assert evicted(entries, Parked(fp(7, 8), 0.0), budget=400) == 1  # fp(1, 2) makes room
+    assert evicted(entries, Parked(fp(7, 8), 0.0), budget=None) == 0
+    assert evicted(entries, Parked(fp(1), 0.0), budget=400) == 0  # already held: not saved
+    assert evicted(entries, Parked(fp(7, 8, 9, 10, 11), 0.0), budget=400) == 0  # too large
     many = [Parked(fp(i), float(i)) for i in range(10, 20)]  # 1000 tokens held
-    assert ram_cache.evicted_by(many, fp(1, 2, 3), budget=1000) == 3  # the oldest three go
+    assert evicted(many, Parked(fp(1, 2, 3), 0.0), budget=1000) == 3  # the oldest three go
 
 
 def test_an_entry_is_loadable_only_by_a_prompt_sharing_a_quarter_of_it() -> None:

@@ -98,15 +98,17 @@ def test_another_idle_slot_is_taken_instead_of_a_held_one() -> None:
     assert d.placement == Placement(0, (1,), 1)
 
 
-def test_a_hold_never_outlasts_recomputing_the_content() -> None:
+def test_a_hold_never_outlasts_twice_recomputing_the_content() -> None:
     f = no_ram_fleet()
-    left(f, 0, fp(1, 2, 3), at=100.0)  # 300 tokens
+    left(f, 0, fp(1, 2, 3), at=100.0)  # 300 tokens estimated, none measured
     backend = f.backends[0]
     backend.prefill_tps = 1000.0  # 0.3 s to compute them again
-    assert held(backend, backend.slots[0], fp(8, 9), now=100.2, hold=2.0, min_tokens=16)
-    assert not held(backend, backend.slots[0], fp(8, 9), now=100.4, hold=2.0, min_tokens=16)
+    assert held(backend, backend.slots[0], fp(8, 9), now=100.5, hold=2.0, min_tokens=16)
+    assert not held(backend, backend.slots[0], fp(8, 9), now=100.7, hold=2.0, min_tokens=16)
     d = decided(route(fp(8, 9), f.backends, PARAMS, now=100.2, hold=2.0))
-    assert d.until == pytest.approx(100.3)
+    assert d.until == pytest.approx(100.6)
+    backend.slots[0].n_tokens = 100  # the server's real length: 0.1 s to compute again
+    assert not held(backend, backend.slots[0], fp(8, 9), now=100.3, hold=2.0, min_tokens=16)
 
 
 def test_content_the_server_can_park_in_ram_is_not_held() -> None:

@@ -217,6 +217,30 @@ def test_ram_budget_evicts_the_oldest_parked_session_from_the_model() -> None:
     assert ghost_reuse(fp(1, 2, 9), f.backends[0]) == 0
 
 
+def test_a_pinned_slot_is_parked_only_when_its_prompt_keeps_less_than_half() -> None:
+    f = fleet(1)
+    hold(f, 0, 0, fp(1, 2, 3, 4))
+    # the prompt keeps 3 of 4 segments (f_keep >= 0.5): the server's RAM hook does not run,
+    # so nothing is saved and the tail the prompt does not share is simply overwritten
+    f.claim(Placement(0, (0,), 0), now=101.0, content=fp(1, 2, 3, 9))
+    f.release(Placement(0, (0,), 0), now=102.0, clean=True, content=fp(1, 2, 3, 9))
+    assert f.backends[0].ghosts == []
+    f.claim(Placement(0, (0,), 0), now=103.0, content=fp(1, 7))  # keeps 1 of 4: parked
+    assert [p.content for p in f.backends[0].ghosts] == [fp(1, 2, 3, 9)]
+
+
+def test_ram_budget_counts_the_servers_real_lengths() -> None:
+    f = Fleet(["b0"], ram_tokens=[1000])
+    f.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 0, -1),)), now=0.0)
+    hold(f, 0, 0, fp(1, 2))  # 200 tokens estimated
+    f.backends[0].slots[0].n_tokens = 700  # the server's real length (code: ~3x estimates)
+    for content, real in ((fp(3, 4), 600), (fp(5), 500)):
+        f.claim(Placement(0, (0,), 0), now=100.0, content=content)
+        f.release(Placement(0, (0,), 0), now=101.0, clean=True, content=content, n_tokens=real)
+    # 700 + 600 real tokens do not fit 1000 (their 400 estimated tokens would): the oldest went
+    assert [(p.content, p.size) for p in f.backends[0].ghosts] == [(fp(3, 4), 600)]
+
+
 def test_load_gate_sends_a_hot_prefix_to_an_idle_backend() -> None:
     f = fleet(5, 5)
     for slot in range(4):

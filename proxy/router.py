@@ -102,7 +102,6 @@ class Router:
         self._clock = clock
         self.params = routing_params(settings)
         self._labels = {b.label: b.index for b in fleet.backends}
-        # backend tokens per estimated token, learned from responses (1.0 until then)
         self.churn: ChurnTracker | None = None  # prefix-churn diagnostics (app.py)
         # with ``tokenizer: backend``: counts a text with a ready backend's tokenizer
         self.backend_tokens: Callable[[str], Awaitable[int | None]] | None = None
@@ -214,8 +213,7 @@ class Router:
         """The prediction in the chosen backend's tokens (estimates x the learned ratio)."""
         if decision.placement is None:
             return decision.predicted
-        scale = self._fleet.backends[decision.placement.backend].token_scale
-        return round(decision.predicted * (scale or 1.0))
+        return self._fleet.backends[decision.placement.backend].from_estimate(decision.predicted)
 
     def _learn(self, backend: int, plan: Plan, usage: Usage) -> None:
         """From a response's usage: the backend's prefill rate and its tokens per estimate."""

@@ -110,10 +110,13 @@ class BackendState:
     def busy_count(self) -> int:
         return sum(1 for s in self.slots if s.phase is not SlotPhase.IDLE)
 
+    def from_estimate(self, tokens: int) -> int:
+        """Estimated tokens in this server's tokens (the learned scale; 1.0 until learned)."""
+        return round(tokens * (self.token_scale or 1.0))
+
     def kv_tokens(self, content: Fingerprint, n_tokens: int = 0) -> int:
-        """The server's tokens for a slot holding ``content``: its real length when known,
-        else the fingerprint's estimate at the learned scale."""
-        return n_tokens if n_tokens > 0 else round(content.total * (self.token_scale or 1.0))
+        """A slot's length in the server's tokens: ``n_tokens`` when known, else estimated."""
+        return n_tokens if n_tokens > 0 else self.from_estimate(content.total)
 
     def parked(self, content: Fingerprint, at: float, n_tokens: int = 0) -> Parked:
         return Parked(content, at, self.kv_tokens(content, n_tokens))

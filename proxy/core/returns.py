@@ -166,7 +166,7 @@ def held(
 
 
 def held_until(backend: BackendState, slot: SlotState, hold: float) -> float:
-    """When ``slot``'s hold ends: never later than re-computing its content would take."""
+    """When ``slot``'s hold ends: never later than twice re-computing its content."""
     content = slot.content
     tokens = backend.kv_tokens(content, slot.n_tokens) if content is not None else 0
     return slot.last_used + min(hold, 2 * tokens / max(backend.prefill_tps, 1.0))

@@ -218,8 +218,7 @@ class Fleet:
             if backend.ram and pending is None:  # else parked when claimed
                 entry = backend.parked(before, parked_at, slot.n_tokens) if before else None
                 self._park(backend, entry, slot.content)
-            if n_tokens is not None:
-                slot.n_tokens = n_tokens
+            slot.n_tokens = n_tokens or 0  # a length the response did not report is unknown
 
     def _park(
         self, backend: BackendState, before: Parked | None, after: Fingerprint | None = None

@@ -198,3 +198,20 @@ def test_probe_trims_a_slot_to_its_kv_length_and_keeps_the_conversation_anchor()
     assert trimmed.anchor == content.anchor
     assert not trimmed.same_conversation(2)  # shares only the system prompt: a stranger
     assert trimmed.same_conversation(3)
+
+
+def test_a_release_without_a_reported_length_forgets_the_old_one() -> None:
+    """The slot's KV length is the last response's: a response without usage leaves it
+    unknown (estimated from the content), never the previous content's length."""
+    first = fingerprint_chat({"messages": [{"role": "user", "content": "a " * 40}]}, len)
+    second = fingerprint_chat({"messages": [{"role": "user", "content": "b " * 40}]}, len)
+    fleet = ready_fleet(1)
+    backend, where = fleet.backends[0], Placement(0, (0,), 0)
+    fleet.claim(where, now=1.0, content=first)
+    fleet.release(where, now=2.0, clean=True, content=first, n_tokens=500)
+    assert backend.kv_tokens(first, backend.slots[0].n_tokens) == 500
+    fleet.claim(where, now=3.0, content=second)
+    fleet.release(where, now=4.0, clean=True, content=second)
+    slot = backend.slots[0]
+    assert slot.content == second
+    assert backend.kv_tokens(second, slot.n_tokens) == backend.from_estimate(second.total)

@@ -66,6 +66,7 @@ def create_app(
         enabled=settings.redis_url is not None,
         record_ttl=settings.routing.affinity_ttl_seconds,
         lease_ttl=settings.routing.lease_ttl_seconds,
+        clock=clock,
     )
     disk = DiskTier(settings, fleet, shared, metrics, wall, clock)
     router = Router(settings, fleet, shared, TokenCounter(), metrics, clock, disk)

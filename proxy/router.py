@@ -31,7 +31,7 @@ from proxy.core.fingerprint import (
 from proxy.core.fleet import Fleet, NoPlacement, Placement
 from proxy.core.isolation import salt, tenant_of
 from proxy.core.request_body import is_chat
-from proxy.core.returns import ReturnTracker
+from proxy.core.returns import SCAN, ReturnTracker
 from proxy.core.routing import Decision, Reason, RoutingParams, route
 from proxy.core.usage import Reply, Usage
 from proxy.disk_tier import DiskPlan, DiskTier
@@ -40,6 +40,7 @@ from proxy.shared_state import SharedState
 from proxy.tokenizer import TokenCounter
 
 log = logging.getLogger(__name__)
+CLAIM_TTL = 300.0  # a claimed release stays marked until its replica has settled it
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Plan:
     held: bool = False  # waited for a slot held for its session
     disk: DiskPlan | None = None
     tenant: str | None = None  # under cache isolation
+    release: tuple[int, tuple[int, ...]] | None = None  # its response's, for its session
 
 
 def routing_params(settings: Settings) -> RoutingParams:
@@ -107,7 +109,7 @@ class Router:
         self.backend_tokens: Callable[[str], Awaitable[int | None]] | None = None
         self.queued: Callable[[], int] = lambda: 0  # requests waiting for a slot (app.py)
         # how soon sessions come back, and so how long a slot they left is held for them
-        self.returns = ReturnTracker(settings.routing.hold_max_seconds)
+        self.returns = ReturnTracker(settings.routing.hold_max_seconds, shared=shared.enabled)
         self.wake_later: Callable[[float], None] = lambda delay: None  # re-decide (app.py)
         self._wake_due = 0.0
 
@@ -153,12 +155,29 @@ class Router:
                 hint = (self._labels[ref[0]], ref[1])
         if segments is not None and self.churn is not None:
             self.churn.observe(key, fp, body, segments)
-        self.returns.arrived(fp, self._clock())
+        await self._arrived(fp)
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
         plan = Plan(fp, chat, key, hint, wait_until, tenant=tenant)
         if self._disk is not None and self._settings.routing.pin_slots:
             plan.disk = await self._disk.plan(fp, body, scope, tenant)
         return plan
+
+    async def _arrived(self, fp: Fingerprint) -> None:
+        """How soon this request's session came back (``core.returns``): through the shared
+        store when replicas share one, since its last response may have come from another."""
+        returns = self.returns
+        if not returns.shared or returns.max_hold <= 0:
+            returns.arrived(fp, self._clock())
+            return
+        expired = returns.expired()
+        claimed = await self._shared.claimed(expired) if expired else set()
+        returns.missed(len(expired) - len(claimed or ()))
+        if not self._shared.up:
+            returns.arrived(fp, self._clock())  # Redis down: this replica's own releases
+            return
+        found = await self._shared.claim_release(fp.hashes[-SCAN:], CLAIM_TTL)
+        if found is not None:
+            returns.returned(found[1], found[0])
 
     def decider(self, plan: Plan, avoid: frozenset[int]) -> Callable[[], Placement | NoPlacement]:
         def decide() -> Placement | NoPlacement:
@@ -200,7 +219,7 @@ class Router:
 
     def released(self, plan: Plan, content: Fingerprint) -> None:
         """A response ended: the slot now holds ``content`` until its session is back."""
-        self.returns.released(plan.fp, content, self._clock())
+        plan.release = self.returns.released(plan.fp, content, self._clock())
 
     def content_after(self, plan: Plan, reply: Reply | None) -> Fingerprint:
         """What the slot holds after a complete response: prompt, then the reply."""
@@ -236,6 +255,9 @@ class Router:
     async def record(
         self, plan: Plan, placement: Placement, content: Fingerprint, usage: Usage | None
     ) -> None:
+        if plan.release is not None and self.returns.shared:
+            ttl = self.returns.max_hold
+            await self._shared.put_release(*plan.release, ttl)
         decision = plan.decision
         label = self._fleet.backends[placement.backend].label
         if decision is not None:

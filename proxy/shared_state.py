@@ -12,7 +12,10 @@ With Redis configured, a replica:
   records), and in the background so queued requests see slots freed elsewhere: slots
   leased by others become REMOTE, and slot records written by others (what their requests
   left in the KV) replace older local content;
-- *clears* the records of a backend it saw restart.
+- *clears* the records of a backend it saw restart;
+- registers each *release* (the hashes its session's next prompt will contain) and claims
+  the release an arriving prompt continues, so how soon sessions come back is measured
+  across replicas (``core.returns``).
 
 Redis unavailable: every operation degrades to local state (leases are then only local
 claims), the outage is counted and logged once, and when Redis answers again the local slot
@@ -24,8 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from proxy.core.fingerprint import Fingerprint
@@ -48,6 +52,7 @@ class SharedState:
         enabled: bool,
         lease_ttl: float = 30.0,
         record_ttl: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.enabled = enabled
@@ -55,6 +60,7 @@ class SharedState:
         self._fleet = fleet
         self._metrics = metrics
         self._wall = wall
+        self._clock = clock  # the fleet's (last use of a slot)
         self._lease_ttl = lease_ttl
         self._record_ttl = record_ttl
         self._held: set[SlotRef] = set()
@@ -130,6 +136,7 @@ class SharedState:
         refs = [(b.label, s.id) for b in self._fleet.backends for s in b.slots]
         owners = await self.call("lease_owners", self.store.lease_owners(refs, self._wall()), {})
         records = await self.call("get_slots", self.store.get_slots(refs, self._wall()), {})
+        now, wall = self._clock(), self._wall()
         for backend in self._fleet.backends:
             leased = {
                 s for (label, s), o in owners.items() if label == backend.label and o != self.owner
@@ -139,7 +146,30 @@ class SharedState:
                 for (label, s), r in records.items()
                 if label == backend.label
             }
-            self._fleet.fold_shared(backend.index, leased, mine)
+            self._fleet.fold_shared(backend.index, leased, mine, now, wall)
+
+    async def put_release(self, release: int, hashes: Sequence[int], ttl: float) -> None:
+        if self.enabled and self.up:
+            put = self.store.put_release(f"{self.owner}:{release}", hashes, ttl, self._wall())
+            await self.call("put_release", put, None)
+
+    async def claim_release(
+        self, hashes: Sequence[int], ttl: float
+    ) -> tuple[int | None, float] | None:
+        """The release ``hashes`` continue, claimed: (its id if it is this replica's, the
+        seconds since it); None when there is none or the store is down."""
+        now = self._wall()
+        found = await self.call("claim_release", self.store.claim_release(hashes, ttl, now), None)
+        if found is None:
+            return None
+        owner, _, release = found[0].rpartition(":")
+        return (int(release) if owner == self.owner else None), max(0.0, now - found[1])
+
+    async def claimed(self, releases: Sequence[int]) -> set[int] | None:
+        """Which of this replica's releases some replica claimed; None when the store is down."""
+        ids = [f"{self.owner}:{r}" for r in releases]
+        found = await self.call("claimed", self.store.claimed(ids, self._wall()), None)
+        return None if found is None else {int(r.rpartition(":")[2]) for r in found}
 
     async def forget_backend(self, index: int) -> None:
         backend = self._fleet.backends[index]

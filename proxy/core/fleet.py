@@ -16,16 +16,15 @@ The one safety rule, from llama-server's busy-slot pinning bug (a request pinned
 ``id_slot`` to a slot that is generating can overwrite that slot's KV with another
 conversation's): only an IDLE slot is ever placed. Every other phase blocks it.
 
-Restart detection from probes: llama-server gives no boot id, so a restart is inferred
-when a backend returns to READY from any other phase, when its slot count changes, or
-when the highest ``id_task`` it reports goes down (task ids grow for a process's life).
-All functions take ``now`` from the caller; nothing here reads a clock.
+Restart detection from probes: llama-server gives no boot id, so a restart is inferred when a
+backend returns to READY from any other phase, when its slot count changes, or when the highest
+``id_task`` it reports goes down (task ids grow for a process's life). All functions take
+``now`` from the caller; nothing here reads a clock.
 
-Each backend's RAM prompt cache is modelled (``core.ram_cache``) up to ``GHOST_LIMIT``
-entries, or its token budget when configured: the server bounds it only by memory, so a
-model of 64 entries forgot prefixes the server still held (Mooncake synthetic trace: 0.086
--> 0.110 hit rate at 256, the ideal); routing checks each entry in O(1) unless the prompt
-shares a quarter of it.
+Each backend's RAM prompt cache is modelled (``core.ram_cache``) up to ``GHOST_LIMIT`` entries,
+or its token budget when configured: the server bounds it only by memory, so a model of 64
+entries forgot prefixes the server still held (Mooncake synthetic trace: 0.086 -> 0.110 hit rate
+at 256, the ideal); routing checks each entry in O(1) unless the prompt shares a quarter of it.
 """
 
 from __future__ import annotations
@@ -110,8 +109,7 @@ class BackendState:
     def busy_count(self) -> int:
         return sum(1 for s in self.slots if s.phase is not SlotPhase.IDLE)
 
-    def from_estimate(self, tokens: int) -> int:
-        """Estimated tokens in this server's tokens (the learned scale; 1.0 until learned)."""
+    def from_estimate(self, tokens: int) -> int:  # in this server's tokens (learned scale)
         return round(tokens * (self.token_scale or 1.0))
 
     def kv_tokens(self, content: Fingerprint, n_tokens: int = 0) -> int:
@@ -169,10 +167,9 @@ class Fleet:
             slot.phase = SlotPhase.BUSY
             slot.pending = content if slot_id == placement.pin else None
             if backend.ram and slot_id == placement.pin and content is not None:
-                # The server parks what the slot held in its RAM cache as the task starts,
-                # when the prompt keeps less than half of it (else its hook does not run),
-                # and moves the entry it loads out of the cache into the slot, so the
-                # evicted session can find its content there while this request runs.
+                # The server parks what the slot held in RAM as the task starts when the prompt
+                # keeps less than half of it (else its hook does not run), and moves the entry
+                # it loads into the slot: the evicted session finds its content there now.
                 old, entry = slot.content, None
                 if old is not None and ram_cache.hook_runs(old, content):
                     entry = backend.parked(old, slot.last_used, slot.n_tokens)
@@ -244,8 +241,11 @@ class Fleet:
         index: int,
         leased: set[int],
         records: dict[int, tuple[Fingerprint, int, float]],
+        now: float,
+        wall: float,
     ) -> None:
-        """Fold other replicas' leases and newer slot records into this backend's slots."""
+        """Fold other replicas' leases and newer slot records into this backend's slots; a
+        newer record dates the slot's last use too (``now``, ``wall``: both clocks, now)."""
         for slot in self.backends[index].slots:
             if slot.phase is SlotPhase.IDLE and slot.id in leased:
                 slot.phase = SlotPhase.REMOTE
@@ -254,16 +254,15 @@ class Fleet:
             found = records.get(slot.id)
             if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
                 slot.content, slot.n_tokens, slot.record_at = found
+                slot.last_used = max(slot.last_used, now - max(0.0, wall - found[2]))
                 slot.owner = None  # written through another replica: tenant unknown
 
     def mark_down(self, index: int) -> None:
         self.apply_probe(index, Probe(BackendPhase.DOWN), now=0.0)
 
     def apply_probe(self, index: int, probe: Probe, now: float) -> bool:
-        """Fold a probe in; returns True when the backend's slot contents were invalidated.
-
-        ``now`` is when the probe was sent, so a release after it is not undone by it.
-        """
+        """Fold a probe in (``now``: when it was sent, so a release after it is not undone by
+        it); returns True when the backend's slot contents were invalidated."""
         backend = self.backends[index]
         if probe.phase is not BackendPhase.READY:
             backend.phase = probe.phase
@@ -301,6 +300,8 @@ class Fleet:
             if slot.phase is SlotPhase.IDLE and slot.last_used < started:
                 slot.phase = SlotPhase.EXTERNAL
             return
+        if slot.phase is SlotPhase.EXTERNAL:  # a request just left it (another replica's: its
+            slot.last_used = max(slot.last_used, started)  # record, with the content, follows)
         slot.phase = SlotPhase.IDLE
         _reconcile(slot, seen.n_tokens)
         slot.n_tokens = seen.n_tokens

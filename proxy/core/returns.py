@@ -17,6 +17,13 @@ cost of a wait for whoever would have taken it: worth it only if sessions do com
 - ``arrived(fp, now)``: a request came. Scanning the last ``SCAN`` hashes of its chain from
   the end, the first registered one names the release it continues: a *return* after
   ``gap`` seconds. A release not continued within ``max_hold`` is a *miss* (slow or never).
+- Several replicas (``shared``): a session's next request may reach another replica than the
+  one that saw the release, so the shell also registers each release's hashes in the shared
+  store and matches arrivals there (``returned``: a gap measured through the store, by wall
+  clock); a release of this replica not continued within ``max_hold`` is a miss only if no
+  replica claimed it, which the shell checks for the releases ``expired`` hands it
+  (``missed``). Without this every replica would count its sessions' returns to the other
+  replicas as misses, and hold nothing.
 - ``hold(now)``: over the last ``WINDOW`` outcomes, when returns are at least half of them,
   twice the 90th percentile of the return gaps, at most ``max_hold``; otherwise 0 (sessions
   come back too slowly for a hold to pay). Before any outcome, ``max_hold``: misses correct
@@ -56,17 +63,22 @@ AMBIGUOUS = 0  # release ids start at 1
 class ReturnTracker:
     """Return gaps of sessions, from releases and arrivals; ``now`` comes from the caller."""
 
-    def __init__(self, max_hold: float) -> None:
+    def __init__(self, max_hold: float, *, shared: bool = False) -> None:
         self.max_hold = max_hold
+        self.shared = shared
+        self._expired: list[int] = []  # shared: releases past max_hold, claimed or not
         self._pending: OrderedDict[int, tuple[float, tuple[int, ...]]] = OrderedDict()
         self._keys: dict[int, int] = {}  # chain hash -> release id
         self._next = 0
         self._outcomes: deque[float | None] = deque(maxlen=WINDOW)  # gap, or None: a miss
         self._hold: float | None = None  # cached estimate; None: recompute
 
-    def released(self, prompt: Fingerprint, content: Fingerprint, now: float) -> None:
+    def released(
+        self, prompt: Fingerprint, content: Fingerprint, now: float
+    ) -> tuple[int, tuple[int, ...]] | None:
+        """Register a release; returns its id and the hashes that name it."""
         if self.max_hold <= 0 or not prompt.hashes:
-            return
+            return None
         self._expire(now)
         if len(self._pending) >= PENDING:
             self._drop(next(iter(self._pending)), None)
@@ -75,6 +87,7 @@ class ReturnTracker:
         self._pending[self._next] = (now, keys)
         for key in keys:  # a prefix two pending sessions share names neither
             self._keys[key] = AMBIGUOUS if key in self._keys else self._next
+        return self._next, keys
 
     def arrived(self, fp: Fingerprint, now: float) -> float | None:
         """The gap since the release this request continues, if any (and count it)."""
@@ -88,6 +101,25 @@ class ReturnTracker:
                 return gap
         return None
 
+    def returned(self, gap: float, release: int | None = None) -> None:
+        """A return matched through the shared store; ``release``: when it was one of ours."""
+        if release is not None and release in self._pending:
+            self._drop(release, gap)
+            return
+        self._outcomes.append(gap)
+        self._hold = None
+
+    def expired(self) -> list[int]:
+        """Shared: this replica's releases that expired since the last call."""
+        found, self._expired = self._expired, []
+        return found
+
+    def missed(self, count: int) -> None:
+        """Shared: ``count`` expired releases no replica claimed."""
+        self._outcomes.extend([None] * count)
+        if count:
+            self._hold = None
+
     def hold(self, now: float) -> float:
         """How long a freed slot is held for its session now."""
         self._expire(now)
@@ -100,6 +132,9 @@ class ReturnTracker:
         for key in keys:
             if self._keys.get(key) in (release, AMBIGUOUS):
                 del self._keys[key]
+        if outcome is None and self.shared:
+            self._expired.append(release)  # a miss unless another replica saw it come back
+            return
         self._outcomes.append(outcome)
         self._hold = None
 

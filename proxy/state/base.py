@@ -8,13 +8,18 @@ What it holds (every key has a TTL or a bound):
   with a TTL that frees the slot of a replica that died; ``acquire_lease`` is atomic
   (set-if-absent), so two replicas never pin one slot at once;
 - *windows*: per model, the last N request fingerprints (bounded list), for the disk tier;
+- *releases*: for a short while after a response, the hashes the session's next prompt
+  will contain -> (release id, when), so whichever replica that prompt reaches can tell how
+  soon the session came back (``core.returns``); a release is claimed once;
 - *snapshots*: the disk tier's index, index key -> packed entries (``core.snapshots``),
   bounded by the disk budget (entries are deleted with their files), so it has no TTL.
 
 Semantics both implementations keep (``tests/contract``): a lease can be taken by one owner
 at a time and renewed (extended, never re-created) or released only by it; expired entries
-read as absent; a window keeps
-the newest ``limit`` entries, newest first. Times are wall-clock seconds from the caller.
+read as absent; a window keeps the newest ``limit`` entries, newest first; ``claim_release``
+returns the unclaimed release registered under the last of the given hashes that has one (a
+later registration of a hash replaces an earlier one) and marks it claimed, so it is
+returned once, whichever replica asks. Times are wall-clock seconds from the caller.
 Every method may raise ``StateStoreUnavailable``; the proxy then routes on local state.
 """
 
@@ -91,6 +96,16 @@ class StateStore(Protocol):
     ) -> None: ...
 
     async def window(self, name: str, now: float) -> list[bytes]: ...
+
+    async def put_release(
+        self, release: str, hashes: Sequence[int], ttl: float, now: float
+    ) -> None: ...
+
+    async def claim_release(
+        self, hashes: Sequence[int], ttl: float, now: float
+    ) -> tuple[str, float] | None: ...
+
+    async def claimed(self, releases: Sequence[str], now: float) -> set[str]: ...
 
     async def get_snapshots(self, keys: Sequence[str]) -> dict[str, bytes]: ...
 

@@ -22,4 +22,12 @@ def window(name: str) -> str:
     return f"{PREFIX}win:{name}"
 
 
+def release(key: int) -> str:
+    return f"{PREFIX}ret:{key}"
+
+
+def claimed(release_id: str) -> str:
+    return f"{PREFIX}retd:{release_id}"
+
+
 SNAPSHOTS = f"{PREFIX}snapshots"

@@ -82,6 +82,25 @@ class InMemoryStateStore:
         entries: list[bytes] = self._get(("win", name), now) or []
         return list(entries)
 
+    async def put_release(
+        self, release: str, hashes: Sequence[int], ttl: float, now: float
+    ) -> None:
+        for key in hashes:
+            self._set(("ret", key), (release, now), ttl, now)
+
+    async def claim_release(
+        self, hashes: Sequence[int], ttl: float, now: float
+    ) -> tuple[str, float] | None:
+        for key in reversed(hashes):
+            found: tuple[str, float] | None = self._get(("ret", key), now)
+            if found is not None and self._get(("retd", found[0]), now) is None:
+                self._set(("retd", found[0]), True, ttl, now)
+                return found
+        return None
+
+    async def claimed(self, releases: Sequence[str], now: float) -> set[str]:
+        return {r for r in releases if self._get(("retd", r), now) is not None}
+
     async def get_snapshots(self, keys: Sequence[str]) -> dict[str, bytes]:
         return {k: self._snapshots[k] for k in keys if k in self._snapshots}
 

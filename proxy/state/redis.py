@@ -2,11 +2,11 @@
 
 Leases are ``SET key owner NX PX ttl`` (atomic take), renewed by the same owner with a Lua
 compare-and-set and released with a Lua compare-and-delete, so one replica can never free
-another's lease. Slot records are packed binary values; windows are capped lists
-(``LPUSH`` + ``LTRIM``); the snapshot index is one hash (``HMGET``/``HSET``/``HDEL``).
-Reads of many slots use one ``MGET``. Every redis error becomes
-``StateStoreUnavailable`` here; short socket timeouts keep a dead Redis from stalling
-requests (the caller then routes on local state).
+another's lease. Slot records are packed binary values; windows are capped lists (``LPUSH``
++ ``LTRIM``); a release is claimed with ``SET NX``; the snapshot index is one hash
+(``HMGET``/``HSET``/``HDEL``). Reads of many slots use one ``MGET``. Every redis error
+becomes ``StateStoreUnavailable`` here; short socket timeouts keep a dead Redis from
+stalling requests (the caller then routes on local state).
 """
 
 from __future__ import annotations
@@ -124,6 +124,40 @@ class RedisStateStore:
     async def window(self, name: str, now: float) -> list[bytes]:
         values = await _call(self._redis.lrange(keys.window(name), 0, -1))
         return [_bytes(v) for v in values]
+
+    async def put_release(
+        self, release: str, hashes: Sequence[int], ttl: float, now: float
+    ) -> None:
+        if not hashes:
+            return
+        value = f"{release}|{now!r}"
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key in hashes:
+                    pipe.set(keys.release(key), value, px=_ms(ttl))
+                await pipe.execute()
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+
+    async def claim_release(
+        self, hashes: Sequence[int], ttl: float, now: float
+    ) -> tuple[str, float] | None:
+        if not hashes:
+            return None
+        values = await _call(self._redis.mget([keys.release(k) for k in hashes]))
+        for value in reversed(values):
+            if value is None:
+                continue
+            release, _, at = _bytes(value).decode().rpartition("|")
+            if await _call(self._redis.set(keys.claimed(release), 1, nx=True, px=_ms(ttl))):
+                return release, float(at)
+        return None
+
+    async def claimed(self, releases: Sequence[str], now: float) -> set[str]:
+        if not releases:
+            return set()
+        values = await _call(self._redis.mget([keys.claimed(r) for r in releases]))
+        return {r for r, v in zip(releases, values, strict=True) if v is not None}
 
     async def get_snapshots(self, keys_: Sequence[str]) -> dict[str, bytes]:
         if not keys_:

@@ -124,3 +124,27 @@ async def test_snapshot_index_put_get_delete_list(store: StateStore) -> None:
     assert await store.all_snapshots() == {"b": b"[2]"}
     await store.delete_snapshots([])
     assert await store.get_snapshots([]) == {}
+
+
+async def test_a_release_is_claimed_once_by_its_latest_hash(store: StateStore) -> None:
+    """The release under the last hash that has one names what a prompt continues; once
+    claimed (by any replica) it is never returned again, and older releases still are."""
+    t = now()
+    await store.put_release("r1:1", [10, 11], ttl=5, now=t)
+    await store.put_release("r2:7", [20, 21, 22], ttl=5, now=t + 0.5)
+    assert await store.claim_release([1, 10, 11, 2], ttl=5, now=t + 1) == ("r1:1", t)
+    assert await store.claim_release([10, 11], ttl=5, now=t + 1) is None
+    assert await store.claim_release([10, 21, 3], ttl=5, now=t + 1) == ("r2:7", t + 0.5)
+    assert await store.claimed(["r1:1", "r2:7", "r3:1"], now=t + 1) == {"r1:1", "r2:7"}
+    await store.put_release("r3:1", [10, 30], ttl=5, now=t + 2)  # a later release of key 10
+    assert await store.claim_release([10], ttl=5, now=t + 2) == ("r3:1", t + 2)
+    assert await store.claim_release([], ttl=5, now=t + 2) is None
+
+
+async def test_releases_and_their_claims_expire(store: StateStore) -> None:
+    await store.put_release("r1:1", [40], ttl=0.2, now=now())
+    await store.put_release("r1:2", [41], ttl=5, now=now())
+    assert await store.claim_release([41], ttl=0.2, now=now()) is not None
+    await asyncio.sleep(0.3)
+    assert await store.claim_release([40], ttl=5, now=now()) is None
+    assert await store.claimed(["r1:2"], now=now()) == set()

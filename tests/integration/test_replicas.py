@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from tests.conftest import chat, metric
+from tests.integration import test_holds_fake as holds
 from tests.integration.test_routing_fake import SYSTEM
 
 
@@ -69,3 +70,52 @@ async def test_redis_outage_degrades_to_local_state_and_resyncs(
         await asyncio.sleep(0.1)
     assert metric(page, "llama_cache_proxy_state_store_up") == 1
     assert (await client.post("/v1/chat/completions", json=body)).status == 200
+
+
+async def alternating(a: Any, b: Any) -> tuple[int, int, Any]:
+    """Session W's turns alternate replicas ``a`` and ``b`` (so both learn how soon sessions
+    come back); then A's first turn runs through ``a`` while a stranger queues at ``b``, and
+    A's next turn goes to ``b`` 0.6 s after its reply. Returns A's first prompt size, what
+    A's next turn reused, and the stranger's headers."""
+    history: list[dict[str, Any]] = []
+    for i in range(4):  # back 0.6 s after each reply
+        body = holds.turn("W", history, f"step {i}")
+        reply, _ = await holds.post((a, b)[i % 2], body)
+        history += [body["messages"][-1], reply["choices"][0]["message"]]
+        await asyncio.sleep(0.6)
+    await asyncio.sleep(1.0)  # W's slot is no longer held for it
+    earlier = [
+        {"role": role, "content": f"A {role} {i} " + "context " * 150}
+        for i in range(2)
+        for role in ("user", "assistant")
+    ]
+    first_body = holds.turn("A", earlier, "start")  # long enough to be worth holding
+    first_task = asyncio.create_task(holds.post(a, first_body))
+    await asyncio.sleep(0.2)  # A's first turn runs (through replica a)
+    stranger = asyncio.create_task(holds.post(b, holds.turn("B", [], "hello")))
+    first, _ = await first_task
+    await asyncio.sleep(0.6)  # b sees the slot free meanwhile
+    history = [*first_body["messages"][1:], first["choices"][0]["message"]]
+    second, _ = await holds.post(b, holds.turn("A", history, "next"))
+    _, stranger_headers = await stranger
+    size = first["timings"]["prompt_n"] + first["timings"]["cache_n"]
+    return size, second["timings"]["cache_n"], stranger_headers
+
+
+async def test_a_slot_is_held_for_a_session_whose_turns_alternate_replicas(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Behind a load balancer a session's turns alternate replicas. Each replica measures
+    how soon sessions come back through Redis (not only its own releases), and dates a slot
+    another replica just freed, so the replica the session returns to holds the slot for it
+    against a stranger waiting there (one slot, no RAM prompt cache)."""
+    backend = await fakes(n_slots=1, ram_cache=False, gen_s_per_token=0.05, prompt_s_per_token=1e-3)
+    config = [{"url": backend.url, "ram_cache": False}]
+    a = await proxy(config, redis_url=redis_server.url)
+    b = await proxy(config, redis_url=redis_server.url)
+    size, reused, stranger_headers = await alternating(a, b)
+    assert reused >= 0.9 * size  # A's history stayed in the slot
+    assert stranger_headers["X-Cache-Route"].startswith("wait")
+    for client in (a, b):
+        page = await (await client.get("/metrics")).text()
+        assert metric(page, "llama_cache_proxy_slot_hold_seconds") > 0

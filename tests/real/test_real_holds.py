@@ -6,6 +6,7 @@ from typing import Any
 
 from tests.conftest import metric
 from tests.integration.test_holds_fake import two_sessions
+from tests.integration.test_replicas import alternating
 
 
 async def start(llama_servers: Any, proxy: Any, **over: Any) -> Any:
@@ -35,3 +36,22 @@ async def test_without_holds_the_stranger_overwrites_the_session(
     client = await start(llama_servers, proxy, routing={"hold_max_seconds": 0})
     size, reused, _ = await two_sessions(client, first_tokens=64)
     assert reused < 0.5 * size, (reused, size)
+
+
+async def test_two_replicas_hold_a_slot_for_a_session_whose_turns_alternate_them(
+    llama_servers: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Two proxies on one Redis, a session's turns alternating them (as behind the compose
+    file's load balancer): the replica it comes back to holds its slot from a stranger."""
+    server = llama_servers(slots=1, extra=("--cache-ram", "0"))
+    backends = [{"url": server.url, "ram_cache": False}]
+    over: dict[str, Any] = {
+        "disk": {"prefix_cache": "off", "park": "off"},
+        "queue": {"max_wait_seconds": 60},
+        "timeouts": {"read_seconds": 60},
+        "redis_url": redis_server.url,
+    }
+    a, b = await proxy(backends, **over), await proxy(backends, **over)
+    size, reused, stranger_headers = await alternating(a, b)
+    assert reused >= 0.9 * size, (reused, size)
+    assert stranger_headers["X-Cache-Route"].startswith("wait")

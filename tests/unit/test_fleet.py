@@ -215,3 +215,31 @@ def test_a_release_without_a_reported_length_forgets_the_old_one() -> None:
     slot = backend.slots[0]
     assert slot.content == second
     assert backend.kv_tokens(second, slot.n_tokens) == backend.from_estimate(second.total)
+
+
+def test_another_replicas_newer_record_dates_the_slots_last_use() -> None:
+    """A slot record written by another replica 0.5 s ago (wall clock) means its request left
+    the slot then: the slot's last use moves to that moment on this replica's clock."""
+    content = fingerprint_chat({"messages": [{"role": "user", "content": "a " * 40}]}, len)
+    fleet = ready_fleet(2)
+    fleet.backends[0].slots[0].last_used = 3.0
+    fleet.fold_shared(0, set(), {0: (content, 40, 1000.0)}, now=50.0, wall=1000.5)
+    slot = fleet.backends[0].slots[0]
+    assert slot.content == content
+    assert slot.last_used == 49.5
+    fleet.fold_shared(0, set(), {0: (content, 40, 999.0)}, now=60.0, wall=1001.0)
+    assert slot.last_used == 49.5  # an older record changes nothing
+
+
+def test_a_slot_someone_else_just_used_counts_as_just_used() -> None:
+    """/slots shows a slot we did not pin processing, then idle: someone's request (another
+    replica's, whose record brings the content next) left it at the probe, not when we last
+    used it."""
+    fleet = ready_fleet(1)
+    slot = fleet.backends[0].slots[0]
+    slot.last_used = 2.0
+    fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, True, 50, 3),)), now=5.0)
+    assert slot.phase is SlotPhase.EXTERNAL
+    fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 80, 3),)), now=9.0)
+    assert slot.phase is SlotPhase.IDLE
+    assert slot.last_used == 9.0

@@ -51,6 +51,27 @@ def test_a_prefix_two_waiting_sessions_share_names_neither() -> None:
     assert tracker.arrived(chat(1, 2, 4, 6), now=0.02) == pytest.approx(0.02)  # by its reply
 
 
+def test_shared_misses_wait_for_the_store_and_returns_come_through_it() -> None:
+    """Several replicas: a release of this replica that expires is a miss only when the shell
+    finds no replica claimed it; returns matched in the store count, once."""
+    tracker = ReturnTracker(max_hold=2.0, shared=True)
+    first = tracker.released(chat(1, 2), chat(1, 2, 3), now=0.0)
+    second = tracker.released(chat(1, 4), chat(1, 4, 5), now=0.0)
+    assert first is not None
+    assert second is not None
+    assert first[1] == (2, 3)
+    assert second[1] == (4, 5)
+    tracker.returned(0.1, release=first[0])  # its session came back through this replica
+    assert tracker.hold(5.0) == pytest.approx(0.2)  # the other expired: not a miss yet
+    assert tracker.expired() == [second[0]]
+    assert tracker.expired() == []
+    tracker.returned(0.3)  # another replica's release, continued here
+    tracker.missed(0)  # ``second`` was claimed by another replica
+    assert tracker.hold(5.0) == pytest.approx(0.6)
+    tracker.missed(3)
+    assert tracker.hold(5.0) == 0.0  # two returns in five outcomes
+
+
 def test_holding_is_off_at_max_hold_zero() -> None:
     tracker = ReturnTracker(max_hold=0.0)
     tracker.released(chat(1, 2), chat(1, 2, 3), now=0.0)

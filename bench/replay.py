@@ -17,6 +17,9 @@ completion prompt: the disk tier's scoped snapshots need message boundaries.
 
     python -m bench.replay [--backends 4] [--slots 4] [--peers] [--repeat N]
 
+With ``--replicas N`` ours runs as N proxies sharing one redis-server (``bench.replicas``),
+each request sent to the next replica in turn, so a session's turns alternate replicas.
+
 With ``--repeat N`` every policy runs N times per workload (in rounds, each on a fresh
 fleet) and the table shows means; the JSON keeps each run's hit rate (``<policy>_runs``).
 """
@@ -41,6 +44,7 @@ import aiohttp
 from bench.inproc import serve
 from bench.peers import SESSION_HEADERS
 from bench.plots import plot_replay, policy_columns
+from bench.replicas import serve_replicas
 from bench.results_io import RESULTS, load, print_markdown, save
 from bench.workloads import Workload, chat_body, lmcache, mooncake
 from proxy.config import Settings
@@ -85,6 +89,7 @@ async def _run_sessions(workload: Workload, send: Send) -> None:
 CHAT = False  # --chat
 RAM_CACHE = True  # --no-ram-cache: backends run with --cache-ram 0
 RAM_TOKENS: int | None = None  # --ram-tokens: what each backend's RAM cache holds
+REPLICAS = 1  # --replicas: ours as that many proxies on one Redis, requests round-robin
 
 
 async def _post(
@@ -163,8 +168,12 @@ async def run_policy(
                     "log_level": "WARNING",
                 }
             )
-            async with serve(settings) as url:
-                await _run_sessions(workload, lambda s, p, _: _post(s, url, p))
+            if REPLICAS > 1:
+                async with serve_replicas(settings, REPLICAS) as next_url:
+                    await _run_sessions(workload, lambda s, p, _: _post(s, next_url(), p))
+            else:
+                async with serve(settings) as url:
+                    await _run_sessions(workload, lambda s, p, _: _post(s, url, p))
         else:
             session_policy = ":" in policy
             async with peers[policy](urls) as url:
@@ -204,6 +213,10 @@ def scenarios(
     return out if full else out[:1] + out[5:6]
 
 
+def _replicas_label() -> str:
+    return f", {REPLICAS} replicas" if REPLICAS > 1 else ""
+
+
 def _ram_label() -> str:
     if not RAM_CACHE:
         return ", RAM off"
@@ -222,7 +235,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         backends, slots = shape or (args.backends, args.slots)
         row: dict[str, Any] = {
             "workload": workload.name,
-            "fleet": f"{backends}x{slots}" + _ram_label(),
+            "fleet": f"{backends}x{slots}" + _ram_label() + _replicas_label(),
             "sessions": len(workload.sessions),
             "requests": sum(len(s) for s in workload.sessions),
             "ideal": ideal_hit_rate(workload),
@@ -297,9 +310,13 @@ def main() -> None:
     parser.add_argument(
         "--ram-tokens", type=int, help="bound each fake's RAM cache (and tell the proxy)"
     )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="ours as N proxies on one Redis, round-robin"
+    )
     args = parser.parse_args()
-    global CHAT, RAM_CACHE, RAM_TOKENS
+    global CHAT, RAM_CACHE, RAM_TOKENS, REPLICAS
     CHAT, RAM_CACHE, RAM_TOKENS = args.chat, not args.no_ram_cache, args.ram_tokens
+    REPLICAS = args.replicas
     stem = "replay-partial" if (args.only or args.policies or args.quick) else "replay"
     if args.chat:
         stem = "replay-chat" if stem == "replay" else stem + "-chat"
@@ -307,6 +324,8 @@ def main() -> None:
         stem += "-noram"
     elif args.ram_tokens:
         stem += f"-ram{args.ram_tokens // 1000}k"
+    if args.replicas > 1:
+        stem += f"-replicas{args.replicas}"
     stem = args.out or stem
     if args.from_json:
         rows = load(stem)

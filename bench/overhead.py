@@ -5,8 +5,10 @@ nothing queues), the proxy (``python -m proxy serve``, INFO access log to /dev/n
 load generator. For each concurrency, closed-loop workers send small requests straight to the
 fake and then through the proxy; the table shows latency percentiles of both and the
 difference (the proxy's added latency), time to first byte for streams, and requests/s.
+``--store redis`` runs the proxy on a fresh redis-server (shared state, as replicas do);
+``--store memory redis`` measures both proxies in the same run.
 
-    python -m bench.overhead [--requests 3000] [--concurrency 1 16 64]
+    python -m bench.overhead [--requests 3000] [--concurrency 1 16 64] [--store memory redis]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from contextlib import contextmanager
 import aiohttp
 
 from bench.results_io import print_markdown
-from tests.real.stack import _wait_http, free_port
+from tests.real.stack import RedisServer, _wait_http, free_port
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
@@ -77,10 +79,9 @@ def _pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-def run(requests: int, concurrencies: list[int]) -> list[dict[str, object]]:
-    fake_port, proxy_port = free_port(), free_port()
+def run(requests: int, concurrencies: list[int], stores: list[str]) -> list[dict[str, object]]:
+    fake_port = free_port()
     fake = f"http://127.0.0.1:{fake_port}"
-    proxy = f"http://127.0.0.1:{proxy_port}"
     slots = max(concurrencies)
     rows: list[dict[str, object]] = []
     fake_args = [
@@ -92,37 +93,52 @@ def run(requests: int, concurrencies: list[int]) -> list[dict[str, object]]:
         "--slots",
         str(slots),
     ]
-    proxy_args = [
-        sys.executable,
-        "-m",
-        "proxy",
-        "serve",
-        "--backend",
-        fake,
-        "--listen",
-        f"127.0.0.1:{proxy_port}",
-    ]
-    with _process(fake_args, fake + "/health"), _process(proxy_args, proxy + "/readyz"):
-        for stream in (False, True):
-            for concurrency in concurrencies:
-                d, d_rps = asyncio.run(
-                    _load(fake + "/v1/chat/completions", concurrency, requests, stream)
-                )
-                p, p_rps = asyncio.run(
-                    _load(proxy + "/v1/chat/completions", concurrency, requests, stream)
-                )
-                rows.append(
-                    {
-                        "mode": "stream TTFB" if stream else "request",
-                        "conc": concurrency,
-                        "direct_p50": _pct(d, 0.5),
-                        "proxy_p50": _pct(p, 0.5),
-                        "direct_p99": _pct(d, 0.99),
-                        "proxy_p99": _pct(p, 0.99),
-                        "direct_rps": d_rps,
-                        "proxy_rps": p_rps,
-                    }
-                )
+    redis = RedisServer().start() if "redis" in stores else None
+    try:
+        with _process(fake_args, fake + "/health"):
+            for store in stores:
+                proxy_port = free_port()
+                proxy = f"http://127.0.0.1:{proxy_port}"
+                proxy_args = [
+                    *(sys.executable, "-m", "proxy", "serve", "--backend", fake),
+                    *("--listen", f"127.0.0.1:{proxy_port}"),
+                ]
+                if store == "redis":
+                    assert redis is not None
+                    proxy_args += ["--redis-url", redis.url]
+                with _process(proxy_args, proxy + "/readyz"):
+                    rows += _measure(fake, proxy, store, requests, concurrencies)
+    finally:
+        if redis is not None:
+            redis.stop()
+    return rows
+
+
+def _measure(
+    fake: str, proxy: str, store: str, requests: int, concurrencies: list[int]
+) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for stream in (False, True):
+        for concurrency in concurrencies:
+            d, d_rps = asyncio.run(
+                _load(fake + "/v1/chat/completions", concurrency, requests, stream)
+            )
+            p, p_rps = asyncio.run(
+                _load(proxy + "/v1/chat/completions", concurrency, requests, stream)
+            )
+            rows.append(
+                {
+                    "mode": "stream TTFB" if stream else "request",
+                    "store": store,
+                    "conc": concurrency,
+                    "direct_p50": _pct(d, 0.5),
+                    "proxy_p50": _pct(p, 0.5),
+                    "direct_p99": _pct(d, 0.99),
+                    "proxy_p99": _pct(p, 0.99),
+                    "direct_rps": d_rps,
+                    "proxy_rps": p_rps,
+                }
+            )
     return rows
 
 
@@ -133,6 +149,7 @@ def print_table(rows: list[dict[str, object]]) -> None:
     )
     header = (
         "mode",
+        "store",
         "conc",
         "direct p50 ms",
         "proxy p50 ms",
@@ -151,6 +168,7 @@ def print_table(rows: list[dict[str, object]]) -> None:
         cells.append(
             (
                 r["mode"],
+                r.get("store", "memory"),
                 r["conc"],
                 f"{dp50:.2f}",
                 f"{pp50:.2f}",
@@ -173,8 +191,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument(
+        "--store", nargs="+", choices=["memory", "redis"], default=["memory"], help="proxy state"
+    )
     args = parser.parse_args()
-    print_table(run(args.requests, args.concurrency))
+    print_table(run(args.requests, args.concurrency, args.store))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,6 @@ class Plan:
     held: bool = False  # waited for a slot held for its session
     disk: DiskPlan | None = None
     tenant: str | None = None  # under cache isolation
-    release: tuple[int, tuple[int, ...]] | None = None  # its response's, for its session
 
 
 def routing_params(settings: Settings) -> RoutingParams:
@@ -217,9 +216,18 @@ class Router:
             self._wake_due = until
             self.wake_later(max(0.0, until - now))
 
-    def released(self, plan: Plan, content: Fingerprint) -> None:
-        """A response ended: the slot now holds ``content`` until its session is back."""
-        plan.release = self.returns.released(plan.fp, content, self._clock())
+    async def publish(
+        self, plan: Plan, placement: Placement, content: Fingerprint, usage: Usage | None
+    ) -> None:
+        """A response ended, its slot still leased: the slot now holds ``content`` until its
+        session is back. Registered (the release, the slot record) before the lease goes, so
+        another replica never sees the slot free with what it held before."""
+        release = self.returns.released(plan.fp, content, self._clock())
+        if release is not None and self.returns.shared:
+            await self._shared.put_release(*release, self.returns.max_hold)
+        if placement.pin is not None:
+            n_tokens = usage.kv_tokens if usage is not None else 0
+            await self._shared.publish(placement.backend, placement.pin, content, n_tokens)
 
     def content_after(self, plan: Plan, reply: Reply | None) -> Fingerprint:
         """What the slot holds after a complete response: prompt, then the reply."""
@@ -255,9 +263,6 @@ class Router:
     async def record(
         self, plan: Plan, placement: Placement, content: Fingerprint, usage: Usage | None
     ) -> None:
-        if plan.release is not None and self.returns.shared:
-            ttl = self.returns.max_hold
-            await self._shared.put_release(*plan.release, ttl)
         decision = plan.decision
         label = self._fleet.backends[placement.backend].label
         if decision is not None:
@@ -269,8 +274,6 @@ class Router:
         if plan.key is not None:
             ttl = self._settings.routing.affinity_ttl_seconds
             await self._shared.set_affinity(plan.key, (label, placement.pin), ttl)
-        slot = self._fleet.backends[placement.backend].slots[placement.pin]
-        await self._shared.publish(placement.backend, placement.pin, content, slot.n_tokens)
 
     def _count(self, decision: Decision, label: str, usage: Usage | None) -> None:
         m = self._metrics

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
+import pytest
+
+from proxy.state.base import SlotRef
+from proxy.state.redis import RedisStateStore
 from tests.conftest import chat, metric
 from tests.integration import test_holds_fake as holds
 from tests.integration.test_routing_fake import SYSTEM
@@ -46,7 +51,35 @@ async def test_replicas_never_pin_one_slot_at_once(
         *(replicas[i % 3].post("/v1/chat/completions", json=body) for i, body in enumerate(bodies))
     )
     assert [r.status for r in responses] == [200] * 36
-    assert all(f.violations == [] for f in backends)
+    assert [f.violations for f in backends] == [[], []]
+
+
+async def test_a_slot_record_is_published_before_its_lease_goes(
+    fakes: Any, proxy: Any, redis_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When a replica gives back a slot's lease, what the slot now holds is already in Redis:
+    a replica refreshing in between must not find the slot free with its previous content."""
+    at_release: list[int] = []  # tokens of the slot record in Redis as each lease goes
+    release = RedisStateStore.release_lease
+
+    async def spy(self: RedisStateStore, ref: SlotRef, owner: str) -> None:
+        records = await self.get_slots([ref], time.time())
+        at_release.append(records[ref].tokens[-1] if ref in records else 0)
+        await release(self, ref, owner)
+
+    monkeypatch.setattr(RedisStateStore, "release_lease", spy)
+    client = await proxy([await fakes(n_slots=1)], redis_url=redis_server.url)
+    history: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for turn in range(2):
+        history.append({"role": "user", "content": f"turn {turn} " + "word " * 30})
+        resp = await client.post(
+            "/v1/chat/completions", json={"messages": history, "max_tokens": 6}
+        )
+        assert resp.status == 200
+        reply = (await resp.json())["choices"][0]["message"]
+        history.append({"role": "assistant", "content": reply["content"]})
+    assert len(at_release) == 2
+    assert 0 < at_release[0] < at_release[1], at_release
 
 
 async def test_redis_outage_degrades_to_local_state_and_resyncs(

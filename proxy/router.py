@@ -10,6 +10,7 @@ State-store failures never fail a request (``SharedState`` degrades to local sta
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,10 @@ def routing_params(settings: Settings) -> RoutingParams:
         key_similarity=r.slot_cache_key_similarity,
         key_min_prefix=r.slot_cache_key_min_prefix,
     )
+
+
+async def _none() -> None:
+    return None
 
 
 def cache_key(sources: tuple[str, ...], body: dict[str, Any], headers: Any) -> str | None:
@@ -146,20 +151,27 @@ class Router:
         key = cache_key(self._settings.routing.cache_key_sources, body, request.headers)
         if key is not None and tenant is not None:
             key = f"{tenant}:{key}"
-        hint = None
-        await self._shared.refresh()
-        if key is not None:
-            ref = await self._shared.get_affinity(key)
-            if ref is not None and ref[0] in self._labels:
-                hint = (self._labels[ref[0]], ref[1])
         if segments is not None and self.churn is not None:
             self.churn.observe(key, fp, body, segments)
-        await self._arrived(fp)
+        # the state-store reads are independent: one round trip's wait for all of them
+        ref, _, _, disk = await asyncio.gather(
+            self._shared.get_affinity(key) if key is not None else _none(),
+            self._shared.refresh(),
+            self._arrived(fp),
+            self._disk_plan(fp, body, scope, tenant),
+        )
+        hint = (
+            (self._labels[ref[0]], ref[1]) if ref is not None and ref[0] in self._labels else None
+        )
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
-        plan = Plan(fp, chat, key, hint, wait_until, tenant=tenant)
-        if self._disk is not None and self._settings.routing.pin_slots:
-            plan.disk = await self._disk.plan(fp, body, scope, tenant)
-        return plan
+        return Plan(fp, chat, key, hint, wait_until, tenant=tenant, disk=disk)
+
+    async def _disk_plan(
+        self, fp: Fingerprint, body: dict[str, Any], scope: Scope | None, tenant: str | None
+    ) -> DiskPlan | None:
+        if self._disk is None or not self._settings.routing.pin_slots:
+            return None
+        return await self._disk.plan(fp, body, scope, tenant)
 
     async def _arrived(self, fp: Fingerprint) -> None:
         """How soon this request's session came back (``core.returns``): through the shared

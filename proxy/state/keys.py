@@ -1,5 +1,5 @@
 """Redis key names, in one versioned namespace. Every key written has a TTL, except the
-snapshot index, which the disk budget bounds."""
+snapshot index, which the disk budget bounds (and the pub/sub channel, which holds nothing)."""
 
 from __future__ import annotations
 
@@ -31,3 +31,4 @@ def claimed(release_id: str) -> str:
 
 
 SNAPSHOTS = f"{PREFIX}snapshots"
+FREED = f"{PREFIX}freed"  # pub/sub channel: a lease was given back (message: its owner)

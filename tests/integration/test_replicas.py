@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from proxy.shared_state import SharedState
 from proxy.state.base import SlotRef
 from proxy.state.redis import RedisStateStore
 from tests.conftest import chat, metric
@@ -80,6 +81,42 @@ async def test_a_slot_record_is_published_before_its_lease_goes(
         history.append({"role": "assistant", "content": reply["content"]})
     assert len(at_release) == 2
     assert 0 < at_release[0] < at_release[1], at_release
+
+
+async def freed_elsewhere(
+    proxy: Any, backend: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch, **first: Any
+) -> tuple[int, int, str, float]:
+    """Replica a runs a request on the backend's one slot; one queued at replica b for it
+    meanwhile. With b's periodic refresh and prober off, only a's announcement of the freed
+    lease can tell b (else the request times out in b's queue). Returns both statuses, b's
+    body and how many announced refreshes b made."""
+    maintain = SharedState.maintain
+
+    async def rarely(self: SharedState, on_change: Any, every: float = 0.5) -> None:
+        await maintain(self, on_change, every=3600)
+
+    monkeypatch.setattr(SharedState, "maintain", rarely)
+    over: dict[str, Any] = {"redis_url": redis_url, "queue": {"max_wait_seconds": 20}}
+    a = await proxy([backend], probe_loop=False, **over)
+    b = await proxy([backend], probe_loop=False, **over)
+    body = chat("one", **first)
+    running = asyncio.create_task(a.post("/v1/chat/completions", json=body))
+    await asyncio.sleep(0.3)  # a holds the slot's lease
+    second = await b.post("/v1/chat/completions", json=chat("two", max_tokens=2))
+    page = await (await b.get("/metrics")).text()
+    wakeups = metric(page, "llama_cache_proxy_state_store_wakeups_total")
+    return (await running).status, second.status, await second.text(), wakeups
+
+
+async def test_a_waiter_is_granted_a_slot_another_replica_frees_when_it_is_announced(
+    fakes: Any, proxy: Any, redis_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = await fakes(n_slots=1, gen_s_per_token=0.05)
+    first, second, text, wakeups = await freed_elsewhere(
+        proxy, backend, redis_server.url, monkeypatch, max_tokens=20
+    )
+    assert (first, second) == (200, 200), text
+    assert wakeups >= 1
 
 
 async def test_redis_outage_degrades_to_local_state_and_resyncs(

@@ -69,4 +69,4 @@ async def test_a_slot_freed_by_one_replica_goes_at_once_to_a_request_queued_at_a
         proxy, server.url, redis_server.url, monkeypatch, max_tokens=256, ignore_eos=True
     )
     assert (first, second) == (200, 200), text
-    assert wakeups >= 1
+    assert wakeups == [1, 1]

@@ -108,7 +108,6 @@ def create_app(
             if shared.enabled:
                 await shared.refresh()
                 tasks.append(asyncio.create_task(shared.maintain(scheduler.wake)))
-                tasks.append(asyncio.create_task(shared.listen(scheduler.wake)))
             yield
             for task in tasks:
                 task.cancel()

@@ -28,6 +28,7 @@ request goes on as if the disk were empty.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -309,6 +310,7 @@ class DiskTier:
         )
 
 
+@functools.lru_cache(maxsize=1024)  # a window is read per request: its entries repeat
 def _unpack_fp(raw: bytes) -> Fingerprint:
     record = SlotRecord.unpack(raw)
     return Fingerprint(record.hashes, record.tokens, record.anchor)

@@ -129,7 +129,7 @@ class ProxyHandlers:
             except BaseException:
                 # disk-tier work may have reached the slot: drain it, let the lease expire
                 self._shared.abandon(placement)
-                self._release(placement, None)
+                self._release(placement, None, plan)
                 raise
             try:
                 return await self._send(request, placement.backend, body, placement, plan)
@@ -243,7 +243,7 @@ class ProxyHandlers:
                 try:
                     self._shared.abandon(placement)  # still busy upstream: let it expire
                 finally:
-                    self._release(placement, outcome)
+                    self._release(placement, outcome, plan)
         if not released:
             assert placement is not None
             assert outcome is not None
@@ -252,36 +252,33 @@ class ProxyHandlers:
 
     async def _finish(self, plan: Plan | None, placement: Placement, outcome: Outcome) -> None:
         """After a complete response: disk-tier work, free the slot, record what it holds."""
-        held = None
-        if plan is not None and outcome.response.status == 200:
-            held = self._router.content_after(plan, outcome.reply)
         try:
-            if plan is not None and plan.disk is not None and held is not None:
+            if plan is not None and plan.disk is not None and outcome.response.status == 200:
+                held = self._router.content_after(plan, outcome.reply)
                 await self._disk.after(plan.disk, placement, outcome.usage, held)
         finally:
             try:
-                # other replicas see what the slot holds before its lease goes (else a
-                # refresh between the two finds it idle with the previous content); the
-                # lease goes before the slot is free here, so no request of this replica
-                # can take the slot while the old lease is still being deleted
-                if plan is not None and held is not None:
-                    await self._router.publish(plan, placement, held, outcome.usage)
+                # the lease goes before the slot is free here, so no request of this
+                # replica can take the slot while the old lease is still being deleted
                 await self._shared.give_back(placement)
             finally:
-                content = self._release(placement, outcome, held)
+                content = self._release(placement, outcome, plan)
         if plan is not None and content is not None:
             await self._router.record(plan, placement, content, outcome.usage)
 
     def _release(
-        self, placement: Placement, outcome: Outcome | None, held: Fingerprint | None = None
+        self, placement: Placement, outcome: Outcome | None, plan: Plan | None
     ) -> Fingerprint | None:
-        """Free (or drain) the slots; returns what the pinned slot now holds, if known
-        (``held``: the prompt and reply of a complete response, from ``_finish``)."""
+        """Free (or drain) the slots; returns what the pinned slot now holds, if known."""
         clean = outcome is not None and outcome.complete
-        content = held if clean else None
-        ok = clean and outcome is not None and outcome.response.status == 200
-        usage = outcome.usage if ok and outcome is not None else None
-        n_tokens = usage.kv_tokens if usage is not None else None
+        content = None
+        n_tokens = None
+        if clean and outcome is not None and outcome.response.status == 200:
+            if plan is not None:
+                content = self._router.content_after(plan, outcome.reply)
+                self._router.released(plan, content)
+            if outcome.usage is not None:
+                n_tokens = outcome.usage.kv_tokens
         self._scheduler.release(placement, clean=clean, content=content, n_tokens=n_tokens)
         if not clean:
             assert self.prober is not None

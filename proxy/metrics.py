@@ -104,9 +104,6 @@ class ProxyMetrics:
             "state_store_errors", "State-store operations that failed", ["op"]
         )
         self.store_up = gauge("state_store_up", "1 when the state store answers")
-        self.store_wakeups = counter(
-            "state_store_wakeups", "Refreshes because another replica announced a freed slot"
-        )
         self.prompt_tokens = counter(
             "prompt_tokens", "Prompt tokens of completed requests", ["backend"]
         )

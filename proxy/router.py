@@ -10,7 +10,6 @@ State-store failures never fail a request (``SharedState`` degrades to local sta
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ class Plan:
     held: bool = False  # waited for a slot held for its session
     disk: DiskPlan | None = None
     tenant: str | None = None  # under cache isolation
+    release: tuple[int, tuple[int, ...]] | None = None  # its response's, for its session
 
 
 def routing_params(settings: Settings) -> RoutingParams:
@@ -71,10 +71,6 @@ def routing_params(settings: Settings) -> RoutingParams:
         key_similarity=r.slot_cache_key_similarity,
         key_min_prefix=r.slot_cache_key_min_prefix,
     )
-
-
-async def _none() -> None:
-    return None
 
 
 def cache_key(sources: tuple[str, ...], body: dict[str, Any], headers: Any) -> str | None:
@@ -151,27 +147,20 @@ class Router:
         key = cache_key(self._settings.routing.cache_key_sources, body, request.headers)
         if key is not None and tenant is not None:
             key = f"{tenant}:{key}"
+        hint = None
+        await self._shared.refresh()
+        if key is not None:
+            ref = await self._shared.get_affinity(key)
+            if ref is not None and ref[0] in self._labels:
+                hint = (self._labels[ref[0]], ref[1])
         if segments is not None and self.churn is not None:
             self.churn.observe(key, fp, body, segments)
-        # the state-store reads are independent: one round trip's wait for all of them
-        ref, _, _, disk = await asyncio.gather(
-            self._shared.get_affinity(key) if key is not None else _none(),
-            self._shared.refresh(),
-            self._arrived(fp),
-            self._disk_plan(fp, body, scope, tenant),
-        )
-        hint = (
-            (self._labels[ref[0]], ref[1]) if ref is not None and ref[0] in self._labels else None
-        )
+        await self._arrived(fp)
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
-        return Plan(fp, chat, key, hint, wait_until, tenant=tenant, disk=disk)
-
-    async def _disk_plan(
-        self, fp: Fingerprint, body: dict[str, Any], scope: Scope | None, tenant: str | None
-    ) -> DiskPlan | None:
-        if self._disk is None or not self._settings.routing.pin_slots:
-            return None
-        return await self._disk.plan(fp, body, scope, tenant)
+        plan = Plan(fp, chat, key, hint, wait_until, tenant=tenant)
+        if self._disk is not None and self._settings.routing.pin_slots:
+            plan.disk = await self._disk.plan(fp, body, scope, tenant)
+        return plan
 
     async def _arrived(self, fp: Fingerprint) -> None:
         """How soon this request's session came back (``core.returns``): through the shared
@@ -228,18 +217,9 @@ class Router:
             self._wake_due = until
             self.wake_later(max(0.0, until - now))
 
-    async def publish(
-        self, plan: Plan, placement: Placement, content: Fingerprint, usage: Usage | None
-    ) -> None:
-        """A response ended, its slot still leased: the slot now holds ``content`` until its
-        session is back. Registered (the release, the slot record) before the lease goes, so
-        another replica never sees the slot free with what it held before."""
-        release = self.returns.released(plan.fp, content, self._clock())
-        if release is not None and self.returns.shared:
-            await self._shared.put_release(*release, self.returns.max_hold)
-        if placement.pin is not None:
-            n_tokens = usage.kv_tokens if usage is not None else 0
-            await self._shared.publish(placement.backend, placement.pin, content, n_tokens)
+    def released(self, plan: Plan, content: Fingerprint) -> None:
+        """A response ended: the slot now holds ``content`` until its session is back."""
+        plan.release = self.returns.released(plan.fp, content, self._clock())
 
     def content_after(self, plan: Plan, reply: Reply | None) -> Fingerprint:
         """What the slot holds after a complete response: prompt, then the reply."""
@@ -275,6 +255,9 @@ class Router:
     async def record(
         self, plan: Plan, placement: Placement, content: Fingerprint, usage: Usage | None
     ) -> None:
+        if plan.release is not None and self.returns.shared:
+            ttl = self.returns.max_hold
+            await self._shared.put_release(*plan.release, ttl)
         decision = plan.decision
         label = self._fleet.backends[placement.backend].label
         if decision is not None:
@@ -286,6 +269,8 @@ class Router:
         if plan.key is not None:
             ttl = self._settings.routing.affinity_ttl_seconds
             await self._shared.set_affinity(plan.key, (label, placement.pin), ttl)
+        slot = self._fleet.backends[placement.backend].slots[placement.pin]
+        await self._shared.publish(placement.backend, placement.pin, content, slot.n_tokens)
 
     def _count(self, decision: Decision, label: str, usage: Usage | None) -> None:
         m = self._metrics

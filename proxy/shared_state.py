@@ -8,12 +8,10 @@ With Redis configured, a replica:
   the same replica cannot take the slot under a lease that is being deleted; an aborted
   request's lease is left to expire (the slot may still be busy upstream); a replica that
   dies leaves leases that expire after ``lease_ttl_seconds``;
-- *refreshes* its view before routing each request (leases and slot records, read at
-  once), every 0.5 s in the background, and whenever another replica announces that it
-  gave a lease back (``listen``: Redis pub/sub), so a request queued here for a slot freed
-  elsewhere is re-decided at once: slots leased by others become REMOTE, and slot records
-  written by others (what their requests left in the KV) replace older local content;
-  a replica publishes what a slot holds before it gives back the slot's lease;
+- *refreshes* its view before routing each request (one round trip for leases and slot
+  records), and in the background so queued requests see slots freed elsewhere: slots
+  leased by others become REMOTE, and slot records written by others (what their requests
+  left in the KV) replace older local content;
 - *clears* the records of a backend it saw restart;
 - registers each *release* (the hashes its session's next prompt will contain) and claims
   the release an arriving prompt continues, so how soon sessions come back is measured
@@ -136,10 +134,8 @@ class SharedState:
         if not self.enabled or not self.up:
             return
         refs = [(b.label, s.id) for b in self._fleet.backends for s in b.slots]
-        owners, records = await asyncio.gather(
-            self.call("lease_owners", self.store.lease_owners(refs, self._wall()), {}),
-            self.call("get_slots", self.store.get_slots(refs, self._wall()), {}),
-        )
+        owners = await self.call("lease_owners", self.store.lease_owners(refs, self._wall()), {})
+        records = await self.call("get_slots", self.store.get_slots(refs, self._wall()), {})
         now, wall = self._clock(), self._wall()
         for backend in self._fleet.backends:
             leased = {
@@ -192,19 +188,6 @@ class SharedState:
                 await self.call("renew_lease", renew, True)
             await self.refresh()
             on_change()
-
-    async def listen(self, on_change: Callable[[], None], retry: float = 0.5) -> None:
-        """Background: when another replica frees a slot, refresh the view and re-decide the
-        waiters at once (else they would see it at the next ``maintain`` round)."""
-        while True:
-            with contextlib.suppress(StateStoreUnavailable):
-                async with self.store.freed() as owners:
-                    async for owner in owners:
-                        if owner != self.owner and self.up:
-                            self._metrics.store_wakeups.inc()
-                            await self.refresh()
-                            on_change()
-            await asyncio.sleep(retry)  # outage: ``maintain`` counts it and resyncs
 
     async def _recover(self) -> None:
         with contextlib.suppress(StateStoreUnavailable):

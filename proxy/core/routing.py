@@ -127,24 +127,15 @@ def _rank(candidate: Candidate) -> tuple[float, int, int, float, int]:
 
 
 def _cold(
-    fp: Fingerprint,
+    options: Sequence[Candidate],
     ready: Sequence[BackendState],
-    now: float,
     params: RoutingParams,
     reason: Reason,
-    disk: Mapping[int, Offer],
-    ram: Mapping[int, RamView],
-    spared: frozenset[tuple[int, int]],
 ) -> Decision:
-    loads = {b.index: b.busy_count() for b in ready}
-    least = min(loads.values())
+    """``options``: every idle slot not held, already scored by ``route``; ``ready``: the
+    backends with an idle slot (held or not), whose least load sets the balance limit."""
+    least = min(b.busy_count() for b in ready)
     limit = least if reason is Reason.BALANCE else least + params.balance_abs
-    options = [
-        candidate(fp, b, s, now, params, ram.get(b.index), loads[b.index], disk.get(b.index))
-        for b in ready
-        for s in b.idle_slots()
-        if (b.index, s.id) not in spared
-    ]
     balanced = [c for c in options if c.load <= limit]
     return _place(max(balanced or options, key=_rank), reason)
 
@@ -232,10 +223,10 @@ def route(
     kept = best.extends or best.reuse >= _significant(fp, params)
     overloaded = best.load > min(loads) + params.balance_abs and not kept
     if _imbalanced(loads, params) and overloaded:
-        return _with_key(_cold(fp, ready, now, params, Reason.BALANCE, disk, ram, spared), key)
+        return _with_key(_cold(idle, ready, params, Reason.BALANCE), key)
     if best.reuse >= params.min_prefix_tokens and best.score > 0:
         return _place(best, Reason.PREFIX, key)
-    return _with_key(_cold(fp, ready, now, params, Reason.COLD, disk, ram, spared), key)
+    return _with_key(_cold(idle, ready, params, Reason.COLD), key)
 
 
 def _with_key(decision: Decision, key: str | None) -> Decision:

@@ -12,19 +12,14 @@ What it holds (every key has a TTL or a bound):
   will contain -> (release id, when), so whichever replica that prompt reaches can tell how
   soon the session came back (``core.returns``); a release is claimed once;
 - *snapshots*: the disk tier's index, index key -> packed entries (``core.snapshots``),
-  bounded by the disk budget (entries are deleted with their files), so it has no TTL;
-- *freed*: a lease given back is announced (its owner's name) to every replica listening
-  (``freed``), so a request waiting at one replica for a slot another frees is re-decided
-  at once rather than at its replica's next periodic refresh.
+  bounded by the disk budget (entries are deleted with their files), so it has no TTL.
 
 Semantics both implementations keep (``tests/contract``): a lease can be taken by one owner
 at a time and renewed (extended, never re-created) or released only by it; expired entries
 read as absent; a window keeps the newest ``limit`` entries, newest first; ``claim_release``
 returns the unclaimed release registered under the last of the given hashes that has one (a
 later registration of a hash replaces an earlier one) and marks it claimed, so it is
-returned once, whichever replica asks; releasing a lease one holds is announced to every
-``freed`` listener subscribed by then (releasing another's is not). Times are wall-clock
-seconds from the caller.
+returned once, whichever replica asks. Times are wall-clock seconds from the caller.
 Every method may raise ``StateStoreUnavailable``; the proxy then routes on local state.
 """
 
@@ -33,8 +28,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,12 +80,6 @@ class StateStore(Protocol):
     async def acquire_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool: ...
 
     async def release_lease(self, ref: SlotRef, owner: str) -> None: ...
-
-    def freed(self) -> AbstractAsyncContextManager[AsyncIterator[str]]:
-        """``async with store.freed() as owners``: subscribed on entry; ``owners`` yields the
-        owner of each lease released from then on, and raises ``StateStoreUnavailable`` when
-        the store's connection is lost."""
-        ...
 
     async def renew_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool: ...
 

@@ -1,5 +1,5 @@
 """Redis key names, in one versioned namespace. Every key written has a TTL, except the
-snapshot index, which the disk budget bounds (and the pub/sub channel, which holds nothing)."""
+snapshot index, which the disk budget bounds."""
 
 from __future__ import annotations
 
@@ -31,4 +31,3 @@ def claimed(release_id: str) -> str:
 
 
 SNAPSHOTS = f"{PREFIX}snapshots"
-FREED = f"{PREFIX}freed"  # pub/sub channel: a lease was given back (message: its owner)

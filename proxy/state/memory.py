@@ -7,9 +7,7 @@ and no method awaits between reading and writing.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from proxy.state.base import SlotRecord, SlotRef
@@ -20,7 +18,6 @@ class InMemoryStateStore:
         self._data: dict[tuple[str, Any], tuple[Any, float]] = {}
         self._max = max_entries
         self._snapshots: dict[str, bytes] = {}
-        self._listeners: set[asyncio.Queue[str]] = set()
 
     def _get(self, key: tuple[str, Any], now: float) -> Any:
         found = self._data.get(key)
@@ -53,17 +50,6 @@ class InMemoryStateStore:
         found = self._data.get(("lease", ref))
         if found is not None and found[0] == owner:
             del self._data[("lease", ref)]
-            for queue in self._listeners:
-                queue.put_nowait(owner)
-
-    @asynccontextmanager
-    async def freed(self) -> AsyncIterator[AsyncIterator[str]]:
-        queue: asyncio.Queue[str] = asyncio.Queue()
-        self._listeners.add(queue)
-        try:
-            yield _drain(queue)
-        finally:
-            self._listeners.discard(queue)
 
     async def renew_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool:
         if self._get(("lease", ref), now) != owner:
@@ -133,8 +119,3 @@ class InMemoryStateStore:
 
     async def close(self) -> None:
         return None
-
-
-async def _drain(queue: asyncio.Queue[str]) -> AsyncIterator[str]:
-    while True:
-        yield await queue.get()

@@ -11,10 +11,8 @@ stalling requests (the caller then routes on local state).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
 
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
@@ -22,9 +20,8 @@ from redis.exceptions import RedisError
 from proxy.state import keys
 from proxy.state.base import SlotRecord, SlotRef, StateStoreUnavailable
 
-_RELEASE = (  # ARGV[2]: the channel every replica listens on for freed slots
-    "if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) "
-    "redis.call('publish', ARGV[2], ARGV[1]) return 1 end return 0"
+_RELEASE = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 )
 _TAKE = (
     "local v = redis.call('get', KEYS[1]) "
@@ -48,14 +45,6 @@ async def _call(operation: Awaitable[T]) -> T:
         return await operation
     except RedisError as exc:
         raise StateStoreUnavailable(str(exc)) from None
-
-
-async def _messages(pubsub: Any) -> AsyncIterator[str]:
-    """A subscription's messages (polled: the client's socket timeout is short)."""
-    while True:
-        message = await _call(pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0))
-        if message is not None and message["type"] == "message":
-            yield _bytes(message["data"]).decode()
 
 
 def _bytes(value: bytes | str) -> bytes:
@@ -89,17 +78,7 @@ class RedisStateStore:
         return bool(await _call(self._take(keys=[keys.lease(*ref)], args=[owner, _ms(ttl)])))
 
     async def release_lease(self, ref: SlotRef, owner: str) -> None:
-        await _call(self._release(keys=[keys.lease(*ref)], args=[owner, keys.FREED]))
-
-    @asynccontextmanager
-    async def freed(self) -> AsyncIterator[AsyncIterator[str]]:
-        pubsub: Any = self._redis.pubsub(ignore_subscribe_messages=True)
-        try:
-            await _call(pubsub.subscribe(keys.FREED))
-            yield _messages(pubsub)
-        finally:
-            with contextlib.suppress(RedisError, OSError):
-                await pubsub.aclose()
+        await _call(self._release(keys=[keys.lease(*ref)], args=[owner]))
 
     async def renew_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool:
         return bool(await _call(self._renew(keys=[keys.lease(*ref)], args=[owner, _ms(ttl)])))

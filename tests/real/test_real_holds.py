@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from tests.conftest import metric
 from tests.integration.test_holds_fake import two_sessions
-from tests.integration.test_replicas import alternating, freed_elsewhere
+from tests.integration.test_replicas import alternating
 
 
 async def start(llama_servers: Any, proxy: Any, **over: Any) -> Any:
@@ -57,16 +55,3 @@ async def test_two_replicas_hold_a_slot_for_a_session_whose_turns_alternate_them
     size, reused, stranger_headers = await alternating(a, b)
     assert reused >= 0.9 * size, (reused, size)
     assert stranger_headers["X-Cache-Route"].startswith("wait")
-
-
-async def test_a_slot_freed_by_one_replica_goes_at_once_to_a_request_queued_at_another(
-    llama_servers: Any, proxy: Any, redis_server: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Replica a frees the server's one slot; replica b, whose periodic refresh is off,
-    learns it from a's announcement and runs the request it queued."""
-    server = llama_servers(slots=1)
-    first, second, text, wakeups = await freed_elsewhere(
-        proxy, server.url, redis_server.url, monkeypatch, max_tokens=256, ignore_eos=True
-    )
-    assert (first, second) == (200, 200), text
-    assert wakeups == [1, 1]

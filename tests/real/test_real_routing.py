@@ -199,3 +199,22 @@ def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     )
     with urllib.request.urlopen(request, timeout=120) as resp:
         return json.loads(resp.read()), resp.headers
+
+
+async def test_a_short_prompt_repeated_whole_routes_as_a_prefix_hit(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """A raw prompt under ``min_prefix_tokens`` sent again after another request took its
+    slot: the router counts its whole as a hit (route ``prefix``: from the slot or, here,
+    the server's RAM cache) and the server reuses all of it but the token it re-evaluates."""
+    server = llama_servers(slots=2)
+    client = await proxy([server.url])
+    short = {"prompt": "Please track my lost tablet order.", "max_tokens": 1, "temperature": 0}
+    other = {"prompt": "Name three rivers in Europe.", "max_tokens": 1, "temperature": 0}
+    assert (await client.post("/v1/completions", json=short)).status == 200
+    assert (await client.post("/v1/completions", json=other)).status == 200
+    again = await client.post("/v1/completions", json=short)
+    timings = (await again.json())["timings"]
+    assert again.headers["X-Cache-Route"] == "prefix"
+    assert 0 < int(again.headers["X-Cache-Predicted-Tokens"]) < 16
+    assert timings["cache_n"] == timings["prompt_n"] + timings["cache_n"] - 1

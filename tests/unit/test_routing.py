@@ -132,6 +132,28 @@ def test_queued_requests_make_a_full_backends_ram_copy_worth_any_real_saving() -
     assert (busy.reason, busy.placement) == (Reason.COLD, Placement(0, (0,), 0))
 
 
+def test_a_short_prompt_repeated_whole_is_a_hit_not_a_stranger() -> None:
+    """Under ``min_prefix_tokens`` (16), a 14-token prompt cached whole (13 reusable) is
+    placed where it is, past the cold path's load limit, and under queue pressure waits for
+    the full backend whose RAM cache holds it (an agent retrying one short request)."""
+    prompt = fp(1, size=14)
+    f = fleet(4, 1)
+    for s in range(3):
+        f.claim(Placement(0, (s,), s), now=100.0, content=fp(50 + s))
+    hold(f, 0, 3, prompt)
+    d = decided(route(prompt, f.backends, PARAMS, now=100.0))
+    assert (d.reason, d.placement, d.predicted) == (Reason.PREFIX, Placement(0, (3,), 3), 13)
+    stranger = decided(route(fp(2, size=14), f.backends, PARAMS, now=100.0))
+    assert (stranger.reason, stranger.placement) == (Reason.COLD, Placement(1, (0,), 0))
+    g = fleet(1, 1)
+    hold(g, 0, 0, prompt)
+    g.claim(Placement(0, (0,), 0), now=100.0, content=fp(9))  # parks the prompt in b0's RAM
+    pressed = decided(route(prompt, g.backends, PARAMS, now=100.0, queued=2))
+    assert (pressed.reason, pressed.wait_for, pressed.predicted) == (Reason.WAIT, (0, -1), 13)
+    tiny = fp(1, size=3)  # too short to count: re-prefilling it costs nothing
+    assert decided(route(tiny, g.backends, PARAMS, now=100.0, queued=2)).reason is Reason.COLD
+
+
 def test_session_evicted_into_ram_is_found_there_while_the_evicting_request_runs() -> None:
     f = fleet(1, 1)  # RAM prompt cache on (the default)
     hold(f, 0, 0, fp(1, 2, 3, 4))

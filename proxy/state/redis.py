@@ -5,8 +5,12 @@ compare-and-set and released with a Lua compare-and-delete, so one replica can n
 another's lease. Slot records are packed binary values; windows are capped lists (``LPUSH``
 + ``LTRIM``); a release is claimed with ``SET NX``; the snapshot index is one hash
 (``HMGET``/``HSET``/``HDEL``). Reads of many slots use one ``MGET``. Every redis error
-becomes ``StateStoreUnavailable`` here; short socket timeouts keep a dead Redis from
-stalling requests (the caller then routes on local state).
+becomes ``StateStoreUnavailable`` here; socket timeouts keep a dead Redis from stalling
+requests (the caller then routes on local state, and skips Redis until a ping answers).
+They are not *short*: on local state two replicas can pin one slot, so a Redis that is only
+slow must not count as down. With 0.25 s, a CPU-starved host (load ~60, or 12 busy loops on
+2 cores) timed out opening pool connections and all three replicas of
+``test_replicas_never_pin_one_slot_at_once`` fell back at once: a slot pinned twice.
 """
 
 from __future__ import annotations
@@ -56,9 +60,12 @@ def _ms(seconds: float) -> int:
 
 
 class RedisStateStore:
-    def __init__(self, url: str, *, timeout: float = 0.25) -> None:
+    def __init__(self, url: str, *, timeout: float = 1.0, connect_timeout: float = 2.0) -> None:
         self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=connect_timeout,
+            retry_on_timeout=False,
         )
         self._take = self._redis.register_script(_TAKE)
         self._release = self._redis.register_script(_RELEASE)

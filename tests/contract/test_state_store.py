@@ -113,6 +113,36 @@ async def test_unreachable_redis_raises_unavailable() -> None:
     await store.close()
 
 
+async def test_a_slow_redis_is_not_down(redis_url: str) -> None:
+    """On local state two replicas can pin one slot, so a Redis that answers late (here
+    every reply and the connection held back 0.4 s, as on a CPU-starved host) must not be
+    taken for an outage; an unreachable one still is (above)."""
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+
+    async def delayed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.4)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, lag: float) -> None:
+            while data := await src.read(65536):
+                await asyncio.sleep(lag)
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, 0.0), pipe(up_reader, writer, 0.4))
+
+    server = await asyncio.start_server(delayed, "127.0.0.1", 0)
+    slow = RedisStateStore(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0")
+    try:
+        assert await slow.acquire_lease(("slow", 0), "r", 5, now())
+        assert await slow.lease_owners([("slow", 0)], now()) == {("slow", 0): "r"}
+        await slow.release_lease(("slow", 0), "r")
+    finally:
+        await slow.close()
+        server.close()
+
+
 async def test_snapshot_index_put_get_delete_list(store: StateStore) -> None:
     assert await store.get_snapshots(["a", "b"]) == {}
     await store.put_snapshots("a", b"[1]")

@@ -17,9 +17,12 @@ With Redis configured, a replica:
   the release an arriving prompt continues, so how soon sessions come back is measured
   across replicas (``core.returns``).
 
-Redis unavailable: every operation degrades to local state (leases are then only local
-claims), the outage is counted and logged once, and when Redis answers again the local slot
-table is written back (resync). A client request never fails because of Redis.
+Redis unavailable: every operation degrades to local state, the outage is counted and
+logged once, and when Redis answers again the local slot table is written back (resync). A
+client request never fails because of Redis. Leases are then only local claims, so replicas
+that knew each other split the slots (``core.partition``; each keeps a heartbeat in the store
+and the last list of live replicas it read): a replica pins only its own part until Redis is
+back, and one that was alone keeps every slot.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ from typing import TypeVar
 
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import Fleet, Placement, SlotPhase
+from proxy.core.partition import owns
 from proxy.metrics import ProxyMetrics
 from proxy.state import SlotRecord, SlotRef, StateStore, StateStoreUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+HEARTBEAT_TTL = 2.0  # seconds a replica counts as live after its last heartbeat
 
 
 class SharedState:
@@ -64,6 +69,7 @@ class SharedState:
         self._lease_ttl = lease_ttl
         self._record_ttl = record_ttl
         self._held: set[SlotRef] = set()
+        self._replicas: list[str] = []  # live replica ids, as last read from the store
         self.up = True
         metrics.store_up.set(1)
 
@@ -84,17 +90,27 @@ class SharedState:
         return result
 
     async def take(self, placement: Placement) -> bool:
-        """Lease the pinned slot; False when another replica holds it (slot now REMOTE)."""
-        if not self.enabled or placement.pin is None or not self.up:
+        """Lease the pinned slot; False when another replica holds it, or (store down) when
+        it is another replica's part of the fleet: the caller marks it REMOTE."""
+        if not self.enabled or placement.pin is None:
             return True
+        if not self.up:
+            return self._owns(placement.backend, placement.pin)
         ref = self._ref(placement.backend, placement.pin)
         taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
-        if await self.call("acquire_lease", taken, True):
+        result = await self.call("acquire_lease", taken, None)
+        if result is None:  # the store went away just now
+            return self._owns(placement.backend, placement.pin)
+        if result:
             self._held.add(ref)
             log.debug("lease taken %s by %s", ref, self.owner)
             return True
         log.debug("lease refused %s for %s", ref, self.owner)
         return False
+
+    def _owns(self, backend: int, slot: int) -> bool:
+        counts = [len(b.slots) for b in self._fleet.backends]
+        return owns(backend, slot, counts, self._replicas, self.owner)
 
     def mark_remote(self, placement: Placement) -> None:
         if placement.pin is not None:
@@ -186,8 +202,17 @@ class SharedState:
             for ref in list(self._held):
                 renew = self.store.renew_lease(ref, self.owner, self._lease_ttl, self._wall())
                 await self.call("renew_lease", renew, True)
+            await self._heartbeat()
             await self.refresh()
             on_change()
+
+    async def _heartbeat(self) -> None:
+        beat = self.store.heartbeat(self.owner, HEARTBEAT_TTL, self._wall())
+        await self.call("heartbeat", beat, None)
+        if self.up:
+            live = await self.call("replicas", self.store.replicas(self._wall()), None)
+            if live is not None:
+                self._replicas = live
 
     async def _recover(self) -> None:
         with contextlib.suppress(StateStoreUnavailable):

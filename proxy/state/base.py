@@ -11,6 +11,8 @@ What it holds (every key has a TTL or a bound):
 - *releases*: for a short while after a response, the hashes the session's next prompt
   will contain -> (release id, when), so whichever replica that prompt reaches can tell how
   soon the session came back (``core.returns``); a release is claimed once;
+- *replicas*: each live proxy replica's id, kept by a heartbeat with a TTL, so that a
+  replica that loses the store knows whether it is alone (``core.partition``);
 - *snapshots*: the disk tier's index, index key -> packed entries (``core.snapshots``),
   bounded by the disk budget (entries are deleted with their files), so it has no TTL.
 
@@ -106,6 +108,10 @@ class StateStore(Protocol):
     ) -> tuple[str, float] | None: ...
 
     async def claimed(self, releases: Sequence[str], now: float) -> set[str]: ...
+
+    async def heartbeat(self, owner: str, ttl: float, now: float) -> None: ...
+
+    async def replicas(self, now: float) -> list[str]: ...
 
     async def get_snapshots(self, keys: Sequence[str]) -> dict[str, bytes]: ...
 

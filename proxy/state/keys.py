@@ -31,3 +31,4 @@ def claimed(release_id: str) -> str:
 
 
 SNAPSHOTS = f"{PREFIX}snapshots"
+REPLICAS = f"{PREFIX}replicas"  # sorted set: replica id -> when its heartbeat expires

@@ -72,6 +72,12 @@ class InMemoryStateStore:
         for ref in refs:
             self._data.pop(("slot", ref), None)
 
+    async def heartbeat(self, owner: str, ttl: float, now: float) -> None:
+        self._set(("replica", owner), owner, ttl, now)
+
+    async def replicas(self, now: float) -> list[str]:
+        return sorted(k[1] for k, v in self._data.items() if k[0] == "replica" and v[1] > now)
+
     async def push_window(
         self, name: str, entry: bytes, limit: int, ttl: float, now: float
     ) -> None:

@@ -3,7 +3,8 @@
 Leases are ``SET key owner NX PX ttl`` (atomic take), renewed by the same owner with a Lua
 compare-and-set and released with a Lua compare-and-delete, so one replica can never free
 another's lease. Slot records are packed binary values; windows are capped lists (``LPUSH``
-+ ``LTRIM``); a release is claimed with ``SET NX``; the snapshot index is one hash
++ ``LTRIM``); live replicas are one sorted set scored by when each heartbeat expires;
+a release is claimed with ``SET NX``; the snapshot index is one hash
 (``HMGET``/``HSET``/``HDEL``). Reads of many slots use one ``MGET``. Every redis error
 becomes ``StateStoreUnavailable`` here; socket timeouts keep a dead Redis from stalling
 requests (the caller then routes on local state, and skips Redis until a ping answers).
@@ -114,6 +115,20 @@ class RedisStateStore:
         if not refs:
             return
         await _call(self._redis.delete(*(keys.slot(*ref) for ref in refs)))
+
+    async def heartbeat(self, owner: str, ttl: float, now: float) -> None:
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.zadd(keys.REPLICAS, {owner: now + ttl})
+                pipe.zremrangebyscore(keys.REPLICAS, "-inf", now)
+                pipe.pexpire(keys.REPLICAS, _ms(ttl))
+                await pipe.execute()
+        except RedisError as exc:
+            raise StateStoreUnavailable(str(exc)) from None
+
+    async def replicas(self, now: float) -> list[str]:
+        found = await _call(self._redis.zrangebyscore(keys.REPLICAS, f"({now!r}", "+inf"))
+        return sorted(_bytes(v).decode() for v in found if isinstance(v, bytes | str))
 
     async def push_window(
         self, name: str, entry: bytes, limit: int, ttl: float, now: float

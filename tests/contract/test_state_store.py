@@ -100,6 +100,16 @@ async def test_window_is_bounded_newest_first(store: StateStore) -> None:
     assert await store.window("model", now()) == [b"e4", b"e3", b"e2"]
 
 
+async def test_replicas_are_the_live_heartbeats(store: StateStore) -> None:
+    t = now()
+    await store.heartbeat("b", 2.0, t)
+    await store.heartbeat("a", 0.5, t)
+    assert await store.replicas(t) == ["a", "b"]
+    assert await store.replicas(t + 1.0) == ["b"]  # a's heartbeat expired
+    await store.heartbeat("a", 2.0, t + 1.0)
+    assert await store.replicas(t + 1.5) == ["a", "b"]
+
+
 async def test_ping(store: StateStore) -> None:
     await store.ping()
 

@@ -49,6 +49,29 @@ async def test_replicas_never_pin_one_slot_at_once(
     assert all(f.violations == [] for f in backends)
 
 
+async def test_replicas_that_lose_redis_split_the_slots_instead_of_sharing_them(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Redis down: leases are local only, so the replicas that knew each other (heartbeats)
+    pin disjoint parts of the fleet; every request is still served."""
+    backends = [await fakes(n_slots=2, gen_s_per_token=0.003) for _ in range(2)]
+    replicas = [await proxy(backends, redis_url=redis_server.url) for _ in range(3)]
+    await asyncio.sleep(1.2)  # two heartbeats: each replica has read the others
+    redis_server.stop()
+    bodies = [chat(f"request {i} " + "y " * 20, max_tokens=6) for i in range(36)]
+    responses = await asyncio.gather(
+        *(replicas[i % 3].post("/v1/chat/completions", json=body) for i, body in enumerate(bodies))
+    )
+    assert [r.status for r in responses] == [200] * 36
+    assert all(f.violations == [] for f in backends)
+    used: list[set[tuple[str, str]]] = [set(), set(), set()]
+    for i, r in enumerate(responses):
+        used[i % 3].add((r.headers["X-Cache-Backend"], r.headers["X-Cache-Slot"]))
+    assert all(used[a].isdisjoint(used[b]) for a in range(3) for b in range(a + 1, 3)), used
+    page = await (await replicas[0].get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_state_store_up") == 0
+
+
 async def test_redis_outage_degrades_to_local_state_and_resyncs(
     fakes: Any, proxy: Any, redis_server: Any
 ) -> None:

@@ -72,3 +72,27 @@ async def test_replicas_never_pin_a_slot_twice_and_dead_leases_expire(
     finally:
         for proxy in proxies:
             proxy.stop()
+
+
+async def test_replicas_that_lose_redis_split_a_real_servers_slots(
+    llama_servers: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Two replicas on one real llama-server (4 slots) and one real Redis; Redis stops:
+    each replica pins only its own part of the slots (heartbeats told them of each other),
+    so concurrent requests through both never share a slot, and all are served."""
+    server = llama_servers(slots=4)
+    a, b = [await proxy([server.url], redis_url=redis_server.url) for _ in range(2)]
+    await asyncio.sleep(1.2)  # two heartbeats: each has read the other
+    redis_server.stop()
+    bodies = [
+        {"messages": [{"role": "user", "content": f"Say hello number {i}."}], "max_tokens": 16}
+        for i in range(8)
+    ]
+    responses = await asyncio.gather(
+        *((a, b)[i % 2].post("/v1/chat/completions", json=body) for i, body in enumerate(bodies))
+    )
+    assert [r.status for r in responses] == [200] * 8
+    slots = [{r.headers["X-Cache-Slot"] for r in responses[side::2]} for side in (0, 1)]
+    assert slots[0]
+    assert slots[1]
+    assert slots[0].isdisjoint(slots[1]), slots

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.core.partition import owns
+
+
+def test_two_replicas_on_two_by_two_each_keep_one_slot_of_every_backend() -> None:
+    counts, replicas = [2, 2], ["r-a", "r-b"]
+    mine = {
+        r: {(b, s) for b in (0, 1) for s in (0, 1) if owns(b, s, counts, replicas, r)}
+        for r in replicas
+    }
+    assert mine == {"r-a": {(0, 0), (1, 0)}, "r-b": {(0, 1), (1, 1)}}
+
+
+def test_a_replica_that_knew_no_other_keeps_every_slot() -> None:
+    assert all(owns(b, s, [3, 1], [], "me") for b, s in [(0, 0), (0, 2), (1, 0)])
+    assert all(owns(b, s, [3, 1], ["me"], "me") for b, s in [(0, 0), (0, 2), (1, 0)])
+
+
+@given(
+    st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    st.sets(st.text("abcdef", min_size=1, max_size=4), min_size=1, max_size=6),
+)
+def test_property_the_parts_are_disjoint_and_cover_the_fleet(
+    counts: list[int], replicas: set[str]
+) -> None:
+    ids = sorted(replicas)
+    for b, n in enumerate(counts):
+        for s in range(n):
+            assert sum(owns(b, s, counts, ids, r) for r in ids) == 1

@@ -202,9 +202,9 @@ class SharedState:
             for ref in list(self._held):
                 renew = self.store.renew_lease(ref, self.owner, self._lease_ttl, self._wall())
                 await self.call("renew_lease", renew, True)
-            await self._heartbeat()
             await self.refresh()
             on_change()
+            await self._heartbeat()  # after: two round trips first cost 2-replica hit rate
 
     async def _heartbeat(self) -> None:
         beat = self.store.heartbeat(self.owner, HEARTBEAT_TTL, self._wall())

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import itertools
 import json
 import platform
@@ -35,7 +36,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,8 @@ async def _run_sessions(workload: Workload, send: Send) -> None:
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def run(index: int, prompts: list[tuple[str, int]]) -> None:
-            for prompt in prompts:
+            for position, prompt in enumerate(prompts):
+                WHERE.set((index, position))
                 await send(session, prompt, index)
 
         await asyncio.gather(*(run(i, s) for i, s in enumerate(workload.sessions)))
@@ -90,6 +92,9 @@ CHAT = False  # --chat
 RAM_CACHE = True  # --no-ram-cache: backends run with --cache-ram 0
 RAM_TOKENS: int | None = None  # --ram-tokens: what each backend's RAM cache holds
 REPLICAS = 1  # --replicas: ours as that many proxies on one Redis, requests round-robin
+# bench.per_request: called with (session, position), the response body and its headers
+OBSERVE: Callable[[tuple[int, int], dict[str, Any], Mapping[str, str]], None] | None = None
+WHERE: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("where", default=(-1, -1))
 
 
 async def _post(
@@ -107,6 +112,8 @@ async def _post(
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
+        if OBSERVE is not None:
+            OBSERVE(WHERE.get(), await resp.json(), resp.headers)
 
 
 async def _fleet(backends: int, slots: int, save_dir: Path | None) -> list[FakeLlamaServer]:

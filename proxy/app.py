@@ -8,7 +8,6 @@ served, then the prober runs in the background.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -37,6 +36,7 @@ HANDLERS = web.AppKey("handlers", ProxyHandlers)
 PROBER = web.AppKey("prober", Prober)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
+STOP_SECONDS = 3.0  # at shutdown, how long background tasks get to end
 
 
 def create_app(
@@ -109,10 +109,11 @@ def create_app(
                 await shared.refresh()
                 tasks.append(asyncio.create_task(shared.maintain(scheduler.wake)))
             yield
+            shared.stopped = True
             for task in tasks:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            if tasks:  # bounded: a task whose cancellation a client library swallowed
+                await asyncio.wait(tasks, timeout=STOP_SECONDS)  # ends after its round
             await prober.close()
             await store.close()
 

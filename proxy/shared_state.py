@@ -70,6 +70,7 @@ class SharedState:
         self._record_ttl = record_ttl
         self._held: set[SlotRef] = set()
         self._replicas: list[str] = []  # live replica ids, as last read from the store
+        self.stopped = False  # set at shutdown: maintain() ends after its current round
         self.up = True
         metrics.store_up.set(1)
 
@@ -193,8 +194,11 @@ class SharedState:
         await self.call("clear_slots", self.store.clear_slots(refs), None)
 
     async def maintain(self, on_change: Callable[[], None], every: float = 0.5) -> None:
-        """Background: renew held leases, refresh the view, detect recovery and resync."""
-        while True:
+        """Background: renew held leases, refresh the view, detect recovery and resync.
+        Ends on ``stopped`` as well as on cancellation: redis-py 8.1 can swallow a
+        cancellation that lands inside a command (the task then runs on), which hung a
+        proxy's shutdown on SIGTERM in CI."""
+        while not self.stopped:
             await asyncio.sleep(every)
             if not self.up:
                 await self._recover()

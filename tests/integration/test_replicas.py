@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from typing import Any
 
 from tests.conftest import chat, metric
@@ -142,3 +144,30 @@ async def test_a_slot_is_held_for_a_session_whose_turns_alternate_replicas(
     for client in (a, b):
         page = await (await client.get("/metrics")).text()
         assert metric(page, "llama_cache_proxy_slot_hold_seconds") > 0
+
+
+async def test_maintenance_ends_at_shutdown_even_if_a_store_call_swallows_the_cancel() -> None:
+    """redis-py 8.1 can swallow a cancellation inside a command, so the background task
+    runs on; ``stopped`` ends it after its current round (a proxy's SIGTERM hung in CI)."""
+    from prometheus_client import CollectorRegistry
+
+    from proxy.core.fleet import Fleet
+    from proxy.metrics import ProxyMetrics
+    from proxy.shared_state import SharedState
+    from proxy.state import InMemoryStateStore
+
+    class Swallowing(InMemoryStateStore):
+        async def heartbeat(self, owner: str, ttl: float, now: float) -> None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.2)  # a command in flight when the cancel lands
+
+    metrics = ProxyMetrics(CollectorRegistry())
+    shared = SharedState(Swallowing(), Fleet(["b"]), metrics, time.time, enabled=True)
+    task = asyncio.create_task(shared.maintain(lambda: None, every=0.01))
+    await asyncio.sleep(0.05)  # inside the heartbeat
+    task.cancel()
+    await asyncio.sleep(0.3)
+    assert not task.done()  # the cancel was swallowed: it runs on
+    shared.stopped = True
+    await asyncio.wait([task], timeout=1.0)
+    assert task.done()

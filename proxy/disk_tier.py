@@ -28,7 +28,6 @@ request goes on as if the disk were empty.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -57,11 +56,10 @@ from proxy.health import flag_warnings
 from proxy.metrics import ProxyMetrics
 from proxy.shared_state import SharedState
 from proxy.snapshot_index import SnapshotIndex
-from proxy.state import SlotRecord
 from proxy.upstream import LlamaServerClient, SlotActionFailed
+from proxy.windows import RecentWindows
 
 log = logging.getLogger(__name__)
-WINDOW_LIMIT = 64  # fingerprints kept per model; auto:N looks at the newest N of them
 
 
 @dataclass
@@ -117,6 +115,7 @@ class DiskTier:
         self._clock = clock
         self.backends = [BackendDiskState() for _ in settings.backends]
         self.index = SnapshotIndex(shared, metrics, settings.disk.max_bytes, self.path)
+        self.windows = RecentWindows(shared, wall, clock)
         self.client: LlamaServerClient | None = None  # attached at startup
         self.steps: DiskSteps | None = None
         metrics.disk_policy.labels(str(self.default)).set(1)
@@ -190,10 +189,7 @@ class DiskTier:
             model = f"{model}|{tenant}"  # each tenant's own window
         window: list[Fingerprint] = []
         if scope.mode is ScopeMode.AUTO and is_chat(body):  # raw prompts have no boundaries
-            raw = await self._shared.call(
-                "window", self._shared.store.window(model, self._wall()), []
-            )
-            window = [_unpack_fp(r) for r in raw]
+            window = await self.windows.read(model)
         every = [e for entries in found.values() for e in entries]
         return DiskPlan(scope, model, fp, lookup, window, every, tenant=tenant)
 
@@ -235,9 +231,7 @@ class DiskTier:
             self._metrics.disk_events.labels("miss").inc()
         if not chat:
             return  # only chat requests are scoped, and only their windows are read
-        entry = SlotRecord(fp.hashes, fp.tokens, fp.anchor, 0, self._wall()).pack()
-        push = self._shared.store.push_window(dp.model, entry, WINDOW_LIMIT, 3600.0, self._wall())
-        await self._shared.call("push_window", push, None)
+        await self.windows.push(dp.model, fp)
 
     # -- 3. after the response ------------------------------------------------------------------
     async def after(
@@ -308,9 +302,3 @@ class DiskTier:
             last_used=now,
             aliases=aliases,
         )
-
-
-@functools.lru_cache(maxsize=1024)  # a window is read per request: its entries repeat
-def _unpack_fp(raw: bytes) -> Fingerprint:
-    record = SlotRecord.unpack(raw)
-    return Fingerprint(record.hashes, record.tokens, record.anchor)

@@ -9,9 +9,10 @@ With Redis configured, a replica:
   request's lease is left to expire (the slot may still be busy upstream); a replica that
   dies leaves leases that expire after ``lease_ttl_seconds``;
 - *refreshes* its view before routing each request (one round trip for leases and slot
-  records), and in the background so queued requests see slots freed elsewhere: slots
-  leased by others become REMOTE, and slot records written by others (what their requests
-  left in the KV) replace older local content;
+  records, shared by the requests that arrive while it is in flight), and in the background
+  so queued requests see slots freed elsewhere: slots leased by others become REMOTE, and
+  slot records written by others (what their requests left in the KV) replace older local
+  content;
 - *clears* the records of a backend it saw restart;
 - registers each *release* (the hashes its session's next prompt will contain) and claims
   the release an arriving prompt continues, so how soon sessions come back is measured
@@ -39,7 +40,7 @@ from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import Fleet, Placement, SlotPhase
 from proxy.core.partition import owns
 from proxy.metrics import ProxyMetrics
-from proxy.state import SlotRecord, SlotRef, StateStore, StateStoreUnavailable
+from proxy.state import SlotRecord, SlotRef, SlotView, StateStore, StateStoreUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,6 +71,7 @@ class SharedState:
         self._record_ttl = record_ttl
         self._held: set[SlotRef] = set()
         self._replicas: list[str] = []  # live replica ids, as last read from the store
+        self._refreshing: asyncio.Future[None] | None = None  # the view read in flight
         self.stopped = False  # set at shutdown: maintain() ends after its current round
         self.up = True
         metrics.store_up.set(1)
@@ -148,19 +150,34 @@ class SharedState:
         await self.call("put_slot", put, None)
 
     async def refresh(self) -> None:
+        """Read the shared view (one round trip) and fold it into the fleet. Requests that
+        arrive while a read is in flight share it rather than each sending its own: the
+        view cannot be older than their arrival by more than that round trip, and leases,
+        not the view, keep two replicas off one slot."""
         if not self.enabled or not self.up:
             return
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._refresh())
+            self._refreshing.add_done_callback(self._refreshed)
+        await asyncio.shield(self._refreshing)
+
+    def _refreshed(self, task: asyncio.Future[None]) -> None:
+        if self._refreshing is task:
+            self._refreshing = None
+
+    async def _refresh(self) -> None:
         refs = [(b.label, s.id) for b in self._fleet.backends for s in b.slots]
-        owners = await self.call("lease_owners", self.store.lease_owners(refs, self._wall()), {})
-        records = await self.call("get_slots", self.store.get_slots(refs, self._wall()), {})
+        view = await self.call("view", self.store.view(refs, self._wall()), SlotView({}, {}))
         now, wall = self._clock(), self._wall()
         for backend in self._fleet.backends:
             leased = {
-                s for (label, s), o in owners.items() if label == backend.label and o != self.owner
+                s
+                for (label, s), o in view.owners.items()
+                if label == backend.label and o != self.owner
             }
             mine = {
                 s: (Fingerprint(r.hashes, r.tokens, r.anchor), r.n_tokens, r.updated_at)
-                for (label, s), r in records.items()
+                for (label, s), r in view.records.items()
                 if label == backend.label
             }
             self._fleet.fold_shared(backend.index, leased, mine, now, wall)
@@ -212,11 +229,9 @@ class SharedState:
 
     async def _heartbeat(self) -> None:
         beat = self.store.heartbeat(self.owner, HEARTBEAT_TTL, self._wall())
-        await self.call("heartbeat", beat, None)
-        if self.up:
-            live = await self.call("replicas", self.store.replicas(self._wall()), None)
-            if live is not None:
-                self._replicas = live
+        live = await self.call("heartbeat", beat, None)
+        if live is not None:
+            self._replicas = live
 
     async def _recover(self) -> None:
         with contextlib.suppress(StateStoreUnavailable):

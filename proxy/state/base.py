@@ -11,8 +11,9 @@ What it holds (every key has a TTL or a bound):
 - *releases*: for a short while after a response, the hashes the session's next prompt
   will contain -> (release id, when), so whichever replica that prompt reaches can tell how
   soon the session came back (``core.returns``); a release is claimed once;
-- *replicas*: each live proxy replica's id, kept by a heartbeat with a TTL, so that a
-  replica that loses the store knows whether it is alone (``core.partition``);
+- *replicas*: each live proxy replica's id, kept by a heartbeat with a TTL that returns
+  the live ids, so that a replica that loses the store knows whether it is alone
+  (``core.partition``);
 - *snapshots*: the disk tier's index, index key -> packed entries (``core.snapshots``),
   bounded by the disk budget (entries are deleted with their files), so it has no TTL.
 
@@ -74,6 +75,15 @@ class SlotRecord:
         return cls(tuple(hashes), tuple(tokens), anchor, n_tokens, updated / 1000)
 
 
+@dataclass(frozen=True)
+class SlotView:
+    """What a replica reads before routing, in one round trip: who leases each slot, and
+    the last record of what each slot's KV holds."""
+
+    owners: dict[SlotRef, str]
+    records: dict[SlotRef, SlotRecord]
+
+
 class StateStore(Protocol):
     async def get_affinity(self, key: str, now: float) -> SlotRef | None: ...
 
@@ -85,11 +95,9 @@ class StateStore(Protocol):
 
     async def renew_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool: ...
 
-    async def lease_owners(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, str]: ...
+    async def view(self, refs: Sequence[SlotRef], now: float) -> SlotView: ...
 
     async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None: ...
-
-    async def get_slots(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, SlotRecord]: ...
 
     async def clear_slots(self, refs: Sequence[SlotRef]) -> None: ...
 
@@ -109,9 +117,7 @@ class StateStore(Protocol):
 
     async def claimed(self, releases: Sequence[str], now: float) -> set[str]: ...
 
-    async def heartbeat(self, owner: str, ttl: float, now: float) -> None: ...
-
-    async def replicas(self, now: float) -> list[str]: ...
+    async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]: ...
 
     async def get_snapshots(self, keys: Sequence[str]) -> dict[str, bytes]: ...
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.state.base import SlotRecord, SlotRef
+from proxy.state.base import SlotRecord, SlotRef, SlotView
 
 
 class InMemoryStateStore:
@@ -57,25 +57,23 @@ class InMemoryStateStore:
         self._set(("lease", ref), owner, ttl, now)
         return True
 
-    async def lease_owners(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, str]:
+    async def view(self, refs: Sequence[SlotRef], now: float) -> SlotView:
         owners = {ref: self._get(("lease", ref), now) for ref in refs}
-        return {ref: owner for ref, owner in owners.items() if owner is not None}
+        records = {ref: self._get(("slot", ref), now) for ref in refs}
+        return SlotView(
+            {ref: owner for ref, owner in owners.items() if owner is not None},
+            {ref: record for ref, record in records.items() if record is not None},
+        )
 
     async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None:
         self._set(("slot", ref), record, ttl, now)
-
-    async def get_slots(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, SlotRecord]:
-        found = {ref: self._get(("slot", ref), now) for ref in refs}
-        return {ref: record for ref, record in found.items() if record is not None}
 
     async def clear_slots(self, refs: Sequence[SlotRef]) -> None:
         for ref in refs:
             self._data.pop(("slot", ref), None)
 
-    async def heartbeat(self, owner: str, ttl: float, now: float) -> None:
+    async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]:
         self._set(("replica", owner), owner, ttl, now)
-
-    async def replicas(self, now: float) -> list[str]:
         return sorted(k[1] for k, v in self._data.items() if k[0] == "replica" and v[1] > now)
 
     async def push_window(

@@ -5,7 +5,8 @@ compare-and-set and released with a Lua compare-and-delete, so one replica can n
 another's lease. Slot records are packed binary values; windows are capped lists (``LPUSH``
 + ``LTRIM``); live replicas are one sorted set scored by when each heartbeat expires;
 a release is claimed with ``SET NX``; the snapshot index is one hash
-(``HMGET``/``HSET``/``HDEL``). Reads of many slots use one ``MGET``. Every redis error
+(``HMGET``/``HSET``/``HDEL``). The view a replica reads before routing (leases and slot
+records of every slot) is one ``MGET``; claiming a release is one script. Every redis error
 becomes ``StateStoreUnavailable`` here; socket timeouts keep a dead Redis from stalling
 requests (the caller then routes on local state, and skips Redis until a ping answers).
 They are not *short*: on local state two replicas can pin one slot, so a Redis that is only
@@ -23,7 +24,7 @@ from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
 from proxy.state import keys
-from proxy.state.base import SlotRecord, SlotRef, StateStoreUnavailable
+from proxy.state.base import SlotRecord, SlotRef, SlotView, StateStoreUnavailable
 
 _RELEASE = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -39,7 +40,15 @@ _RENEW = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then "
     "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 )
-
+# The newest registered release among KEYS (the last that has one) not claimed yet, claimed
+# (SET NX on ARGV[1] .. its id) in the same step: one round trip. The claimed key is derived
+# from a value, so this needs one Redis, not a cluster.
+_CLAIM = (
+    "for i = #KEYS, 1, -1 do local v = redis.call('get', KEYS[i]) "
+    "if v then local id = string.match(v, '^(.*)|[^|]*$') "
+    "if redis.call('set', ARGV[1] .. id, 1, 'NX', 'PX', ARGV[2]) then return v end end end "
+    "return false"
+)
 
 T = TypeVar("T")
 
@@ -71,6 +80,7 @@ class RedisStateStore:
         self._take = self._redis.register_script(_TAKE)
         self._release = self._redis.register_script(_RELEASE)
         self._renew = self._redis.register_script(_RENEW)
+        self._claim = self._redis.register_script(_CLAIM)
 
     async def get_affinity(self, key: str, now: float) -> SlotRef | None:
         raw = await _call(self._redis.get(keys.affinity(key)))
@@ -91,43 +101,39 @@ class RedisStateStore:
     async def renew_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool:
         return bool(await _call(self._renew(keys=[keys.lease(*ref)], args=[owner, _ms(ttl)])))
 
-    async def lease_owners(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, str]:
+    async def view(self, refs: Sequence[SlotRef], now: float) -> SlotView:
         if not refs:
-            return {}
-        values = await _call(self._redis.mget([keys.lease(*ref) for ref in refs]))
-        pairs = zip(refs, values, strict=True)
-        return {ref: _bytes(v).decode() for ref, v in pairs if v is not None}
+            return SlotView({}, {})
+        names = [keys.lease(*ref) for ref in refs] + [keys.slot(*ref) for ref in refs]
+        values = await _call(self._redis.mget(names))
+        owners, records = values[: len(refs)], values[len(refs) :]
+        return SlotView(
+            {ref: _bytes(v).decode() for ref, v in zip(refs, owners, strict=True) if v is not None},
+            {
+                ref: SlotRecord.unpack(_bytes(v))
+                for ref, v in zip(refs, records, strict=True)
+                if v is not None
+            },
+        )
 
     async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None:
         await _call(self._redis.set(keys.slot(*ref), record.pack(), px=_ms(ttl)))
-
-    async def get_slots(self, refs: Sequence[SlotRef], now: float) -> dict[SlotRef, SlotRecord]:
-        if not refs:
-            return {}
-        values = await _call(self._redis.mget([keys.slot(*ref) for ref in refs]))
-        return {
-            ref: SlotRecord.unpack(_bytes(v))
-            for ref, v in zip(refs, values, strict=True)
-            if v is not None
-        }
 
     async def clear_slots(self, refs: Sequence[SlotRef]) -> None:
         if not refs:
             return
         await _call(self._redis.delete(*(keys.slot(*ref) for ref in refs)))
 
-    async def heartbeat(self, owner: str, ttl: float, now: float) -> None:
+    async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]:
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.zadd(keys.REPLICAS, {owner: now + ttl})
                 pipe.zremrangebyscore(keys.REPLICAS, "-inf", now)
                 pipe.pexpire(keys.REPLICAS, _ms(ttl))
-                await pipe.execute()
+                pipe.zrangebyscore(keys.REPLICAS, f"({now!r}", "+inf")
+                found = (await pipe.execute())[-1]
         except RedisError as exc:
             raise StateStoreUnavailable(str(exc)) from None
-
-    async def replicas(self, now: float) -> list[str]:
-        found = await _call(self._redis.zrangebyscore(keys.REPLICAS, f"({now!r}", "+inf"))
         return sorted(_bytes(v).decode() for v in found if isinstance(v, bytes | str))
 
     async def push_window(
@@ -166,14 +172,12 @@ class RedisStateStore:
     ) -> tuple[str, float] | None:
         if not hashes:
             return None
-        values = await _call(self._redis.mget([keys.release(k) for k in hashes]))
-        for value in reversed(values):
-            if value is None:
-                continue
-            release, _, at = _bytes(value).decode().rpartition("|")
-            if await _call(self._redis.set(keys.claimed(release), 1, nx=True, px=_ms(ttl))):
-                return release, float(at)
-        return None
+        names = [keys.release(k) for k in hashes]
+        found = await _call(self._claim(keys=names, args=[keys.claimed(""), _ms(ttl)]))
+        if found is None:
+            return None
+        release, _, at = _bytes(found).decode().rpartition("|")
+        return release, float(at)
 
     async def claimed(self, releases: Sequence[str], now: float) -> set[str]:
         if not releases:

@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
-from proxy.state import InMemoryStateStore, SlotRecord, StateStore, StateStoreUnavailable
+from proxy.state import (
+    InMemoryStateStore,
+    SlotRecord,
+    SlotView,
+    StateStore,
+    StateStoreUnavailable,
+)
 from proxy.state.redis import RedisStateStore
 from tests.real.stack import RedisServer
 
@@ -51,7 +57,7 @@ async def test_lease_has_one_owner_and_only_the_owner_releases(store: StateStore
     assert not await store.acquire_lease(ref, "r2", ttl=5, now=now())
     assert await store.acquire_lease(ref, "r1", ttl=5, now=now())  # renew
     await store.release_lease(ref, "r2")
-    assert await store.lease_owners([ref, ("b0", 1)], now()) == {ref: "r1"}
+    assert (await store.view([ref, ("b0", 1)], now())).owners == {ref: "r1"}
     await store.release_lease(ref, "r1")
     assert await store.acquire_lease(ref, "r2", ttl=5, now=now())
 
@@ -59,15 +65,15 @@ async def test_lease_has_one_owner_and_only_the_owner_releases(store: StateStore
 async def test_renewal_extends_only_a_held_lease(store: StateStore) -> None:
     ref = ("b2", 0)
     assert not await store.renew_lease(ref, "r1", ttl=5, now=now())  # never re-created
-    assert await store.lease_owners([ref], now()) == {}
+    assert (await store.view([ref], now())).owners == {}
     assert await store.acquire_lease(ref, "r1", ttl=0.3, now=now())
     assert not await store.renew_lease(ref, "r2", ttl=5, now=now())
     assert await store.renew_lease(ref, "r1", ttl=5, now=now())
     await asyncio.sleep(0.4)
-    assert await store.lease_owners([ref], now()) == {ref: "r1"}  # extended past 0.3 s
+    assert (await store.view([ref], now())).owners == {ref: "r1"}  # extended past 0.3 s
     await store.release_lease(ref, "r1")
     assert not await store.renew_lease(ref, "r1", ttl=5, now=now())
-    assert await store.lease_owners([ref], now()) == {}
+    assert (await store.view([ref], now())).owners == {}
 
 
 async def test_lease_expires(store: StateStore) -> None:
@@ -88,10 +94,19 @@ async def test_concurrent_takers_get_one_lease(store: StateStore) -> None:
 async def test_slot_records(store: StateStore) -> None:
     record = SlotRecord((1, 2**63 + 5), (10, 20), 2, 19, 1234.5)
     await store.put_slot(("b0", 0), record, ttl=5, now=now())
-    got = await store.get_slots([("b0", 0), ("b0", 1)], now())
-    assert got == {("b0", 0): record}
+    got = await store.view([("b0", 0), ("b0", 1)], now())
+    assert got.records == {("b0", 0): record}
     await store.clear_slots([("b0", 0)])
-    assert await store.get_slots([("b0", 0)], now()) == {}
+    assert (await store.view([("b0", 0)], now())).records == {}
+
+
+async def test_the_view_holds_leases_and_records_of_the_same_slots(store: StateStore) -> None:
+    record = SlotRecord((7,), (3,), 1, 3, 1.0)
+    await store.put_slot(("b0", 1), record, ttl=5, now=now())
+    assert await store.acquire_lease(("b1", 0), "r1", ttl=5, now=now())
+    refs = [("b0", 0), ("b0", 1), ("b1", 0)]
+    assert await store.view(refs, now()) == SlotView({("b1", 0): "r1"}, {("b0", 1): record})
+    assert await store.view([], now()) == SlotView({}, {})
 
 
 async def test_window_is_bounded_newest_first(store: StateStore) -> None:
@@ -102,12 +117,10 @@ async def test_window_is_bounded_newest_first(store: StateStore) -> None:
 
 async def test_replicas_are_the_live_heartbeats(store: StateStore) -> None:
     t = now()
-    await store.heartbeat("b", 2.0, t)
-    await store.heartbeat("a", 0.5, t)
-    assert await store.replicas(t) == ["a", "b"]
-    assert await store.replicas(t + 1.0) == ["b"]  # a's heartbeat expired
-    await store.heartbeat("a", 2.0, t + 1.0)
-    assert await store.replicas(t + 1.5) == ["a", "b"]
+    assert await store.heartbeat("b", 2.0, t) == ["b"]
+    assert await store.heartbeat("a", 0.5, t) == ["a", "b"]
+    assert await store.heartbeat("c", 0.1, t + 1.0) == ["b", "c"]  # a's heartbeat expired
+    assert await store.heartbeat("a", 2.0, t + 1.5) == ["a", "b"]  # and c's
 
 
 async def test_ping(store: StateStore) -> None:
@@ -146,7 +159,7 @@ async def test_a_slow_redis_is_not_down(redis_url: str) -> None:
     slow = RedisStateStore(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0")
     try:
         assert await slow.acquire_lease(("slow", 0), "r", 5, now())
-        assert await slow.lease_owners([("slow", 0)], now()) == {("slow", 0): "r"}
+        assert (await slow.view([("slow", 0)], now())).owners == {("slow", 0): "r"}
         await slow.release_lease(("slow", 0), "r")
     finally:
         await slow.close()

@@ -157,9 +157,10 @@ async def test_maintenance_ends_at_shutdown_even_if_a_store_call_swallows_the_ca
     from proxy.state import InMemoryStateStore
 
     class Swallowing(InMemoryStateStore):
-        async def heartbeat(self, owner: str, ttl: float, now: float) -> None:
+        async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.sleep(0.2)  # a command in flight when the cancel lands
+            return [owner]
 
     metrics = ProxyMetrics(CollectorRegistry())
     shared = SharedState(Swallowing(), Fleet(["b"]), metrics, time.time, enabled=True)
@@ -171,3 +172,42 @@ async def test_maintenance_ends_at_shutdown_even_if_a_store_call_swallows_the_ca
     shared.stopped = True
     await asyncio.wait([task], timeout=1.0)
     assert task.done()
+
+
+async def test_requests_arriving_together_share_one_read_of_the_view() -> None:
+    """Every routed request refreshes the shared view first; those that arrive while a read
+    is in flight wait for that read instead of each sending one (at 64 concurrent requests
+    the reads were most of a Redis proxy's round trips). A later refresh reads again, and a
+    cancelled waiter does not cancel the read the others share."""
+    from prometheus_client import CollectorRegistry
+
+    from proxy.core.fleet import Fleet, SlotPhase, SlotState
+    from proxy.metrics import ProxyMetrics
+    from proxy.shared_state import SharedState
+    from proxy.state import InMemoryStateStore, SlotView
+
+    class Counting(InMemoryStateStore):
+        reads = 0
+
+        async def view(self, refs: Any, now: float) -> SlotView:
+            self.reads += 1
+            await asyncio.sleep(0.05)
+            return SlotView({("b", 0): "other"}, {})
+
+    store = Counting()
+    fleet = Fleet(["b"])
+    fleet.backends[0].slots = [SlotState(0), SlotState(1)]
+    shared = SharedState(store, fleet, ProxyMetrics(CollectorRegistry()), time.time, enabled=True)
+    first = asyncio.create_task(shared.refresh())
+    await asyncio.sleep(0.01)
+    await asyncio.gather(*(shared.refresh() for _ in range(9)))
+    assert store.reads == 1
+    assert first.done()
+    assert [s.phase for s in fleet.backends[0].slots] == [SlotPhase.REMOTE, SlotPhase.IDLE]
+    waiter = asyncio.create_task(shared.refresh())
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    await shared.refresh()  # the read goes on for this one
+    assert store.reads == 2
+    await shared.refresh()
+    assert store.reads == 3

@@ -1,0 +1,47 @@
+"""Recent-request windows through a short-lived local copy (``proxy.windows``)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry
+
+from proxy.core.fingerprint import Fingerprint
+from proxy.core.fleet import Fleet
+from proxy.metrics import ProxyMetrics
+from proxy.shared_state import SharedState
+from proxy.state import InMemoryStateStore
+from proxy.windows import FRESH, LIMIT, RecentWindows
+
+
+class Counting(InMemoryStateStore):
+    reads = 0
+
+    async def window(self, name: str, now: float) -> list[bytes]:
+        self.reads += 1
+        return await super().window(name, now)
+
+
+def fp(i: int) -> Fingerprint:
+    return Fingerprint((i, i + 1), (10, 20), 2)
+
+
+async def test_a_replica_reads_a_window_once_per_fresh_period_and_sees_its_own_pushes() -> None:
+    store = Counting()
+    shared = [
+        SharedState(store, Fleet(["b"]), ProxyMetrics(CollectorRegistry()), time.time, enabled=True)
+        for _ in range(2)
+    ]
+    clock = [100.0]
+    a, b = (RecentWindows(s, time.time, lambda: clock[0]) for s in shared)
+    assert await a.read("m") == []
+    for i in range(LIMIT + 3):
+        await a.push("m", fp(i))
+    await b.push("m", fp(1000))  # another replica's request
+    expected = [fp(i) for i in reversed(range(LIMIT + 3))][:LIMIT]
+    assert await a.read("m") == expected  # its own pushes at once, bounded as in the store
+    assert store.reads == 1
+    clock[0] += FRESH
+    assert await a.read("m") == [fp(1000), *expected[: LIMIT - 1]]  # the other's, FRESH late
+    assert store.reads == 2
+    assert await b.read("m") == await a.read("m")

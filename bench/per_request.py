@@ -6,7 +6,8 @@ one policy (or one version of the proxy) loses tokens to another.
     python -m bench.per_request diff /tmp/a.json:ours /tmp/a.json:sglang-router
 
 ``run`` replays the workload as ``bench.replay`` does (same fakes, fleet and policies;
-peers when installed) and keeps, per run and request, (session, position, prompt tokens,
+peers when installed; ``--chat``, ``--no-ram-cache``, ``--ram-tokens`` and ``--replicas`` as
+there) and keeps, per run and request, (session, position, prompt tokens,
 cached tokens, X-Cache-Route, X-Cache-Backend, X-Cache-Slot, X-Cache-Predicted-Tokens).
 ``diff A B`` averages each request's cached tokens over the runs of each side and prints
 B - A in total, by prompt size, by A's route, and the requests where B gains most.
@@ -103,12 +104,18 @@ def main() -> None:
     r.add_argument("--backends", type=int, default=4)
     r.add_argument("--slots", type=int, default=4)
     r.add_argument("--out", required=True)
+    r.add_argument("--chat", action="store_true", help="as bench.replay --chat")
+    r.add_argument("--no-ram-cache", action="store_true", help="as bench.replay")
+    r.add_argument("--ram-tokens", type=int, help="as bench.replay")
+    r.add_argument("--replicas", type=int, default=1, help="as bench.replay")
     d = sub.add_parser("diff")
     d.add_argument("a")
     d.add_argument("b")
     d.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     if args.command == "run":
+        replay.CHAT, replay.RAM_CACHE = args.chat, not args.no_ram_cache
+        replay.RAM_TOKENS, replay.REPLICAS = args.ram_tokens, args.replicas
         found = asyncio.run(run(args.policies, args.runs, args.only, args.backends, args.slots))
         with open(args.out, "w") as f:
             json.dump(found, f)

@@ -92,6 +92,7 @@ CHAT = False  # --chat
 RAM_CACHE = True  # --no-ram-cache: backends run with --cache-ram 0
 RAM_TOKENS: int | None = None  # --ram-tokens: what each backend's RAM cache holds
 REPLICAS = 1  # --replicas: ours as that many proxies on one Redis, requests round-robin
+STREAM = False  # --stream: requests stream their replies (as OpenClaw's do)
 # bench.per_request: called with (session, position), the response body and its headers
 OBSERVE: Callable[[tuple[int, int], dict[str, Any], Mapping[str, str]], None] | None = None
 WHERE: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("where", default=(-1, -1))
@@ -108,11 +109,13 @@ async def _post(
     else:
         path = "/v1/completions"
         body = {"model": "fake-model", "prompt": prompt, "max_tokens": reply, "temperature": 0}
+    if STREAM:
+        body["stream"] = True
     async with session.post(url + path, json=body, headers=headers) as resp:
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
-        if OBSERVE is not None:
+        if OBSERVE is not None and not STREAM:
             OBSERVE(WHERE.get(), await resp.json(), resp.headers)
 
 
@@ -320,10 +323,11 @@ def main() -> None:
     parser.add_argument(
         "--replicas", type=int, default=1, help="ours as N proxies on one Redis, round-robin"
     )
+    parser.add_argument("--stream", action="store_true", help="stream replies (as OpenClaw)")
     args = parser.parse_args()
-    global CHAT, RAM_CACHE, RAM_TOKENS, REPLICAS
+    global CHAT, RAM_CACHE, RAM_TOKENS, REPLICAS, STREAM
     CHAT, RAM_CACHE, RAM_TOKENS = args.chat, not args.no_ram_cache, args.ram_tokens
-    REPLICAS = args.replicas
+    REPLICAS, STREAM = args.replicas, args.stream
     stem = "replay-partial" if (args.only or args.policies or args.quick) else "replay"
     if args.chat:
         stem = "replay-chat" if stem == "replay" else stem + "-chat"
@@ -333,6 +337,8 @@ def main() -> None:
         stem += f"-ram{args.ram_tokens // 1000}k"
     if args.replicas > 1:
         stem += f"-replicas{args.replicas}"
+    if args.stream:
+        stem += "-stream"
     stem = args.out or stem
     if args.from_json:
         rows = load(stem)

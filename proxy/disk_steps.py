@@ -8,11 +8,12 @@ slot in llama-server, so the slot is then marked empty).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from proxy.core.fingerprint import Fingerprint, common_segments
+from proxy.core.fingerprint import Fingerprint, continues
 from proxy.core.isolation import may_reuse
 from proxy.core.snapshots import Layout, Offer, Snapshot, file_name
 from proxy.metrics import ProxyMetrics
@@ -96,15 +97,20 @@ class DiskSteps:
             return  # auto: llama-server's own RAM cache parks evicted sessions
         if content is None or content.total < disk.park_min_tokens:
             return
-        shared = common_segments(fp.hashes, content.hashes)
-        if content.same_conversation(shared) or content.tokens_at(shared) >= content.total / 2:
+        if continues(fp, content):
             return  # the request continues it, or keeps most of it
         half_life = self._tier.settings.routing.value_half_life_seconds
         if self._tier.now() - slot.last_used > half_life:
             return  # not recently active: not worth a file
-        found = await self._tier.index.find(content, [layout.model_id], content.total)
-        dp.found.extend(e for entries in found.values() for e in entries)
-        await self.save_slot(dp, content, len(content.hashes), index, slot_id, layout, "park")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._tier.parking.append((content, done))  # its session may be back meanwhile
+        try:
+            found = await self._tier.index.find(content, [layout.model_id], content.total)
+            dp.found.extend(e for entries in found.values() for e in entries)
+            await self.save_slot(dp, content, len(content.hashes), index, slot_id, layout, "park")
+        finally:
+            self._tier.parking = [p for p in self._tier.parking if p[1] is not done]
+            done.set_result(None)
 
     async def restore(self, dp: DiskPlan, offer: Offer, index: int, slot_id: int) -> None:
         snapshot = offer.snapshot

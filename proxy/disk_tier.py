@@ -28,6 +28,7 @@ request goes on as if the disk were empty.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -36,7 +37,7 @@ from typing import Any
 
 from proxy.config import Settings
 from proxy.core.disk_scope import Scope, ScopeMode, parse_scope, select_prefix
-from proxy.core.fingerprint import Fingerprint
+from proxy.core.fingerprint import Fingerprint, continues
 from proxy.core.fleet import BackendPhase, Fleet, Placement
 from proxy.core.request_body import is_chat
 from proxy.core.snapshots import (
@@ -116,6 +117,7 @@ class DiskTier:
         self.backends = [BackendDiskState() for _ in settings.backends]
         self.index = SnapshotIndex(shared, metrics, settings.disk.max_bytes, self.path)
         self.windows = RecentWindows(shared, wall, clock)
+        self.parking: list[tuple[Fingerprint, asyncio.Future[None]]] = []  # parks in flight
         self.client: LlamaServerClient | None = None  # attached at startup
         self.steps: DiskSteps | None = None
         metrics.disk_policy.labels(str(self.default)).set(1)
@@ -177,6 +179,7 @@ class DiskTier:
         if scope.mode is ScopeMode.OFF or not fp.hashes:
             return None
         await self.refresh_layouts()
+        await self._after_parks(fp)
         usable = self._usable()
         models = sorted({b.layout.model_id for b in usable if b.layout is not None})
         found = await self.index.find(fp, models, 1)
@@ -192,6 +195,16 @@ class DiskTier:
             window = await self.windows.read(model)
         every = [e for entries in found.values() for e in entries]
         return DiskPlan(scope, model, fp, lookup, window, every, tenant=tenant)
+
+    async def _after_parks(self, fp: Fingerprint) -> None:
+        """A park of this request's conversation in flight (another request took its slot as
+        its last turn ended, and saves what it held): wait for it, bounded, so the lookup finds
+        the snapshot. The session's next turn arrives as the park starts — both follow its
+        release — and missed it (replay, ours-disk miniswe, chat 2 x 2, RAM off: a yield before
+        the lookup alone, catching the parks that had just finished, took 0.90 to 0.94)."""
+        waiting = [done for content, done in self.parking if continues(fp, content)]
+        if waiting:
+            await asyncio.wait(waiting, timeout=self._settings.routing.max_slot_wait_seconds)
 
     # -- 2. the slot is ours, nothing sent yet -------------------------------------------------
     async def before(

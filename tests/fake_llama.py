@@ -126,6 +126,7 @@ class FakeLlamaServer:
         self.unified = unified
         self.tokens_restored = 0
         self.slot_actions: list[tuple[str, int, str]] = []
+        self.save_s = 0.0  # seconds a slot save takes
         self.ram_cache = ram_cache
         self.ram_tokens = ram_tokens  # None: unlimited (--cache-ram -1)
         self.ram: list[list[str]] = []
@@ -291,6 +292,8 @@ class FakeLlamaServer:
             await self._changed.wait_for(lambda: not slot.busy)
         self.slot_actions.append((action, slot.id, name))
         started = time.perf_counter()
+        if action == "save" and self.save_s:
+            await asyncio.sleep(self.save_s)  # a large KV takes a while to write
         path = self.save_dir / name
         if action == "erase":
             n, slot.tokens = len(slot.tokens), []

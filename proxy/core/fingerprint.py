@@ -204,3 +204,10 @@ def reply_segment(content: str, tool_calls: list[Any] | None) -> Segment:
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message_segment(message)
+
+
+def continues(fp: Fingerprint, content: Fingerprint) -> bool:
+    """``fp`` continues ``content``'s conversation (shares its first user message) or keeps
+    at least half of it: overwriting ``content`` with ``fp`` loses nothing of value."""
+    shared = common_segments(fp.hashes, content.hashes)
+    return content.same_conversation(shared) or content.tokens_at(shared) >= content.total / 2

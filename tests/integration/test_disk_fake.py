@@ -166,6 +166,43 @@ async def test_park_before_evict_brings_a_session_back_from_disk(
     assert metric(text, "llama_cache_proxy_disk_saves_total", kind="park") == 1
 
 
+async def test_a_session_back_while_its_slot_is_being_parked_waits_and_restores_it(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    """Another request takes the session's only slot as its turn ends and parks what it
+    held; the session's next turn arrives while that save is being written. It waits for the
+    park and restores it. Before, its snapshot lookup ran first, found nothing, and the turn
+    re-prefilled its whole history once the slot was free."""
+    fake = await fakes(n_slots=1, save_dir=tmp_path, ram_cache=False)
+    fake.save_s = 0.3
+    backends = [{"url": fake.url, "ram_cache": False}]
+    routing = {"hold_max_seconds": 0}  # the stranger takes the slot at once
+    client = await proxy(backends, disk=disk(tmp_path, park_min_tokens=200), routing=routing)
+    a1 = turn(0, 1)
+    reply = await (await client.post("/v1/chat/completions", json=a1)).json()
+    stranger = {"messages": [{"role": "user", "content": "unrelated " * 50}], "max_tokens": 4}
+    taking = asyncio.create_task(client.post("/v1/chat/completions", json=stranger))
+    for _ in range(200):
+        if fake.slot_actions:
+            break  # the park has started
+        await asyncio.sleep(0.005)
+    assert [a[0] for a in fake.slot_actions] == ["save"]
+    a2 = {
+        **a1,
+        "messages": [
+            *a1["messages"],
+            reply["choices"][0]["message"],
+            {"role": "user", "content": "and then?"},
+        ],
+    }
+    back = await client.post("/v1/chat/completions", json=a2)
+    assert (await taking).status == 200
+    assert back.headers["X-Cache-Route"] in ("disk", "wait+disk")
+    assert [a[0] for a in fake.slot_actions] == ["save", "restore"]
+    cached = (await back.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= reply["usage"]["prompt_tokens"] - 1  # all of A's previous prompt
+
+
 async def test_a_restore_that_is_not_reused_marks_the_snapshot_bad(
     fakes: Any, proxy: Any, tmp_path: Path
 ) -> None:

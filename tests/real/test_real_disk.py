@@ -108,6 +108,42 @@ async def test_park_before_evict_brings_a_session_back(llama_servers: Any, proxy
     assert metric(page, "llama_cache_proxy_disk_saves_total", kind="park") == 1
 
 
+async def test_a_session_back_while_its_slot_is_being_parked_restores_it(
+    llama_servers: Any, proxy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session's only slot is taken by a stranger as its turn ends and parked; the
+    session's next turn arrives while the park's save is in flight (held 0.5 s here, a slow
+    disk: this model's KV saves in milliseconds). It waits for the park and restores it;
+    before, it missed the snapshot and re-prefilled its history."""
+    from proxy.upstream import LlamaServerClient
+
+    original = LlamaServerClient.slot_action
+
+    async def slow(self: Any, base_url: str, slot: int, action: str, filename: str) -> Any:
+        if action == "save":
+            await asyncio.sleep(0.5)
+        return await original(self, base_url, slot, action, filename)
+
+    monkeypatch.setattr(LlamaServerClient, "slot_action", slow)
+    server = llama_servers(slots=1, extra=("--cache-ram", "0"))
+    backends = [{"url": server.url, "ram_cache": False}]
+    settings = disk(server, park_min_tokens=200, prefix_cache="off")
+    client = await proxy(backends, disk=settings, routing={"hold_max_seconds": 0})
+    first, _ = await post(client, turn(0))
+    stranger = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+    taking = asyncio.create_task(post(client, {**stranger, "prefix_cache": {"scope": "auto"}}))
+    await asyncio.sleep(0.2)  # the stranger holds the slot and its park has begun
+    reply = first["choices"][0]["message"]
+    follow = [
+        {"role": "assistant", "content": reply["content"]},
+        {"role": "user", "content": "More?"},
+    ]
+    back, headers = await post(client, turn(0, follow, prefix_cache={"scope": "auto"}))
+    await taking
+    assert headers["X-Cache-Route"] in ("disk", "wait+disk")
+    assert back["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 1
+
+
 @pytest.mark.parametrize("other_slots", [2, 3])
 async def test_shared_directory_restores_on_another_backend_unless_its_layout_differs(
     llama_servers: Any, proxy: Any, other_slots: int

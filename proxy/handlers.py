@@ -208,10 +208,15 @@ class ProxyHandlers:
         assert self.client is not None
         backend = self._settings.backends[index]
         record = request[RECORD]
-        record.backend = backend.label
-        record.slot = placement.pin if placement else None
+        record.backend, record.slot = backend.label, (placement.pin if placement else None)
         outcome: Outcome | None = None
-        released = placement is None
+        released, finished = placement is None, [False]
+
+        async def before_eof(done: Outcome) -> None:  # a stream ends once the slot is given back
+            if placement is not None and not finished[0]:
+                finished[0] = True
+                await to_the_end(self._finish(plan, placement, done))
+
         try:
             async with self.client.send(
                 backend.base_url,
@@ -226,6 +231,7 @@ class ProxyHandlers:
                     self._route_headers(request, placement, backend.label, plan),
                     self._clock,
                     lambda done: self._record(index, done, request),
+                    before_eof,
                 )
         except UpstreamConnectError:
             released = True  # nothing reached the backend; the caller retries and releases
@@ -244,7 +250,7 @@ class ProxyHandlers:
                     self._shared.abandon(placement)  # still busy upstream: let it expire
                 finally:
                     self._release(placement, outcome, plan)
-        if not released:
+        if not released and not finished[0]:
             assert placement is not None
             assert outcome is not None
             await to_the_end(self._finish(plan, placement, outcome))
@@ -258,9 +264,7 @@ class ProxyHandlers:
                 await self._disk.after(plan.disk, placement, outcome.usage, held)
         finally:
             try:
-                # the lease goes before the slot is free here, so no request of this
-                # replica can take the slot while the old lease is still being deleted
-                await self._shared.give_back(placement)
+                await self._shared.give_back(placement)  # before the slot is free here
             finally:
                 content = self._release(placement, outcome, plan)
         if plan is not None and content is not None:

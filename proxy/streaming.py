@@ -20,6 +20,11 @@ a reset while ending the chunked body, does not undo it (the server releases the
 sends that event). ``to_the_end`` runs the caller's bookkeeping after a complete response
 (freeing the slot, recording what it holds) through such a cancellation.
 
+``before_eof`` (the caller's bookkeeping after a complete stream: giving the slot's lease
+back, registering the release, writing its record) is awaited before the chunked body ends,
+so a client that sends its next turn at the end of the stream, perhaps to another replica,
+finds the slot free and recorded.
+
 ``on_usage`` (the caller's metrics) runs once per response, as soon as its usage is known and
 before the bytes that carry it reach the client: a client that reads ``/metrics`` right after
 its stream ends finds its own request counted.
@@ -61,6 +66,7 @@ async def relay(
     extra_headers: dict[str, str],
     clock: Callable[[], float],
     on_usage: Callable[[Outcome], None],
+    before_eof: Callable[[Outcome], Awaitable[None]] | None = None,
 ) -> Outcome:
     headers = client_response_headers(upstream.headers.items())
     if not _is_stream(upstream):
@@ -71,7 +77,9 @@ async def relay(
         outcome = Outcome(response, usage, reply, complete=True)
         on_usage(outcome)
         return outcome
-    return await _relay_stream(request, upstream, headers, extra_headers, clock, on_usage)
+    return await _relay_stream(
+        request, upstream, headers, extra_headers, clock, on_usage, before_eof
+    )
 
 
 async def _relay_stream(
@@ -81,6 +89,7 @@ async def _relay_stream(
     extra_headers: dict[str, str],
     clock: Callable[[], float],
     on_usage: Callable[[Outcome], None],
+    before_eof: Callable[[Outcome], Awaitable[None]] | None = None,
 ) -> Outcome:
     response = web.StreamResponse(status=upstream.status, headers=headers)
     response.headers.update(extra_headers)
@@ -112,9 +121,11 @@ async def _relay_stream(
             raise  # the client left before its reply ended: the generation is cancelled
         _uncancel()
         return _completed(outcome, scanner)
-    _completed(outcome, scanner)
+    outcome = _completed(outcome, scanner)
     if not recorded:
         on_usage(outcome)
+    if before_eof is not None:
+        await before_eof(outcome)
     # the client may close after the last byte of the reply, before the chunk terminator
     with contextlib.suppress(ConnectionResetError):
         await response.write_eof()

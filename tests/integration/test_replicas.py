@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from typing import Any
 
@@ -33,6 +34,44 @@ async def test_two_replicas_keep_a_session_on_its_slot(
             assert timings["cache_n"] > 0.9 * (timings["prompt_n"] + timings["cache_n"]) - 20
         history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
     assert len(set(seen)) == 1, seen
+
+
+async def test_a_streamed_turn_ends_after_its_slot_is_given_back_and_recorded(
+    fakes: Any, proxy: Any, redis_server: Any, monkeypatch: Any
+) -> None:
+    """A streaming client sends its next turn as soon as the stream ends, here to the other
+    replica. The stream ends only after the lease is given back and the slot's record
+    written (Redis made slow to give leases back: 0.3 s), so the other replica sees the slot
+    free and holding the session. Before, the end came first: the other replica saw the slot
+    leased, with no record of the session, and placed the turn on another slot."""
+    from proxy.state.redis import RedisStateStore
+
+    original = RedisStateStore.release_lease
+
+    async def slow(self: Any, ref: Any, owner: str) -> None:
+        await asyncio.sleep(0.3)
+        await original(self, ref, owner)
+
+    monkeypatch.setattr(RedisStateStore, "release_lease", slow)
+    backends = [await fakes(n_slots=2)]
+    a = await proxy(backends, redis_url=redis_server.url)
+    b = await proxy(backends, redis_url=redis_server.url)
+    history: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    history.append({"role": "user", "content": "turn 0 " + "word " * 30})
+    first = await a.post(
+        "/v1/chat/completions", json={"messages": history, "max_tokens": 6, "stream": True}
+    )
+    text = await first.text()  # to the end of the stream
+    reply = "".join(
+        json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        for line in text.splitlines()
+        if line.startswith("data: {") and json.loads(line[6:]).get("choices")
+    )
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "more"}]
+    second = await b.post("/v1/chat/completions", json={"messages": history, "max_tokens": 6})
+    assert second.headers["X-Cache-Slot"] == first.headers["X-Cache-Slot"]
+    timings = (await second.json())["timings"]
+    assert timings["cache_n"] > 0.9 * (timings["prompt_n"] + timings["cache_n"]) - 20
 
 
 async def test_replicas_never_pin_one_slot_at_once(

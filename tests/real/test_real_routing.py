@@ -218,3 +218,43 @@ async def test_a_short_prompt_repeated_whole_routes_as_a_prefix_hit(
     assert again.headers["X-Cache-Route"] == "prefix"
     assert 0 < int(again.headers["X-Cache-Predicted-Tokens"]) < 16
     assert timings["cache_n"] == timings["prompt_n"] + timings["cache_n"] - 1
+
+
+async def test_a_streamed_turn_continued_through_the_other_replica_keeps_its_slot(
+    llama_servers: Any, proxy: Any, redis_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session's turn streams through replica A; its next turn, sent as the stream ends, goes
+    through replica B. The stream ends only after A gave the slot back and recorded it (Redis
+    slowed to 0.3 s per lease release to widen the gap), so B reuses the slot's KV."""
+    from proxy.state.redis import RedisStateStore
+
+    original = RedisStateStore.release_lease
+
+    async def slow(self: Any, ref: Any, owner: str) -> None:
+        await asyncio.sleep(0.3)
+        await original(self, ref, owner)
+
+    monkeypatch.setattr(RedisStateStore, "release_lease", slow)
+    server = llama_servers(slots=2)
+    a = await proxy([server.url], redis_url=redis_server.url)
+    b = await proxy([server.url], redis_url=redis_server.url)
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(0)}]
+    body = {"messages": history, "max_tokens": 8, "temperature": 0, "stream": True}
+    first = await a.post("/v1/chat/completions", json=body)
+    events = [
+        json.loads(line[6:])
+        for line in (await first.text()).splitlines()
+        if line.startswith("data: {")
+    ]
+    reply = "".join(
+        (e["choices"][0]["delta"].get("content") or "") for e in events if e.get("choices")
+    )
+    timings = next(e["timings"] for e in events if e.get("timings"))
+    prompt = timings["prompt_n"] + timings["cache_n"]
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
+    second = await b.post(
+        "/v1/chat/completions", json={"messages": history, "max_tokens": 8, "temperature": 0}
+    )
+    assert second.status == 200
+    assert second.headers["X-Cache-Slot"] == first.headers["X-Cache-Slot"]
+    assert (await second.json())["timings"]["cache_n"] >= prompt - 1

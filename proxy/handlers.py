@@ -243,7 +243,7 @@ class ProxyHandlers:
             self._metrics.upstream_errors.labels(backend.label, "failed").inc()
             raise
         finally:
-            if not released and (outcome is None or not outcome.complete):
+            if not released and not finished[0] and (outcome is None or not outcome.complete):
                 assert placement is not None
                 released = True
                 try:
@@ -264,7 +264,7 @@ class ProxyHandlers:
                 await self._disk.after(plan.disk, placement, outcome.usage, held)
         finally:
             try:
-                await self._shared.give_back(placement)  # before the slot is free here
+                await self._shared.give_back(placement)  # first: no local take under its lease
             finally:
                 content = self._release(placement, outcome, plan)
         if plan is not None and content is not None:

@@ -8,7 +8,8 @@ a release is claimed with ``SET NX``; the snapshot index is one hash
 (``HMGET``/``HSET``/``HDEL``). The view a replica reads before routing (leases and slot
 records of every slot) is one ``MGET``. (Claiming a release as one script instead of
 ``MGET`` + ``SET NX``, semantically the same, lowered the 2-replica miniswe replay from
-0.933 to 0.928 over 15 runs; not understood, so not kept.) Every redis error
+0.937 to 0.924, five runs each alternating; with holds off both gave 0.89: the holds are
+sensitive to that timing, not understood, so not kept.) Every redis error
 becomes ``StateStoreUnavailable`` here; socket timeouts keep a dead Redis from stalling
 requests (the caller then routes on local state, and skips Redis until a ping answers).
 They are not *short*: on local state two replicas can pin one slot, so a Redis that is only

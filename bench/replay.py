@@ -112,7 +112,12 @@ async def _post(
     if STREAM:
         body["stream"] = True
     async with session.post(url + path, json=body, headers=headers) as resp:
-        await resp.read()
+        if STREAM and resp.status == 200:
+            async for line in resp.content:  # as OpenAI SDKs and OpenClaw: up to [DONE] only
+                if line.startswith(b"data: [DONE]"):
+                    break
+        else:
+            await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
         if OBSERVE is not None and not STREAM:

@@ -10,8 +10,9 @@ OpenAI's error shape and ends the stream; the client sees a closed stream, never
 A client that goes away makes the write fail (or cancels the handler); the upstream
 connection is then closed so llama-server cancels the generation.
 
-``Outcome.complete`` is true only when the upstream body was read to its end: the caller
-frees the slot at once then, and otherwise lets it drain.
+``Outcome.complete`` is true only when the upstream body was read to its end, or to its end
+event (``data: [DONE]``, sent after the server released the slot): the caller frees the slot at
+once then, and otherwise lets it drain.
 
 A client that has its whole reply may close the connection at once (OpenClaw does, at
 ``[DONE]``), which cancels the handler (``handler_cancellation``). Once the stream's final event
@@ -21,9 +22,10 @@ sends that event). ``to_the_end`` runs the caller's bookkeeping after a complete
 (freeing the slot, recording what it holds) through such a cancellation.
 
 ``before_eof`` (the caller's bookkeeping after a complete stream: giving the slot's lease
-back, registering the release, writing its record) is awaited before the chunked body ends,
-so a client that sends its next turn at the end of the stream, perhaps to another replica,
-finds the slot free and recorded.
+back, registering the release, writing its record) is awaited before the client gets the end
+event and the end of the chunked body (``SseScanner`` holds them back), so a client that sends
+its next turn as soon as it reads ``[DONE]``, perhaps to another replica, finds the slot free
+and recorded.
 
 ``on_usage`` (the caller's metrics) runs once per response, as soon as its usage is known and
 before the bytes that carry it reach the client: a client that reads ``/metrics`` right after
@@ -101,11 +103,14 @@ async def _relay_stream(
         async for chunk in upstream.content.iter_any():
             if outcome.first_byte_at is None:
                 outcome.first_byte_at = clock()
-            scanner.feed(chunk)
+            ready = scanner.feed(chunk)
             if scanner.usage is not None and not recorded:
                 recorded = True  # the chunk that ends the stream carries it: count it first
                 on_usage(replace(outcome, usage=scanner.usage))
-            await response.write(chunk)
+            if ready:
+                await response.write(ready)
+            if scanner.done:
+                break  # the end event: the server has released the slot; nothing follows
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if request.transport is None or request.transport.is_closing():
             if recorded:
@@ -121,6 +126,7 @@ async def _relay_stream(
             raise  # the client left before its reply ended: the generation is cancelled
         _uncancel()
         return _completed(outcome, scanner)
+    tail = scanner.close()
     outcome = _completed(outcome, scanner)
     if not recorded:
         on_usage(outcome)
@@ -128,12 +134,14 @@ async def _relay_stream(
         await before_eof(outcome)
     # the client may close after the last byte of the reply, before the chunk terminator
     with contextlib.suppress(ConnectionResetError):
+        if tail:
+            await response.write(tail)
         await response.write_eof()
     return outcome
 
 
 def _completed(outcome: Outcome, scanner: SseScanner) -> Outcome:
-    scanner.close()
+    scanner.close()  # idempotent: a caller whose client is still there forwarded what it held
     outcome.usage, outcome.reply = scanner.usage, scanner.reply
     outcome.complete = True
     return outcome

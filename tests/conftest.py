@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -68,6 +69,25 @@ def proxy(aiohttp_client: Any) -> ProxyFactory:
 
 def chat(text: str, **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": text}], **extra}
+
+
+async def events_to_done(resp: Any) -> list[dict[str, Any]]:
+    """The JSON events of a stream, read as OpenAI SDKs and OpenClaw read it: up to
+    ``data: [DONE]`` and no further (the end of the chunked body is not awaited)."""
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: [DONE]"):
+            return events
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[6:]))
+    raise AssertionError("the stream ended without [DONE]")
+
+
+def delta_text(events: list[dict[str, Any]]) -> str:
+    """The assistant text of chat stream events."""
+    return "".join(
+        (e["choices"][0]["delta"].get("content") or "") for e in events if e.get("choices")
+    )
 
 
 def metric(text: str, name: str, **labels: str) -> float:

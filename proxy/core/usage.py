@@ -17,7 +17,12 @@ client receives them, because that is what it sends back next turn and what the 
 now holds after the prompt. Streamed tool calls arrive as fragments keyed by ``index`` and
 are assembled (``arguments`` concatenated).
 
-``SseScanner`` splits a byte stream into SSE ``data:`` payloads incrementally.
+``SseScanner`` splits a byte stream into SSE ``data:`` payloads incrementally, and says which
+bytes may go on to the client now: every complete line before the stream's end event
+(``data: [DONE]``). A partial line waits for its end (a client cannot read half a line anyway),
+and the end event with whatever follows it is held (``done``) until the caller has done its
+bookkeeping and ``close`` hands it back: a client that stops reading at ``[DONE]`` (OpenAI SDKs,
+OpenClaw) and sends its next turn at once then finds the slot already free and recorded.
 """
 
 from __future__ import annotations
@@ -158,38 +163,54 @@ def read_body(body: bytes) -> tuple[Usage | None, Reply]:
 
 
 class SseScanner:
-    """Incremental SSE reader: the last usage seen, and the reply assembled from chunks."""
+    """Incremental SSE reader: the last usage seen, the reply assembled from chunks, and the
+    bytes to forward (``feed``'s result; ``close`` returns the rest)."""
 
     def __init__(self) -> None:
         self._pending = b""
+        self._held = b""
+        self.done = False  # the end event was seen: it and what follows are held
         self.usage: Usage | None = None
         self.reply = Reply()
         self.events = 0
 
-    def feed(self, chunk: bytes) -> None:
-        data = self._pending + chunk
-        lines = data.split(b"\n")
+    def feed(self, chunk: bytes) -> bytes:
+        """Read ``chunk``; return the complete lines before the end event (they may go on now)."""
+        if self.done:
+            self._held += chunk
+            return b""
+        lines = (self._pending + chunk).split(b"\n")
         self._pending = lines.pop()
-        for line in lines:
-            self._line(line.rstrip(b"\r"))
+        for i, line in enumerate(lines):
+            if self._line(line.rstrip(b"\r")):
+                self.done = True
+                self._held = b"".join(rest + b"\n" for rest in lines[i:]) + self._pending
+                self._pending = b""
+                return b"".join(ready + b"\n" for ready in lines[:i])
+        return b"".join(line + b"\n" for line in lines)
 
-    def close(self) -> None:
+    def close(self) -> bytes:
+        """End of the stream: read a last unterminated line; return every byte still held."""
+        tail, self._held = self._held + self._pending, b""
         if self._pending:
             self._line(self._pending.rstrip(b"\r"))
             self._pending = b""
+        return tail
 
-    def _line(self, line: bytes) -> None:
+    def _line(self, line: bytes) -> bool:
+        """Read one line; true for the end event."""
         if not line.startswith(b"data:"):
-            return
+            return False
         self.events += 1
         payload = line[5:].strip()
         if not payload.startswith(b"{"):
-            return  # [DONE]
+            return payload == b"[DONE]"
         try:
             obj = json.loads(payload)
         except ValueError:
-            return
+            return False
         self.reply.feed(obj)
         found = usage_from_object(obj)
         if found is not None:
             self.usage = found
+        return False

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from typing import Any
 
-from tests.conftest import chat, metric
+from tests.conftest import chat, delta_text, events_to_done, metric
 from tests.integration import test_holds_fake as holds
 from tests.integration.test_routing_fake import SYSTEM
 
@@ -39,8 +38,8 @@ async def test_two_replicas_keep_a_session_on_its_slot(
 async def test_a_streamed_turn_ends_after_its_slot_is_given_back_and_recorded(
     fakes: Any, proxy: Any, redis_server: Any, monkeypatch: Any
 ) -> None:
-    """A streaming client sends its next turn as soon as the stream ends, here to the other
-    replica. The stream ends only after the lease is given back and the slot's record
+    """A streaming client sends its next turn as soon as it reads ``[DONE]``, here to the other
+    replica. ``[DONE]`` comes only after the lease is given back and the slot's record
     written (Redis made slow to give leases back: 0.3 s), so the other replica sees the slot
     free and holding the session. Before, the end came first: the other replica saw the slot
     leased, with no record of the session, and placed the turn on another slot."""
@@ -61,12 +60,7 @@ async def test_a_streamed_turn_ends_after_its_slot_is_given_back_and_recorded(
     first = await a.post(
         "/v1/chat/completions", json={"messages": history, "max_tokens": 6, "stream": True}
     )
-    text = await first.text()  # to the end of the stream
-    reply = "".join(
-        json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-        for line in text.splitlines()
-        if line.startswith("data: {") and json.loads(line[6:]).get("choices")
-    )
+    reply = delta_text(await events_to_done(first))  # an SDK stops reading at [DONE]
     history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "more"}]
     second = await b.post("/v1/chat/completions", json={"messages": history, "max_tokens": 6})
     assert second.headers["X-Cache-Slot"] == first.headers["X-Cache-Slot"]

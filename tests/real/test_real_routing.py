@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import metric
+from tests.conftest import delta_text, events_to_done, metric
 from tests.real.stack import _wait_http, free_port
 
 SYSTEM = (
@@ -223,9 +223,9 @@ async def test_a_short_prompt_repeated_whole_routes_as_a_prefix_hit(
 async def test_a_streamed_turn_continued_through_the_other_replica_keeps_its_slot(
     llama_servers: Any, proxy: Any, redis_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A session's turn streams through replica A; its next turn, sent as the stream ends, goes
-    through replica B. The stream ends only after A gave the slot back and recorded it (Redis
-    slowed to 0.3 s per lease release to widen the gap), so B reuses the slot's KV."""
+    """A session's turn streams through replica A; its next turn goes through replica B as soon
+    as the client reads ``[DONE]``, which A sends only after it gave the slot back and recorded
+    it (Redis slowed to 0.3 s per lease release to widen the gap), so B reuses the slot's KV."""
     from proxy.state.redis import RedisStateStore
 
     original = RedisStateStore.release_lease
@@ -241,14 +241,8 @@ async def test_a_streamed_turn_continued_through_the_other_replica_keeps_its_slo
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(0)}]
     body = {"messages": history, "max_tokens": 8, "temperature": 0, "stream": True}
     first = await a.post("/v1/chat/completions", json=body)
-    events = [
-        json.loads(line[6:])
-        for line in (await first.text()).splitlines()
-        if line.startswith("data: {")
-    ]
-    reply = "".join(
-        (e["choices"][0]["delta"].get("content") or "") for e in events if e.get("choices")
-    )
+    events = await events_to_done(first)  # as an SDK reads it: not past [DONE]
+    reply = delta_text(events)
     timings = next(e["timings"] for e in events if e.get("timings"))
     prompt = timings["prompt_n"] + timings["cache_n"]
     history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]

@@ -100,9 +100,21 @@ def test_sse_scanner_across_arbitrary_chunk_boundaries() -> None:
     stream += b"data: [DONE]\n\n"
     for size in (1, 3, 7, len(stream)):
         scanner = SseScanner()
-        for i in range(0, len(stream), size):
-            scanner.feed(stream[i : i + size])
-        scanner.close()
+        ready = b"".join(scanner.feed(stream[i : i + size]) for i in range(0, len(stream), size))
+        assert scanner.done
+        assert ready == stream[: stream.index(b"data: [DONE]")]  # the end event is held
+        assert scanner.close() == b"data: [DONE]\n\n"
+        assert scanner.close() == b""  # given back once
         assert scanner.usage == Usage(10, 8)
         assert scanner.events == 3
         assert scanner.reply.content == "hi"
+
+
+def test_sse_scanner_forwards_whole_lines_and_gives_back_a_last_unterminated_one() -> None:
+    scanner = SseScanner()
+    assert scanner.feed(b'data: {"content": "a"}\n\ndata: {"con') == b'data: {"content": "a"}\n\n'
+    assert scanner.feed(b'tent": "b", "stop": true}') == b""
+    assert not scanner.done
+    assert scanner.close() == b'data: {"content": "b", "stop": true}'
+    assert scanner.reply.content == "ab"
+    assert scanner.events == 2

@@ -53,14 +53,15 @@ async def run(policies: list[str], runs: int, only: str, backends: int, slots: i
     for i in range(runs):  # rounds, as bench.replay does, so drift is shared
         for policy in policies:
             log.clear()
-            hit, _, seconds = await replay.run_policy(policy, workload, backends, slots, peers)
-            out[policy].append({"hit": hit, "seconds": seconds, "log": list(log)})
-            print(f"{policy} run {i}: hit {hit:.4f} in {seconds:.1f} s", flush=True)
+            run = await replay.run_policy(policy, workload, backends, slots, peers)
+            out[policy].append({"hit": run.hit, "seconds": run.seconds, "log": list(log)})
+            print(f"{policy} run {i}: hit {run.hit:.4f} in {run.seconds:.1f} s", flush=True)
     return out
 
 
 def _load(spec: str) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], int], Any]:
-    path, _, policy = spec.rpartition(":")
+    path, _, policy = spec.partition(".json:")  # policies may hold ':' (sglang-router:manual)
+    path += ".json"
     with open(path) as f:
         runs = json.load(f)[policy]
     cached: dict[tuple[int, int], list[int]] = collections.defaultdict(list)

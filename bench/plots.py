@@ -21,7 +21,7 @@ def _pyplot() -> Any:
 def policy_columns(row: dict[str, Any]) -> list[str]:
     """The routing policies a replay row has results for, in run order."""
     fixed = ("workload", "fleet", "sessions", "requests", "ideal", "repeats")
-    ends = ("_prefill", "_seconds", "_runs")
+    ends = ("_prefill", "_seconds", "_runs", "_latency")
     return [k for k in row if k not in fixed and not k.endswith(ends)]
 
 

@@ -22,6 +22,11 @@ each request sent to the next replica in turn, so a session's turns alternate re
 
 With ``--repeat N`` every policy runs N times per workload (in rounds, each on a fresh
 fleet) and the table shows means; the JSON keeps each run's hit rate (``<policy>_runs``).
+
+Besides the hit rate, prefill tokens computed and wall time, each cell shows the mean request
+latency as the client saw it (send to the reply's end, or to ``[DONE]`` when streaming): a
+router can raise the hit rate by queueing requests behind a slot that holds their prefix, and
+the latency is where that shows.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +58,7 @@ from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer, tokenize
 
 Send = Callable[[aiohttp.ClientSession, tuple[str, int], int], Awaitable[None]]
+LATENCIES: list[float] = []  # this run's request latencies, seconds
 PREFILL_S_PER_TOKEN = 2e-5  # one device per backend; prefill serialized across its slots
 DECODE_S_PER_TOKEN = 0.005  # decoding in parallel across slots
 
@@ -111,6 +118,7 @@ async def _post(
         body = {"model": "fake-model", "prompt": prompt, "max_tokens": reply, "temperature": 0}
     if STREAM:
         body["stream"] = True
+    sent = time.perf_counter()
     async with session.post(url + path, json=body, headers=headers) as resp:
         if STREAM and resp.status == 200:
             async for line in resp.content:  # as OpenAI SDKs and OpenClaw: up to [DONE] only
@@ -118,6 +126,7 @@ async def _post(
                     break
         else:
             await resp.read()
+        LATENCIES.append(time.perf_counter() - sent)
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
         if OBSERVE is not None and not STREAM:
@@ -147,10 +156,23 @@ def _hit(fakes: list[FakeLlamaServer]) -> tuple[float, int]:
     return 1 - computed / prompt, computed
 
 
+def _key(session_policy: bool, session: int) -> str | None:
+    return f"session-{session}" if session_policy else None
+
+
+@dataclass(frozen=True)
+class Run:
+    hit: float  # token-weighted hit rate
+    prefill: int  # prompt tokens computed
+    seconds: float  # wall time
+    latency: float  # mean request latency, seconds
+
+
 async def run_policy(
     policy: str, workload: Workload, backends: int, slots: int, peers: dict[str, Any]
-) -> tuple[float, int, float]:
-    """(hit rate, prefill tokens computed, wall seconds) of one policy on a fresh fleet."""
+) -> Run:
+    """One policy on a fresh fleet."""
+    LATENCIES.clear()
     save_dir = Path(tempfile.mkdtemp(prefix="replay-slots-"))
     fakes = await _fleet(backends, slots, save_dir if policy.startswith("ours-disk") else None)
     urls = [f.url for f in fakes]
@@ -183,21 +205,25 @@ async def run_policy(
                     "log_level": "WARNING",
                 }
             )
+            keyed = ":" in policy  # ours:keyed: requests carry their session id, as peers'
             if REPLICAS > 1:
                 async with serve_replicas(settings, REPLICAS) as next_url:
-                    await _run_sessions(workload, lambda s, p, _: _post(s, next_url(), p))
+                    await _run_sessions(
+                        workload, lambda s, p, i: _post(s, next_url(), p, _key(keyed, i))
+                    )
             else:
                 async with serve(settings) as url:
-                    await _run_sessions(workload, lambda s, p, _: _post(s, url, p))
+                    await _run_sessions(workload, lambda s, p, i: _post(s, url, p, _key(keyed, i)))
         else:
             session_policy = ":" in policy
             async with peers[policy](urls) as url:
                 started = time.perf_counter()
                 await _run_sessions(
                     workload,
-                    lambda s, p, i: _post(s, url, p, f"session-{i}" if session_policy else None),
+                    lambda s, p, i: _post(s, url, p, _key(session_policy, i)),
                 )
-        return (*_hit(fakes), time.perf_counter() - started)
+        seconds, latency = time.perf_counter() - started, statistics.fmean(LATENCIES)
+        return Run(*_hit(fakes), seconds, latency)
     finally:
         for fake in fakes:
             await fake.stop()
@@ -259,14 +285,16 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["repeats"] = args.repeat
         for _ in range(args.repeat):  # rounds: every policy once per round, so drift is shared
             for policy in policies:
-                hit, prefill, seconds = await run_policy(policy, workload, backends, slots, peers)
-                row.setdefault(policy + "_runs", []).append(hit)
-                row.setdefault(policy + "_prefills", []).append(prefill)
-                row.setdefault(policy + "_times", []).append(seconds)
+                run = await run_policy(policy, workload, backends, slots, peers)
+                row.setdefault(policy + "_runs", []).append(run.hit)
+                row.setdefault(policy + "_prefills", []).append(run.prefill)
+                row.setdefault(policy + "_times", []).append(run.seconds)
+                row.setdefault(policy + "_latencies", []).append(run.latency)
         for policy in policies:
             row[policy] = statistics.fmean(row[policy + "_runs"])
             row[policy + "_prefill"] = statistics.fmean(row.pop(policy + "_prefills"))
             row[policy + "_seconds"] = statistics.fmean(row.pop(policy + "_times"))
+            row[policy + "_latency"] = statistics.fmean(row.pop(policy + "_latencies"))
             if args.repeat == 1:
                 del row[policy + "_runs"]
         rows.append(row)
@@ -281,7 +309,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     policies = policy_columns(rows[0])
     print(
         f"\nfleet: fake llama-servers, backends x slots per row ({platform.machine()}); "
-        "token-weighted hit rate (prefill tokens computed, wall seconds); prefill "
+        "token-weighted hit rate (prefill tokens computed, wall seconds, mean request "
+        "latency); prefill "
         f"{PREFILL_S_PER_TOKEN * 1e6:.0f} us/token serialized per backend, decode "
         f"{DECODE_S_PER_TOKEN * 1e3:.0f} ms/token"
     )
@@ -295,14 +324,18 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 r["sessions"],
                 r["requests"],
                 f"{r['ideal']:.3f}",
-                *(
-                    f"{r[p]:.3f} ({r[p + '_prefill'] / 1000:.0f}k, {r[p + '_seconds']:.0f}s)"
-                    for p in policies
-                ),
+                *(_cell(r, p) for p in policies),
             )
             for r in rows
         ),
     )
+
+
+def _cell(row: dict[str, Any], policy: str) -> str:
+    figures = [f"{row[policy + '_prefill'] / 1000:.0f}k", f"{row[policy + '_seconds']:.0f}s"]
+    if policy + "_latency" in row:  # rows written before latency was measured have none
+        figures.append(f"{row[policy + '_latency'] * 1000:.0f} ms")
+    return f"{row[policy]:.3f} ({', '.join(figures)})"
 
 
 def main() -> None:

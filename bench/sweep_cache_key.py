@@ -3,7 +3,7 @@
 Every request carries its trace session id as ``prompt_cache_key``; the proxy (prefix routing
 on) runs against a fresh 4 x 4 fake fleet per setting. Reported: token-weighted hit rate and
 the share of keyed requests whose mapped slot was reused ("reuse"), refused as unrelated
-("unsafe") or busy.
+("unsafe"), busy, or passed over for another idle slot that scores higher ("outmatched").
 
     python -m bench.sweep_cache_key
 """
@@ -27,6 +27,7 @@ from tests.conftest import metric
 
 SIMILARITY = (0.25, 0.5, 0.75, 0.9)
 MIN_PREFIX = (16, 32, 64)
+OUTCOMES = ("reuse", "unsafe", "busy", "outmatched")
 
 
 async def _run(workload: Workload, similarity: float, min_prefix: int) -> dict[str, float]:
@@ -62,7 +63,7 @@ async def _run(workload: Workload, similarity: float, min_prefix: int) -> dict[s
         page = generate_latest(registry).decode()
         keyed = metric(page, "llama_cache_proxy_cache_key_total") or 1.0
         out = {"hit": _hit(fakes)[0]}
-        for outcome in ("reuse", "unsafe", "busy"):
+        for outcome in OUTCOMES:
             out[outcome] = (
                 metric(page, "llama_cache_proxy_cache_key_total", outcome=outcome) / keyed
             )
@@ -91,7 +92,7 @@ async def main_async() -> list[dict[str, Any]]:
 def main() -> None:
     rows = asyncio.run(main_async())
     save("sweep_cache_key", rows)
-    header = ("workload", "similarity", "min prefix", "hit rate", "keyed reuse", "unsafe", "busy")
+    header = ("workload", "similarity", "min prefix", "hit rate", "keyed reuse", *OUTCOMES[1:])
     print_markdown(
         header,
         (
@@ -100,9 +101,7 @@ def main() -> None:
                 r["similarity"],
                 r["min_prefix"],
                 f"{r['hit']:.3f}",
-                f"{r['reuse']:.2f}",
-                f"{r['unsafe']:.2f}",
-                f"{r['busy']:.2f}",
+                *(f"{r.get(outcome, 0.0):.2f}" for outcome in OUTCOMES),
             )
             for r in rows
         ),

@@ -88,7 +88,7 @@ class ProxyMetrics:
         self.slots = gauge("slots", "Slots by phase", ["backend", "phase"])
         self.route_decisions = counter("route_decisions", "Routing decisions by reason", ["reason"])
         self.cache_key = counter(
-            "cache_key", "Keyed requests by outcome: reuse, unsafe, busy", ["outcome"]
+            "cache_key", "Keyed requests by outcome: reuse, unsafe, busy, outmatched", ["outcome"]
         )
         self.predicted_tokens = counter(
             "predicted_cached_tokens",

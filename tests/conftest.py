@@ -74,7 +74,7 @@ def chat(text: str, **extra: Any) -> dict[str, Any]:
 async def events_to_done(resp: Any) -> list[dict[str, Any]]:
     """The JSON events of a stream, read as OpenAI SDKs and OpenClaw read it: up to
     ``data: [DONE]`` and no further (the end of the chunked body is not awaited)."""
-    events = []
+    events: list[dict[str, Any]] = []
     async for line in resp.content:
         if line.startswith(b"data: [DONE]"):
             return events

@@ -10,8 +10,10 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    weighted damage of evicting what the slot holds.
 2. *cache_key affinity* (seed 000, done outside the server): a keyed request whose mapped
    slot is idle reuses it only when the overlap is real — predicted reuse / prompt tokens
-   >= ``key_similarity`` and reuse >= ``key_min_prefix`` tokens ("reuse"). A busy mapped slot is
-   skipped ("busy"); a too-small overlap ("unsafe") routes normally.
+   >= ``key_similarity`` and reuse >= ``key_min_prefix`` tokens ("reuse"), and no other idle
+   slot scores higher ("outmatched": an agent session alternating two prompt threads, its
+   key mapped to the other thread's slot, which this request would overwrite). A busy mapped
+   slot is skipped ("busy"); a too-small overlap ("unsafe") routes normally.
 3. *Load gate* (like SGLang's cache-aware policy): with ``load`` = busy slots of a backend,
    the fleet is imbalanced when ``max - min > balance_abs`` and ``max > balance_rel * min``.
    Then a best candidate on a backend loaded above ``min + balance_abs`` is dropped for the
@@ -195,11 +197,9 @@ def route(
     disk = disk or {}
     usable = [b for b in backends if b.index not in avoid]
     ready = [b for b in usable if b.phase is BackendPhase.READY and b.idle_slots()]
-    key = None
+    key, keyed = None, None
     if affinity is not None and affinity[0] not in avoid:
-        chosen, key = _affinity(fp, backends, affinity, now, params, disk)
-        if chosen is not None:
-            return _place(chosen, Reason.AFFINITY, key)
+        keyed, key = _affinity(fp, backends, affinity, now, params, disk)
     up = [b for b in usable if b.phase is BackendPhase.READY]
     ram = {b.index: ram_view(fp, b) for b in up}
     load = {b.index: b.busy_count() for b in up}
@@ -208,6 +208,10 @@ def route(
         for b in ready
         for s in b.idle_slots()
     ]
+    if keyed is not None:
+        if all(c.score <= keyed.score for c in idle):
+            return _place(keyed, Reason.AFFINITY, key)
+        key = "outmatched"  # another idle slot scores higher: route by prefix
     least = params.min_prefix_tokens
     spared = frozenset(
         _slot(c) for c in idle if allow_wait and held(c.backend, c.slot, fp, now, hold, least)

@@ -134,6 +134,43 @@ async def test_seed_000_cache_key_cases(
         assert metric(page, "llama_cache_proxy_cache_key_total", outcome=outcome) >= 1
 
 
+async def test_a_cache_key_yields_to_the_slot_holding_more_of_the_prompt(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """One session, two prompt threads sharing the system prompt (an agent and its user
+    simulator), one slot each. The key follows the last request, to thread A's slot; thread B's
+    next turn overlaps that slot enough to be safe, but its own slot holds far more: it goes
+    there ("outmatched") and reuses its whole previous prompt, and thread A keeps its slot."""
+    server = llama_servers(slots=2, extra=("--cache-ram", "0"))  # nothing parked in RAM
+    client = await proxy(
+        [{"url": server.url, "ram_cache": False}],
+        routing={"slot_cache_key_similarity": 0.25, "slot_cache_key_min_prefix": 32},
+        disk={"prefix_cache": "off", "park": "off"},
+    )
+
+    async def send(messages: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+        body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+        resp = await client.post("/v1/chat/completions", json={**body, "prompt_cache_key": "s"})
+        assert resp.status == 200, await resp.text()
+        return resp.headers, await resp.json()
+
+    thread_b = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(1)}]
+    b_headers, b_first = await send(thread_b)
+    thread_a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(0)}]
+    # the key maps to B's slot, which A overlaps (the system prompt) enough to be safe, but
+    # the empty slot scores higher than overwriting B: A goes there, and the key follows it
+    a_headers, _ = await send(thread_a)
+    assert a_headers["X-Cache-Slot"] != b_headers["X-Cache-Slot"]
+    reply = b_first["choices"][0]["message"]["content"]
+    thread_b += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
+    headers, body = await send(thread_b)
+    assert headers["X-Cache-Slot"] == b_headers["X-Cache-Slot"]
+    timings, before = body["timings"], b_first["timings"]
+    assert timings["cache_n"] >= before["prompt_n"] + before["cache_n"] - 1
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_cache_key_total", outcome="outmatched") == 2
+
+
 async def _until_busy(url: str, slot: int) -> None:
     async with aiohttp.ClientSession() as session:
         for _ in range(200):

@@ -100,6 +100,7 @@ RAM_CACHE = True  # --no-ram-cache: backends run with --cache-ram 0
 RAM_TOKENS: int | None = None  # --ram-tokens: what each backend's RAM cache holds
 REPLICAS = 1  # --replicas: ours as that many proxies on one Redis, requests round-robin
 STREAM = False  # --stream: requests stream their replies (as OpenClaw's do)
+ROUTING: dict[str, Any] = {}  # --routing: settings over ours' routing defaults
 # bench.per_request: called with (session, position), the response body and its headers
 OBSERVE: Callable[[tuple[int, int], dict[str, Any], Mapping[str, str]], None] | None = None
 WHERE: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("where", default=(-1, -1))
@@ -186,6 +187,7 @@ async def run_policy(
                 "prefix_aware": policy != "ours-lru",
                 "pin_slots": policy != "ours-unpinned",
             }
+            routing.update(ROUTING)
             if policy == "ours-patient":
                 routing.update(wait_min_tokens=128, max_slot_wait_seconds=30, balance_abs=4)
             disk = {"prefix_cache": "off"}
@@ -362,10 +364,14 @@ def main() -> None:
         "--replicas", type=int, default=1, help="ours as N proxies on one Redis, round-robin"
     )
     parser.add_argument("--stream", action="store_true", help="stream replies (as OpenClaw)")
+    parser.add_argument(
+        "--routing", type=json.loads, default={}, help="routing settings of ours, as JSON"
+    )
     args = parser.parse_args()
     global CHAT, RAM_CACHE, RAM_TOKENS, REPLICAS, STREAM
     CHAT, RAM_CACHE, RAM_TOKENS = args.chat, not args.no_ram_cache, args.ram_tokens
     REPLICAS, STREAM = args.replicas, args.stream
+    ROUTING.update(args.routing)
     stem = "replay-partial" if (args.only or args.policies or args.quick) else "replay"
     if args.chat:
         stem = "replay-chat" if stem == "replay" else stem + "-chat"

@@ -56,6 +56,7 @@ class Plan:
     disk: DiskPlan | None = None
     tenant: str | None = None  # under cache isolation
     release: tuple[int, tuple[int, ...]] | None = None  # its response's, for its session
+    after: Fingerprint | None = None  # what the slot holds after the reply (content_after)
 
 
 def routing_params(settings: Settings) -> RoutingParams:
@@ -222,11 +223,14 @@ class Router:
         plan.release = self.returns.released(plan.fp, content, self._clock())
 
     def content_after(self, plan: Plan, reply: Reply | None) -> Fingerprint:
-        """What the slot holds after a complete response: prompt, then the reply."""
+        """What the slot holds after a complete response: prompt, then the reply (counted once
+        per response: the disk tier and the release both ask)."""
         if not plan.chat or reply is None:
             return plan.fp
-        segment = reply_segment(reply.content, reply.tool_calls or None)
-        return plan.fp.extend([segment], self._counter.count)
+        if plan.after is None:
+            segment = reply_segment(reply.content, reply.tool_calls or None)
+            plan.after = plan.fp.extend([segment], self._counter.count)
+        return plan.after
 
     def _in_backend_tokens(self, decision: Decision) -> int:
         """The prediction in the chosen backend's tokens (estimates x the learned ratio)."""

@@ -49,6 +49,7 @@ from typing import Any
 import aiohttp
 
 from bench.inproc import serve
+from bench.outproc import serve_process
 from bench.peers import SESSION_HEADERS
 from bench.plots import plot_replay, policy_columns
 from bench.replicas import serve_replicas
@@ -101,6 +102,7 @@ RAM_TOKENS: int | None = None  # --ram-tokens: what each backend's RAM cache hol
 REPLICAS = 1  # --replicas: ours as that many proxies on one Redis, requests round-robin
 STREAM = False  # --stream: requests stream their replies (as OpenClaw's do)
 ROUTING: dict[str, Any] = {}  # --routing: settings over ours' routing defaults
+PROCESS = False  # --process: ours as its own process (bench.outproc), as the peers run
 # bench.per_request: called with (session, position), the response body and its headers
 OBSERVE: Callable[[tuple[int, int], dict[str, Any], Mapping[str, str]], None] | None = None
 WHERE: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("where", default=(-1, -1))
@@ -214,7 +216,7 @@ async def run_policy(
                         workload, lambda s, p, i: _post(s, next_url(), p, _key(keyed, i))
                     )
             else:
-                async with serve(settings) as url:
+                async with (serve_process if PROCESS else serve)(settings) as url:
                     await _run_sessions(workload, lambda s, p, i: _post(s, url, p, _key(keyed, i)))
         else:
             session_policy = ":" in policy
@@ -367,11 +369,13 @@ def main() -> None:
     parser.add_argument(
         "--routing", type=json.loads, default={}, help="routing settings of ours, as JSON"
     )
+    parser.add_argument("--process", action="store_true", help="ours as its own process")
     args = parser.parse_args()
-    global CHAT, RAM_CACHE, RAM_TOKENS, REPLICAS, STREAM
+    global CHAT, RAM_CACHE, RAM_TOKENS, REPLICAS, STREAM, PROCESS
     CHAT, RAM_CACHE, RAM_TOKENS = args.chat, not args.no_ram_cache, args.ram_tokens
     REPLICAS, STREAM = args.replicas, args.stream
     ROUTING.update(args.routing)
+    PROCESS = args.process
     stem = "replay-partial" if (args.only or args.policies or args.quick) else "replay"
     if args.chat:
         stem = "replay-chat" if stem == "replay" else stem + "-chat"

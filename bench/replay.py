@@ -176,6 +176,7 @@ async def run_policy(
 ) -> Run:
     """One policy on a fresh fleet."""
     LATENCIES.clear()
+    keyed = ":" in policy  # session policies (and ours:keyed) get each session's id
     save_dir = Path(tempfile.mkdtemp(prefix="replay-slots-"))
     fakes = await _fleet(backends, slots, save_dir if policy.startswith("ours-disk") else None)
     urls = [f.url for f in fakes]
@@ -209,7 +210,6 @@ async def run_policy(
                     "log_level": "WARNING",
                 }
             )
-            keyed = ":" in policy  # ours:keyed: requests carry their session id, as peers'
             if REPLICAS > 1:
                 async with serve_replicas(settings, REPLICAS) as next_url:
                     await _run_sessions(
@@ -219,13 +219,9 @@ async def run_policy(
                 async with (serve_process if PROCESS else serve)(settings) as url:
                     await _run_sessions(workload, lambda s, p, i: _post(s, url, p, _key(keyed, i)))
         else:
-            session_policy = ":" in policy
             async with peers[policy](urls) as url:
                 started = time.perf_counter()
-                await _run_sessions(
-                    workload,
-                    lambda s, p, i: _post(s, url, p, _key(session_policy, i)),
-                )
+                await _run_sessions(workload, lambda s, p, i: _post(s, url, p, _key(keyed, i)))
         seconds, latency = time.perf_counter() - started, statistics.fmean(LATENCIES)
         return Run(*_hit(fakes), seconds, latency)
     finally:

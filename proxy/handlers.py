@@ -170,8 +170,8 @@ class ProxyHandlers:
             )
             if await self._shared.take(placement):
                 return placement
-            self._scheduler.release(placement, clean=True, sent=False)
-            self._shared.mark_remote(placement)
+            # another replica's: marked so before the release wakes a waiter that would take it
+            self._scheduler.release(placement, clean=True, sent=False, remote=True)
 
     def _decider(self, plan: Plan | None, need: Need) -> Callable[[], Placement | NoPlacement]:
         if plan is not None:

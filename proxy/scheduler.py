@@ -105,9 +105,16 @@ class Scheduler:
         sent: bool = True,
         content: Fingerprint | None = None,
         n_tokens: int | None = None,
+        remote: bool = False,
     ) -> None:
         self.fleet.release(
-            placement, self._clock(), clean=clean, sent=sent, content=content, n_tokens=n_tokens
+            placement,
+            self._clock(),
+            clean=clean,
+            sent=sent,
+            content=content,
+            n_tokens=n_tokens,
+            remote=remote,
         )
         self.wake()
 

@@ -115,10 +115,6 @@ class SharedState:
         counts = [len(b.slots) for b in self._fleet.backends]
         return owns(backend, slot, counts, self._replicas, self.owner)
 
-    def mark_remote(self, placement: Placement) -> None:
-        if placement.pin is not None:
-            self._fleet.backends[placement.backend].slots[placement.pin].phase = SlotPhase.REMOTE
-
     async def give_back(self, placement: Placement) -> None:
         if not self.enabled or placement.pin is None:
             return

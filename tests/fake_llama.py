@@ -362,13 +362,14 @@ class FakeLlamaServer:
         pinned = body.get("id_slot", -1) if request.path != "/v1/messages" else -1
         self._via = request.headers.get("X-Test-Via", "") + " " + request.path
         slots = await self._take_slots(prompt, pinned, n)
+        task = slots[0].task_id
         try:
             return await self._run(request, body, prompt, slots, drop_after)
         except (asyncio.CancelledError, ConnectionResetError):
             await asyncio.sleep(self.abort_release_s)
             raise
         finally:
-            await self._free(slots)
+            await self._free(slots, task)
 
     def _pick(self, prompt: list[str], pinned: int) -> tuple[FakeSlot | None, bool]:
         """The slot, and whether the RAM-cache hook runs (``update_cache``)."""
@@ -441,10 +442,12 @@ class FakeLlamaServer:
                     return [slot, *others]
                 await self._changed.wait()
 
-    async def _free(self, slots: list[FakeSlot]) -> None:
+    async def _free(self, slots: list[FakeSlot], task: int) -> None:
         async with self._changed:
-            if not slots[0].busy:
-                return  # already freed (a stream frees before its last bytes, as the real one)
+            if not slots[0].busy or slots[0].task_id != task:
+                # already freed (a stream frees before its last bytes, as the real one), and
+                # maybe taken by the next task since: not freed twice
+                return
             self._clock += 1
             for i, s in enumerate(slots):
                 s.busy, s.last_used = False, self._clock
@@ -512,7 +515,7 @@ class FakeLlamaServer:
         slots: list[FakeSlot],
         drop_after: int | None,
     ) -> web.StreamResponse:
-        slot = slots[0]
+        slot, task = slots[0], slots[0].task_id
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i, word in enumerate(reply):
@@ -523,7 +526,7 @@ class FakeLlamaServer:
             await self._gen_step(slot, word)
             await response.write(_sse(_chunk(request.path, word, None)))
         slot.tokens = slot.tokens[:-1]
-        await self._free(slots)
+        await self._free(slots, task)
         for event in _final_chunks(request.path, body, "".join(reply), final, slot, self):
             await response.write(_sse(event))
         await asyncio.sleep(self.linger_s)  # a server slow to close the stream after [DONE]

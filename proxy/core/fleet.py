@@ -16,10 +16,9 @@ The one safety rule, from llama-server's busy-slot pinning bug (a request pinned
 ``id_slot`` to a slot that is generating can overwrite that slot's KV with another
 conversation's): only an IDLE slot is ever placed. Every other phase blocks it.
 
-Restart detection from probes: llama-server gives no boot id, so a restart is inferred when a
-backend returns to READY from any other phase, when its slot count changes, or when the highest
-``id_task`` it reports goes down (task ids grow for a process's life). All functions take
-``now`` from the caller; nothing here reads a clock.
+Restart detection from probes: no boot id, so a restart is inferred when a backend returns to
+READY from another phase, its slot count changes, or the highest ``id_task`` it reports goes
+down (task ids grow for a process's life). ``now`` comes from the caller: no clock read here.
 
 Each backend's RAM prompt cache is modelled (``core.ram_cache``) up to ``GHOST_LIMIT`` entries,
 or its token budget when configured: the server bounds it only by memory, so a model of 64
@@ -113,8 +112,7 @@ class BackendState:
         return round(tokens * (self.token_scale or 1.0))
 
     def kv_tokens(self, content: Fingerprint, n_tokens: int = 0) -> int:
-        """A slot's length in the server's tokens: ``n_tokens`` when known, else estimated."""
-        return n_tokens if n_tokens > 0 else self.from_estimate(content.total)
+        return n_tokens if n_tokens > 0 else self.from_estimate(content.total)  # known, or est.
 
     def parked(self, content: Fingerprint, at: float, n_tokens: int = 0) -> Parked:
         return Parked(content, at, self.kv_tokens(content, n_tokens))
@@ -190,11 +188,12 @@ class Fleet:
         sent: bool = True,
         content: Fingerprint | None = None,
         n_tokens: int | None = None,
+        remote: bool = False,
     ) -> None:
-        """End a claim. ``sent=False``: nothing reached the server, the slot is as before.
-        ``clean=False`` (aborted upstream) drains instead of freeing and forgets the content
-        (how far the server got is unknown). Otherwise the slot now holds ``content`` (the
-        prompt and reply) or, without it, the prompt that was in flight."""
+        """End a claim. ``sent=False``: the slot is as before (``remote``: the pinned one is
+        another replica's, its lease refused; so marked before a waiter wakes). ``clean=False``
+        (aborted upstream) drains and forgets the content. Otherwise the pinned slot holds
+        ``content`` (prompt and reply) or, without it, the prompt that was in flight."""
         backend = self.backends[placement.backend]
         for slot_id in placement.slots:
             if slot_id >= len(backend.slots):
@@ -203,10 +202,11 @@ class Fleet:
             if slot.phase is not SlotPhase.BUSY:
                 continue
             pending, slot.pending = slot.pending, None
-            parked_at, slot.last_used = slot.last_used, now
             if not sent:
-                slot.phase = SlotPhase.IDLE
+                theirs = remote and slot_id == placement.pin
+                slot.phase = SlotPhase.REMOTE if theirs else SlotPhase.IDLE
                 continue
+            parked_at, slot.last_used = slot.last_used, now
             slot.phase = SlotPhase.IDLE if clean else SlotPhase.DRAINING
             if not clean or slot_id != placement.pin:
                 slot.content = None

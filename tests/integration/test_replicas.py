@@ -84,6 +84,38 @@ async def test_replicas_never_pin_one_slot_at_once(
     assert all(f.violations == [] for f in backends)
 
 
+async def test_a_refused_lease_does_not_hand_its_slot_to_a_waiter_as_another_replicas(
+    fakes: Any, proxy: Any, redis_server: Any, monkeypatch: Any
+) -> None:
+    """Request A is placed on the only slot, but its lease is refused (another replica holds
+    it); B waits in the same replica. Giving A's claim back woke B, which took the slot, and
+    only then was the slot marked as the other replica's, over B's claim. The next refresh
+    found no other replica's lease and freed the slot while B ran on it, and A was pinned
+    there too: the same slot twice from one replica (seen as a flaky failure of
+    test_replicas_never_pin_a_slot_twice_and_dead_leases_expire). The slot is now marked
+    the other replica's as the claim is given back, before any waiter is woken."""
+    from proxy.state.redis import RedisStateStore
+
+    original, refused = RedisStateStore.acquire_lease, []
+
+    async def refuse_first(self: Any, *args: Any) -> bool:
+        if not refused:
+            refused.append(True)
+            await asyncio.sleep(0.1)  # B arrives and waits meanwhile
+            return False
+        return await original(self, *args)
+
+    monkeypatch.setattr(RedisStateStore, "acquire_lease", refuse_first)
+    backend = await fakes(n_slots=1, gen_s_per_token=0.1)
+    replica = await proxy([backend], redis_url=redis_server.url)
+    first = asyncio.create_task(replica.post("/v1/chat/completions", json=chat("a", max_tokens=8)))
+    await asyncio.sleep(0.03)
+    second = await replica.post("/v1/chat/completions", json=chat("b", max_tokens=8))
+    assert [second.status, (await first).status] == [200, 200]
+    assert refused
+    assert backend.violations == []
+
+
 async def test_replicas_that_lose_redis_split_the_slots_instead_of_sharing_them(
     fakes: Any, proxy: Any, redis_server: Any
 ) -> None:

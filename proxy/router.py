@@ -33,6 +33,7 @@ from proxy.core.isolation import salt, tenant_of
 from proxy.core.request_body import is_chat
 from proxy.core.returns import SCAN, ReturnTracker
 from proxy.core.routing import Decision, Reason, RoutingParams, route
+from proxy.core.scoring import RamView
 from proxy.core.usage import Reply, Usage
 from proxy.disk_tier import DiskPlan, DiskTier
 from proxy.metrics import ProxyMetrics
@@ -57,6 +58,7 @@ class Plan:
     tenant: str | None = None  # under cache isolation
     release: tuple[int, tuple[int, ...]] | None = None  # its response's, for its session
     after: Fingerprint | None = None  # what the slot holds after the reply (content_after)
+    views: dict[int, RamView] = field(default_factory=dict)  # route's memo while it waits
 
 
 def routing_params(settings: Settings) -> RoutingParams:
@@ -196,6 +198,7 @@ class Router:
                 disk=plan.disk.offers if plan.disk is not None else None,
                 queued=self.queued(),
                 hold=hold,
+                views=plan.views,
             )
             if isinstance(decision, NoPlacement):
                 return decision

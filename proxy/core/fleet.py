@@ -100,7 +100,7 @@ class BackendState:
     prefill_tps: float = 1000.0  # prompt tokens computed per second (timings.prompt_ms, EMA)
     token_scale: float | None = None  # its tokens per fingerprint estimate (EMA)
     slots: list[SlotState] = field(default_factory=list)
-    ghosts: list[Parked] = field(default_factory=list)  # that cache's entries, oldest first
+    ghosts: list[Parked] = field(default_factory=list)  # oldest first; replaced, not mutated
 
     def idle_slots(self) -> list[SlotState]:
         return [s for s in self.slots if s.phase is SlotPhase.IDLE]

@@ -166,9 +166,12 @@ def park(
     an idle slot's save with ``after`` None); entries the slot's new content ``after``
     contains are dropped (saving the slot later drops them)."""
     kept = drop_contained(entries, after)
-    if before is None or (after is not None and contains(after, before.content)):
-        return kept
-    return save(kept, before, limit, budget)
+    if before is not None and (after is None or not contains(after, before.content)):
+        kept = save(kept, before, limit, budget)
+    same = len(kept) == len(entries) and all(a is b for a, b in zip(kept, entries, strict=True))
+    # the same list when nothing changed (most saves are of content already held): a
+    # waiting request's view of it stays valid (``scoring.ram_view``)
+    return entries if same and isinstance(entries, list) else kept
 
 
 def drop_contained(entries: Sequence[Parked], content: Fingerprint | None) -> list[Parked]:

@@ -22,9 +22,8 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    continuing in its slot or from its RAM copy: moving it would re-prefill its history), or
    the candidate saves as much as would be worth a wait (step 5's threshold): the router
    would wait for that backend if it were full, so it does not flee it while it has an idle
-   slot. (Replay, taubench 4 x 4: when the gate moved one or two diverged sessions per run off
-   their 127-153-token RAM copies, six runs gave 0.866-0.872, mean 0.870; four runs now give
-   0.871-0.873, mean 0.872; magagent, miniswe and Mooncake unchanged.)
+   slot. (Replay, taubench 4 x 4: when the gate moved one or two diverged sessions per run
+   off their 127-153-token RAM copies, mean 0.870; now 0.872; other traces unchanged.)
 4. Best idle candidate by (score, -backend load, -age) with reuse >= ``min_prefix_tokens``
    (or, for a shorter prompt, all of it: a short prompt repeated verbatim, such as an agent
    retrying one 14-token request 30 times, is a hit rather than a stranger) and a positive
@@ -67,8 +66,7 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    server could not park what it holds; if every idle slot is held the request waits, until
    the session is back or the hold ends (``Decision.until``).
 
-Never is a slot that is not IDLE placed (property-tested). Ties break by backend index and
-slot id, so the same inputs always give the same decision.
+Only IDLE slots are placed (property-tested); ties break by backend index and slot id.
 """
 
 from __future__ import annotations
@@ -190,10 +188,11 @@ def route(
     disk: Mapping[int, Offer] | None = None,
     queued: int = 0,
     hold: float = 0.0,
+    views: dict[int, RamView] | None = None,
 ) -> Decision | NoPlacement:
     """The decision for ``fp``; ``disk``: per backend, the best snapshot it could restore;
-    ``queued``: requests waiting for a slot (this one included, if it waits); ``hold``:
-    seconds a freed slot is held for its session (``core.returns``)."""
+    ``queued``: requests waiting for a slot (this one included, if it waits); ``hold``: seconds
+    a freed slot is held for its session; ``views``: the request's RAM views, memo updated."""
     disk = disk or {}
     usable = [b for b in backends if b.index not in avoid]
     ready = [b for b in usable if b.phase is BackendPhase.READY and b.idle_slots()]
@@ -201,7 +200,9 @@ def route(
     if affinity is not None and affinity[0] not in avoid:
         keyed, key = _affinity(fp, backends, affinity, now, params, disk)
     up = [b for b in usable if b.phase is BackendPhase.READY]
-    ram = {b.index: ram_view(fp, b) for b in up}
+    ram = {b.index: ram_view(fp, b, (views or {}).get(b.index)) for b in up}
+    if views is not None:
+        views.update(ram)
     load = {b.index: b.busy_count() for b in up}
     idle = [
         candidate(fp, b, s, now, params, ram[b.index], load[b.index], disk.get(b.index))
@@ -311,7 +312,7 @@ def _worth_waiting(
         ]
         free = [s for s in backend.idle_slots() if (backend.index, s.id) not in spared]
         if backend.slots and not free:  # full, or its idle slots held for their sessions
-            options.append(((backend.index, -1), ram[backend.index].best()))
+            options.append(((backend.index, -1), ram[backend.index].best))
         for where, reuse in options:
             least = floor_ram if where[1] < 0 else floor
             if reuse >= least and (found is None or reuse > found[1]):

@@ -32,7 +32,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint, common_segments
@@ -72,23 +74,26 @@ class RamView:
     """A backend's RAM-cache entries as one request sees them, oldest first."""
 
     prompt_tokens: int = 0
-    entries: tuple[Parked, ...] = ()
+    entries: Sequence[Parked] = ()  # the backend's list itself: compared by identity
     served: tuple[tuple[int, int], ...] = ()  # (tokens it serves the prompt, its length)
     shared: tuple[int, ...] = ()  # segments each entry shares with the request
-    resident: tuple[Fingerprint, ...] = ()  # what the backend's slots hold
 
+    @cached_property
     def best(self) -> int:
         """What the cache gives the request in a slot that holds nothing it shares."""
         index = ram_cache.pick(self.served, 0, 0, self.prompt_tokens)
         return self.served[index][0] if index is not None else 0
 
-    def damage(self, index: int, fp: Fingerprint, now: float, params: RoutingParams) -> float:
+    def damage(
+        self, index: int, fp: Fingerprint, now: float, params: RoutingParams, backend: BackendState
+    ) -> float:
         """Recency-weighted loss if the request loads (and so overwrites) entry ``index``;
         computed only for the entry a candidate would load, since views are rebuilt for
         every decision and most entries are never picked."""
         entry = self.entries[index]
         # a copy of what a slot holds loses nothing when it leaves the cache
-        if any(ram_cache.contains(r, entry.content) for r in self.resident):
+        resident = (s.expected for s in backend.slots if s.expected is not None)
+        if any(ram_cache.contains(r, entry.content) for r in resident):
             return 0.0
         lost = _lost(fp, entry.content, self.shared[index], self.served[index][0])
         return lost * _recency(entry.at, now, params)
@@ -137,9 +142,14 @@ def _lost(fp: Fingerprint, content: Fingerprint, shared: int, reuse: int) -> int
     return max(0, content.total - reuse) if content.same_conversation(shared) else content.total
 
 
-def ram_view(fp: Fingerprint, backend: BackendState) -> RamView:
+def ram_view(fp: Fingerprint, backend: BackendState, before: RamView | None = None) -> RamView:
+    """``before``: this request's last view of the backend, reused while its cache is the
+    same list (``BackendState.ghosts`` is replaced, never changed in place): a request that
+    waits is decided again on every release, and the cache rarely changed in between."""
     if not backend.ram or not fp.total or not backend.ghosts:
         return RamView(fp.total)
+    if before is not None and before.entries is backend.ghosts:
+        return before
     shared = ram_cache.shared_segments(fp, backend.ghosts)
     if backend.exact:
         served = tuple(
@@ -152,8 +162,7 @@ def ram_view(fp: Fingerprint, backend: BackendState) -> RamView:
             (min(tokens[n - 1], cap) if n else 0, entry.content.total)
             for entry, n in zip(backend.ghosts, shared, strict=True)
         )
-    resident = tuple(s.expected for s in backend.slots if s.expected is not None)
-    return RamView(fp.total, tuple(backend.ghosts), served, shared, resident)
+    return RamView(fp.total, backend.ghosts, served, shared)
 
 
 def candidate(
@@ -179,7 +188,7 @@ def candidate(
             if found is not None:
                 i = found + skip
                 live, loads = ram.served[i][0], ram.entries[i]
-                destroyed = ram.damage(i, fp, now, params)
+                destroyed = ram.damage(i, fp, now, params, backend)
     restore = offer if offer is not None and offer.reuse - offer.cost > live else None
     reuse, gain = (restore.reuse, restore.reuse - restore.cost) if restore else (live, live)
     if content is None or not fp.hashes:
@@ -205,4 +214,4 @@ def candidate(
 def ghost_reuse(fp: Fingerprint, backend: BackendState) -> int:
     """What the backend's RAM prompt cache would restore for this request into a slot that
     holds nothing it shares (``core.ram_cache.pick``)."""
-    return ram_view(fp, backend).best()
+    return ram_view(fp, backend).best

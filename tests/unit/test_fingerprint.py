@@ -100,6 +100,22 @@ def test_token_blocks() -> None:
     assert common_segments(fp.hashes, longer.hashes) == 2
 
 
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40), st.integers(4, 9))
+def test_token_blocks_hash_each_id_as_4_little_endian_bytes(ids: list[int], block: int) -> None:
+    """The ids are packed in one call now; the hashes stay those of the per-id encoding (Redis
+    records and disk snapshot indexes written before keep matching)."""
+    import xxhash
+
+    hashes, previous = [], 7
+    for start in range(0, len(ids), block):
+        key = b"".join(i.to_bytes(4, "little", signed=True) for i in ids[start : start + block])
+        previous = xxhash.xxh3_64_intdigest(key, seed=previous)
+        hashes.append(previous)
+    fp = fingerprint_tokens(ids, block, seed=7)
+    assert fp.hashes == tuple(hashes)
+    assert fp.tokens == tuple(min(len(ids), start + block) for start in range(0, len(ids), block))
+
+
 @given(
     st.lists(st.text(max_size=5), max_size=12),
     st.lists(st.text(max_size=5), max_size=12),

@@ -111,3 +111,25 @@ def test_an_entry_is_loadable_only_by_a_prompt_sharing_a_quarter_of_it() -> None
     served = [(100 * 2, 800)]
     assert ram_cache.pick(served, 0, 0, 300) == 0  # agrees with the server's own rule
     assert ram_cache.pick([(100, 800)], 0, 0, 300) is None
+
+
+def test_a_park_that_changes_nothing_keeps_the_list_so_views_of_it_stay_valid() -> None:
+    """A waiting request is decided again on every release; its RAM view of a backend is
+    reused while the backend's list is the same object (``scoring.ram_view``)."""
+    from proxy.core.fleet import BackendState
+    from proxy.core.scoring import ram_view
+
+    a, b = Parked(fp(1, 2), 0.0), Parked(fp(3, 4), 0.0)
+    entries = [a, b]
+    assert ram_cache.park(entries, Parked(fp(1), 1.0), None, 8) is entries  # a holds it
+    assert ram_cache.park(entries, None, fp(5), 8) is entries
+    changed = ram_cache.park(entries, Parked(fp(6), 1.0), None, 8)
+    assert changed is not entries
+    assert changed[-1].content == fp(6)
+    backend = BackendState(0, "b", ghosts=entries)
+    prompt = fp(1, 2, 9)
+    view = ram_view(prompt, backend)
+    assert view.best == 200
+    assert ram_view(prompt, backend, view) is view
+    backend.ghosts = changed
+    assert ram_view(prompt, backend, view) is not view

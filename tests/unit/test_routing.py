@@ -17,7 +17,7 @@ from proxy.core.fleet import (
 )
 from proxy.core.ram_cache import Parked
 from proxy.core.routing import Decision, Reason, RoutingParams, predicted_reuse, route
-from proxy.core.scoring import ghost_reuse
+from proxy.core.scoring import RamView, ghost_reuse
 
 PARAMS = RoutingParams(min_prefix_tokens=16, wait_min_tokens=100, balance_abs=2)
 
@@ -388,6 +388,31 @@ def test_property_never_a_busy_slot(
 
 
 @settings(max_examples=300)
+@given(scenes(), st.booleans(), st.data())
+def test_property_the_memo_of_ram_views_changes_no_decision(
+    scene: tuple[Fleet, Fingerprint, tuple[int, int] | None], ram: bool, data: st.DataObject
+) -> None:
+    """A waiting request is decided again on every release with its memo of RAM views
+    (``views``): the same decision as without it, before and after a claim changed a cache."""
+    f, request, hint = scene
+    chains = st.lists(st.integers(1, 4), min_size=1, max_size=5).map(lambda c: fp(*c))
+    for backend in f.backends:
+        backend.ram = ram
+        parked = st.builds(Parked, chains, st.floats(0, 100))
+        backend.ghosts = data.draw(st.lists(parked, max_size=4))
+    views: dict[int, RamView] = {}
+
+    def both() -> Decision | NoPlacement:
+        memo = route(request, f.backends, PARAMS, now=100.0, affinity=hint, views=views)
+        assert memo == route(request, f.backends, PARAMS, now=100.0, affinity=hint)
+        return memo
+
+    first = both()
+    if isinstance(first, Decision) and first.placement is not None:
+        f.claim(first.placement, 101.0, request)
+        both()
+
+
 @given(scenes())
 def test_property_no_fewer_reused_tokens_without_a_reason(
     scene: tuple[Fleet, Fingerprint, tuple[int, int] | None],

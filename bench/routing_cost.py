@@ -6,6 +6,8 @@ prompt's prefix was fingerprinted before (token counts come from the per-text ca
 is the steady state of an agent session; "cold" clears that cache first. "RAM model full":
 seen, with each backend's model of the RAM prompt cache at its entry limit, every entry a
 2k-token session sharing the prompt's system prompt (the worst case: each one is checked).
+"raw": the same conversation flattened into one text, as a ``/completion`` prompt (blocks
+memoized per 2048-character chunk: "seen" is the earlier turn's text fingerprinted before).
 
     python -m bench.routing_cost
 """
@@ -16,7 +18,7 @@ import platform
 import statistics
 import time
 
-from proxy.core.fingerprint import fingerprint_chat
+from proxy.core.fingerprint import Fingerprint, fingerprint_chat, fingerprint_text
 from proxy.core.fleet import GHOST_LIMIT as LIMIT
 from proxy.core.fleet import BackendPhase, Fleet, Probe, SlotProbe
 from proxy.core.ram_cache import Parked
@@ -56,19 +58,29 @@ def fleet_with_sessions(counter: TokenCounter, parked: int = 0) -> Fleet:
     return fleet
 
 
-def measure(tokens: int, seen: bool, repeats: int = 30, parked: int = 0) -> float:
+def measure(
+    tokens: int, seen: bool, repeats: int = 30, parked: int = 0, raw: bool = False
+) -> float:
     counter = TokenCounter()
     fleet = fleet_with_sessions(counter, parked)
     body = conversation(tokens)
+    texts = [str(m["content"]) for m in body["messages"]]  # type: ignore[attr-defined]
     params = RoutingParams()
     samples = []
+
+    def fingerprint(turns: int) -> Fingerprint:
+        if raw:
+            text = "\n\n".join(texts[:turns])
+            return fingerprint_text(text, lambda at, part: counter.blocks(at, part, 16))
+        return fingerprint_chat({"messages": body["messages"][:turns]}, counter.count)  # type: ignore[index]
+
     for _ in range(repeats):
         if not seen:
             counter = TokenCounter()
         else:
-            fingerprint_chat(body, counter.count)  # the earlier turn
+            fingerprint(len(texts) - 1)  # the earlier turn
         started = time.perf_counter()
-        fp = fingerprint_chat(body, counter.count)
+        fp = fingerprint(len(texts))
         route(fp, fleet.backends, params, now=1.0)
         samples.append(time.perf_counter() - started)
     return statistics.median(samples) * 1000
@@ -79,13 +91,18 @@ def main() -> None:
         f"machine: {platform.machine()}, Python {platform.python_version()}; "
         "median of 30, fingerprint + routing decision over a 4 x 4 fleet"
     )
-    print(f"| prompt tokens | prefix seen (ms) | cold (ms) | RAM model full ({LIMIT}) (ms) |")
-    print("|---|---|---|---|")
+    print(
+        f"| prompt tokens | prefix seen (ms) | cold (ms) | RAM model full ({LIMIT}) (ms) "
+        "| raw, prefix seen (ms) | raw, cold (ms) |"
+    )
+    print("|---|---|---|---|---|---|")
     for tokens in (8_000, 32_000, 128_000):
         print(
             f"| {tokens // 1000}k | {measure(tokens, True):.2f} | "
             f"{measure(tokens, False, repeats=5):.1f} | "
-            f"{measure(tokens, True, parked=LIMIT):.2f} |"
+            f"{measure(tokens, True, parked=LIMIT):.2f} | "
+            f"{measure(tokens, True, raw=True):.2f} | "
+            f"{measure(tokens, False, repeats=5, raw=True):.1f} |"
         )
 
 

@@ -25,6 +25,7 @@ from proxy.core.fingerprint import (
     Segment,
     chat_segments,
     fingerprint_segments,
+    fingerprint_text,
     fingerprint_tokens,
     reply_segment,
 )
@@ -132,11 +133,11 @@ class Router:
         prompt = body.get("prompt")
         if body.get("input_prefix") is not None or body.get("input_suffix") is not None:
             prompt = f"{body.get('input_prefix', '')}{prompt or ''}{body.get('input_suffix', '')}"
+        block = self._settings.routing.block_tokens
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids: list[int] = prompt
-        else:
-            ids = self._counter.encode(prompt if isinstance(prompt, str) else str(prompt or ""))
-        return fingerprint_tokens(ids, self._settings.routing.block_tokens, seed)
+            return fingerprint_tokens(prompt, block, seed)
+        text = prompt if isinstance(prompt, str) else str(prompt or "")
+        return fingerprint_text(text, lambda at, part: self._counter.blocks(at, part, block), seed)
 
     async def plan(
         self, request: web.Request, body: dict[str, Any], scope: Scope | None = None

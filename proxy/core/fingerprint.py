@@ -10,7 +10,11 @@ Segments follow the boundaries at which one request's prompt stops matching the 
 - Responses bodies (``input``): preamble from ``instructions`` and ``tools``, then one
   segment per input item (a string input is one user message);
 - raw prompts (``/completion``, ``/v1/completions``, ``/infill``): fixed blocks of
-  ``block_tokens`` tokens of the prompt (token arrays are used as given).
+  ``block_tokens`` tokens of the prompt (token arrays are used as given). Text is cut into
+  ``CHUNK_CHARS``-character chunks first, by position only (prompts sharing a prefix share
+  its whole chunks), each tokenized and blocked alone (its last block may be short): the
+  caller memoizes a chunk's blocks by (chain hash before it, its text), so a 128k-token
+  prompt whose prefix was seen encodes and hashes only its new tail (26 ms -> under 1 ms).
 
 The *anchor* is the number of segments through the first non-system message: a request
 that shares at least that much with a slot continues the slot's conversation (routing uses
@@ -183,6 +187,11 @@ def fingerprint_segments(segments: Sequence[Segment], count: Counter, seed: int 
     return Fingerprint(tuple(hashes), tuple(tokens), anchor)
 
 
+CHUNK_CHARS = 2048  # a raw text prompt is tokenized in chunks of this many characters
+
+Blocks = tuple[tuple[int, ...], tuple[int, ...]]  # chained block hashes, each block's end
+
+
 def fingerprint_tokens(ids: Sequence[int], block_tokens: int, seed: int = 0) -> Fingerprint:
     """Raw prompt as token ids, in blocks of ``block_tokens`` (the last block may be short).
 
@@ -190,16 +199,36 @@ def fingerprint_tokens(ids: Sequence[int], block_tokens: int, seed: int = 0) -> 
     continues (damage = the tail it overwrites). The server's own rule instead (continuing
     when it keeps half the content, so other content is discounted as parked in RAM) replayed
     worse: magagent 0.830 -> 0.825, Mooncake conversation 0.164 -> 0.162."""
+    return Fingerprint(*token_blocks(ids, block_tokens, seed))
+
+
+def token_blocks(ids: Sequence[int], block_tokens: int, previous: int) -> Blocks:
+    """``ids`` in blocks of ``block_tokens``, hashes chained from ``previous``."""
     hashes: list[int] = []
     packed = array("i", ids)  # each id as 4 little-endian bytes, packed once (C, not a loop)
     if sys.byteorder == "big":
         packed.byteswap()
-    raw, step, previous = memoryview(packed.tobytes()), 4 * block_tokens, seed
+    raw, step = memoryview(packed.tobytes()), 4 * block_tokens
     for start in range(0, len(raw), step):
         previous = _hash(previous, raw[start : start + step])
         hashes.append(previous)
     ends = range(block_tokens, len(ids) + block_tokens, block_tokens)
-    return Fingerprint(tuple(hashes), tuple(min(end, len(ids)) for end in ends))
+    return tuple(hashes), tuple(min(end, len(ids)) for end in ends)
+
+
+def fingerprint_text(text: str, blocks: Callable[[int, str], Blocks], seed: int = 0) -> Fingerprint:
+    """Raw text prompt: ``CHUNK_CHARS`` chunks, each blocked by ``blocks(chain hash before
+    it, chunk)`` (``token_blocks`` of its tokens, memoized by the caller), chained in order."""
+    hashes: list[int] = []
+    tokens: list[int] = []
+    previous, total = seed, 0
+    for start in range(0, len(text), CHUNK_CHARS):
+        chunk_hashes, ends = blocks(previous, text[start : start + CHUNK_CHARS])
+        if chunk_hashes:
+            hashes += chunk_hashes
+            tokens += (total + end for end in ends)
+            previous, total = chunk_hashes[-1], total + ends[-1]
+    return Fingerprint(tuple(hashes), tuple(tokens))
 
 
 def reply_segment(content: str, tool_calls: list[Any] | None) -> Segment:

@@ -6,11 +6,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.core.fingerprint import (
+    CHUNK_CHARS,
     MESSAGE_OVERHEAD,
+    Blocks,
     common_segments,
     fingerprint_chat,
+    fingerprint_text,
     fingerprint_tokens,
     reply_segment,
+    token_blocks,
 )
 
 
@@ -129,3 +133,32 @@ def test_property_common_segments_equals_message_level_lcp(a: list[str], b: list
             break
         lcp += 1
     assert common_segments(fa.hashes, fb.hashes) == 2 + lcp
+
+
+def test_raw_text_is_blocked_per_chunk_and_a_seen_prefix_is_not_encoded_again() -> None:
+    """A raw text prompt is cut into ``CHUNK_CHARS`` chunks, each tokenized (here: one token
+    per character) and blocked alone; the chunks' blocks chain. The next turn, the same text
+    and more, shares every block of its whole chunks and the blocks before the new text, and
+    with the caller's memo only its changed chunks are encoded."""
+    encoded: list[str] = []
+    memo: dict[tuple[int, str], Blocks] = {}
+
+    def blocks(previous: int, chunk: str) -> Blocks:
+        if (previous, chunk) not in memo:
+            encoded.append(chunk)
+            memo[previous, chunk] = token_blocks([ord(c) for c in chunk], 16, previous)
+        return memo[previous, chunk]
+
+    text = "".join(chr(97 + i % 26) for i in range(2 * CHUNK_CHARS + 100))
+    fp = fingerprint_text(text, blocks)
+    per_chunk = -(-CHUNK_CHARS // 16)
+    assert len(fp.hashes) == 2 * per_chunk + 7  # 100 characters: 6 blocks of 16 and one of 4
+    assert fp.tokens[per_chunk - 1] == CHUNK_CHARS
+    assert fp.total == len(text)
+    assert len(encoded) == 3
+    following = fingerprint_text(text + "x" * 50, blocks)
+    assert common_segments(fp.hashes, following.hashes) == 2 * per_chunk + 6
+    assert following.total == len(text) + 50
+    assert len(encoded) == 4  # only the last chunk again
+    assert fingerprint_text(text, blocks, seed=5).hashes[0] != fp.hashes[0]
+    assert fingerprint_text("", blocks).hashes == ()

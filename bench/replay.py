@@ -53,7 +53,7 @@ from bench.outproc import serve_process
 from bench.peers import SESSION_HEADERS
 from bench.plots import plot_replay, policy_columns
 from bench.replicas import serve_replicas
-from bench.results_io import RESULTS, load, print_markdown, save
+from bench.results_io import load, path_of, print_markdown, save
 from bench.workloads import Workload, chat_body, lmcache, mooncake
 from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer, tokenize
@@ -390,7 +390,7 @@ def main() -> None:
         rows = asyncio.run(main_async(args))
         save(stem, rows)
     print_table(rows)
-    plot_replay(rows, RESULTS / f"{stem}.png")
+    plot_replay(rows, path_of(stem).with_suffix(".png"))
 
 
 if __name__ == "__main__":

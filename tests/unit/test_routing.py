@@ -99,6 +99,24 @@ def test_most_of_a_short_prompt_is_worth_waiting_for() -> None:
     assert (longer.reason, longer.placement) == (Reason.COLD, Placement(0, (1,), 1))
 
 
+def test_a_newcomer_starts_on_an_empty_slot_rather_than_wait_for_one_it_would_not_take() -> None:
+    """A burst of new sessions sharing a long system prompt (segment 1): while the first
+    runs, the others start at once on empty slots instead of waiting for its slot, which once
+    free holds another conversation they would not take; its own next turn still waits."""
+    f = fleet(4)
+    first = Fingerprint((1, 2), (2000, 2040), anchor=2)
+    f.claim(Placement(0, (0,), 0), now=100.0, content=first)
+    newcomer = decided(route(Fingerprint((1, 3), (2000, 2040), 2), f.backends, PARAMS, now=100.0))
+    assert (newcomer.reason, newcomer.placement) == (Reason.COLD, Placement(0, (1,), 1))
+    turn = Fingerprint((1, 2, 4), (2000, 2040, 2060), anchor=2)
+    again = decided(route(turn, f.backends, PARAMS, now=100.0))
+    assert (again.reason, again.wait_for) == (Reason.WAIT, (0, 0))
+    for s in (1, 2, 3):  # no empty slot left: the newcomer waits, as it did before
+        hold(f, 0, s, Fingerprint((10 + s, 20), (2000, 2040), anchor=2))
+    late = decided(route(Fingerprint((1, 3), (2000, 2040), 2), f.backends, PARAMS, now=100.0))
+    assert (late.reason, late.wait_for) == (Reason.WAIT, (0, 0))
+
+
 def test_a_saturated_fleet_waits_for_any_real_saving() -> None:
     f = fleet(4, 4, 4, 4)
     prompt = fp(*range(1, 9), size=50)  # 400 tokens; a busy slot holds its first 50

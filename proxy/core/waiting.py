@@ -1,0 +1,126 @@
+"""When a request should wait for a busy slot rather than take an idle one (step 5 of
+``core.routing``). ``worth_waiting`` returns the slot (or ``(backend, -1)``: any slot of a
+full backend) and the tokens it would serve, or None; the caller re-decides whenever a slot
+frees, bounds the wait, and then decides again without waiting.
+
+- *The bar*: a busy slot (in flight, draining, or used elsewhere), or a full backend whose
+  RAM cache holds the request's prefix, must save at least ``wait_min_tokens`` more than the
+  best idle choice, or ``wait_min_fraction`` of the prompt when that is fewer (most of a
+  short prompt is worth a short wait too, and going elsewhere would evict another session).
+- *Only a slot it would take*: while the best idle choice is an empty slot (and the fleet is
+  not saturated, below), a busy slot
+  counts only if the request would take it once free (``scoring.prospect`` > 0). A burst of
+  new sessions sharing a long system prompt then starts on empty slots at once instead of
+  queueing behind the first one's slot — which, free, holds another conversation they do
+  not take — to start cold after it anyway (``bench.burst``, four such 2k-token chats on
+  one 4-slot fake: 5.7 -> 4.5 s wall, as fast as the server's own slot choice, the same
+  tokens computed). The rule never fires in the replay traces (0 calls on Mooncake
+  conversation, taubench and magagent 4 x 4), whose fleets are full of content.
+- *Saturation*: when at most one slot in ``SATURATED`` is idle, an idle slot elsewhere
+  saves the fleet no time — the next request takes it — so any saving of
+  ``min_prefix_tokens`` is worth the wait (replay, 4 x 4 fleet: magagent 0.817-0.825 ->
+  0.825-0.830, Mooncake conversation 0.161 -> 0.165, miniswe 0.943 -> 0.945 of 0.945, same
+  wall time). Small fleets are never saturated while a slot is idle, so a lone request
+  never waits beside an idle slot for a few tokens.
+- *A parked session spared* (``spare_parked``): outside saturation a request also waits
+  when pinning the best idle slot would make the server load a parked RAM entry and
+  overwrite more of it than the request gains (score below ``-SPARE_PARKED``): any non-empty
+  slot it keeps less than half of would load that entry, so it waits until the entry's own
+  session takes it back or the bound passes (replay, magagent 2 x 3: a new prompt type
+  sharing only the 358-token system header destroyed a session's parked 926-token prompt,
+  567 tokens re-prefilled, twice per run).
+- *Queue pressure*: when more requests wait in the proxy than slots are idle, an idle slot
+  this request passes up goes to another waiter at once, so waiting for a full backend whose
+  RAM cache holds its prefix costs the fleet nothing either: any saving of
+  ``min_prefix_tokens`` (or all of a shorter prompt, ``hit_floor``) is worth it (replay,
+  taubench 4 x 4, ten runs each: 0.8719 / 0.8721 -> 0.8727; taubench as chat, 24 sessions
+  on 2 x 2: 0.846-0.869 -> 0.866-0.874; magagent there 0.829 -> 0.837). Not for a busy
+  slot: a full backend frees *some* slot far sooner than one given slot finishes its
+  request (the same rule for busy slots: magagent 4 x 4 0.830 -> 0.828, wall 19 -> 23 s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from proxy.core.fingerprint import Fingerprint
+from proxy.core.fleet import BackendState, SlotPhase
+from proxy.core.scoring import Candidate, RamView, RoutingParams, predicted_reuse, prospect
+
+SATURATED = 16  # a fleet with at most one idle slot in this many is saturated
+SHORT_WHOLE = 4  # a prompt under min_prefix_tokens is a hit when all of it (>= this) is cached
+SPARE_PARKED = 256  # net tokens lost by destroying a parked RAM entry that are worth a wait
+
+
+def idle_count(backends: Sequence[BackendState]) -> int:
+    return sum(len(b.idle_slots()) for b in backends)
+
+
+def crowded(backends: Sequence[BackendState]) -> bool:
+    """At most one slot in ``SATURATED`` idle: the next request takes any idle slot anyway."""
+    return idle_count(backends) * SATURATED <= sum(len(b.slots) for b in backends)
+
+
+def spare_parked(
+    backends: Sequence[BackendState], best: Candidate
+) -> tuple[tuple[int, int], int] | None:
+    """Wait (for any slot: the caller re-decides when one frees) rather than pin the best idle
+    slot when that makes the server load a parked RAM entry and overwrite more of it than the
+    request gains (score below ``-SPARE_PARKED``); not in a saturated fleet, where waiting
+    already happens for any saving and idle slots go to the next request."""
+    if best.loads is None or best.score >= -SPARE_PARKED or crowded(backends):
+        return None
+    busy = ((b.index, s.id) for b in backends for s in b.slots if s.phase is not SlotPhase.IDLE)
+    first = next(busy, None)
+    return (first, best.reuse) if first is not None else None
+
+
+def hit_floor(fp: Fingerprint, params: RoutingParams) -> int:
+    """The least reuse that counts as a prefix hit: ``min_prefix_tokens``, or a whole prompt
+    shorter than that (all but the token the server always re-evaluates; at least
+    ``SHORT_WHOLE`` tokens): a short prompt repeated verbatim is a hit, not a stranger."""
+    return min(params.min_prefix_tokens, max(SHORT_WHOLE, fp.total - 1))
+
+
+def significant(fp: Fingerprint, params: RoutingParams) -> float:
+    """A saving worth a wait: ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt when
+    that is fewer (but at least ``min_prefix_tokens``)."""
+    share = max(params.min_prefix_tokens, params.wait_min_fraction * fp.total)
+    return min(params.wait_min_tokens, share)
+
+
+def worth_waiting(
+    fp: Fingerprint,
+    backends: Sequence[BackendState],
+    best: Candidate | None,
+    params: RoutingParams,
+    ram: Mapping[int, RamView],
+    pressed: bool,
+    spared: frozenset[tuple[int, int]],
+    now: float,
+) -> tuple[tuple[int, int], int] | None:
+    """A busy slot, or a full backend whose RAM cache holds the request's prefix, that would
+    save at least ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt, more than the
+    best idle choice (``min_prefix_tokens`` when the fleet is saturated, and for a full
+    backend when ``pressed``: more requests wait than slots are idle)."""
+    base, saturated = (best.reuse if best is not None else 0), crowded(backends)
+    floor = base + (hit_floor(fp, params) if saturated else significant(fp, params))
+    floor_ram = base + hit_floor(fp, params) if pressed else floor
+    empty = not saturated and best is not None and best.slot.content is None
+    found: tuple[tuple[int, int], int] | None = None
+    for backend in backends:  # the ready ones
+        options = [
+            ((backend.index, s.id), reuse)
+            for s in backend.slots
+            if s.phase is not SlotPhase.IDLE
+            and (reuse := predicted_reuse(fp, s, backend.exact)) >= floor
+            and (not empty or prospect(fp, backend, s, now, params, ram[backend.index]) > 0)
+        ]
+        free = [s for s in backend.idle_slots() if (backend.index, s.id) not in spared]
+        if backend.slots and not free:  # full, or its idle slots held for their sessions
+            options.append(((backend.index, -1), ram[backend.index].best))
+        for where, reuse in options:
+            least = floor_ram if where[1] < 0 else floor
+            if reuse >= least and (found is None or reuse > found[1]):
+                found = (where, reuse)
+    return found

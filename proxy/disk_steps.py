@@ -1,4 +1,5 @@
-"""The disk tier's slot operations: park, restore, scoped save, whole-slot save.
+"""The disk tier's slot operations: park, restore, scoped save (once per prefix at a time:
+``save_once``), whole-slot save.
 
 Each runs while the proxy holds the slot (claimed and leased, nothing of a client's in
 flight on it) and talks to llama-server only through ``upstream``. None raises: a failure is
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +38,7 @@ class DiskSteps:
         self._client = client
         self._tier = tier
         self._metrics = metrics
+        self._saving: dict[tuple[str, int], asyncio.Future[None]] = {}  # scoped saves in flight
 
     def _url(self, index: int) -> str:
         return self._tier.settings.backends[index].base_url
@@ -149,6 +152,37 @@ class DiskSteps:
         log.info(
             "[disk-cache] restored %d tokens from %s into slot %d", restored, snapshot.name, slot_id
         )
+
+    async def save_once(
+        self,
+        dp: DiskPlan,
+        segments: int,
+        index: int,
+        slot_id: int,
+        save: Callable[[], Awaitable[None]],
+    ) -> None:
+        """``save`` (a scoped save of the request's first ``segments``), unless another request
+        is saving the same prefix into the same directory: then wait for that save (bounded)
+        and restore its snapshot into this slot rather than prefill the prefix a second time
+        (new sessions arriving together with one system prompt would each prefill and save it
+        at once)."""
+        key = (self._tier.directory(index), dp.fp.hashes[segments - 1])
+        other = self._saving.get(key)
+        if other is None:
+            self._saving[key] = done = asyncio.get_running_loop().create_future()
+            try:
+                await save()
+            finally:
+                del self._saving[key]
+                done.set_result(None)
+            return
+        await asyncio.wait([other], timeout=self._tier.settings.routing.max_slot_wait_seconds)
+        dp.lookup = await self._tier.lookup(dp.fp)
+        offer = dp.lookup.offers.get(index)
+        slot = self._tier.fleet.backends[index].slots[slot_id]
+        if offer is not None and offer.segments > len(slot.content.hashes if slot.content else ()):
+            self._metrics.disk_events.labels("shared").inc()
+            await self.restore(dp, offer, index, slot_id)
 
     async def scoped_save(
         self,

@@ -32,6 +32,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -180,10 +181,7 @@ class DiskTier:
             return None
         await self.refresh_layouts()
         await self._after_parks(fp)
-        usable = self._usable()
-        models = sorted({b.layout.model_id for b in usable if b.layout is not None})
-        found = await self.index.find(fp, models, 1)
-        lookup = offers(fp, found, usable)
+        lookup = await self.lookup(fp)
         if lookup.refused:
             self._metrics.disk_refusals.labels("layout").inc(lookup.refused)
             self._metrics.disk_events.labels("refusal").inc(lookup.refused)
@@ -193,8 +191,13 @@ class DiskTier:
         window: list[Fingerprint] = []
         if scope.mode is ScopeMode.AUTO and is_chat(body):  # raw prompts have no boundaries
             window = await self.windows.read(model)
-        every = [e for entries in found.values() for e in entries]
-        return DiskPlan(scope, model, fp, lookup, window, every, tenant=tenant)
+        return DiskPlan(scope, model, fp, lookup, window, lookup.found, tenant=tenant)
+
+    async def lookup(self, fp: Fingerprint) -> Lookup:
+        """The indexed snapshots of the request's prefixes, and each backend's best one."""
+        usable = self._usable()
+        models = sorted({b.layout.model_id for b in usable if b.layout is not None})
+        return offers(fp, await self.index.find(fp, models, 1), usable)
 
     async def _after_parks(self, fp: Fingerprint) -> None:
         """A park of this request's conversation in flight (another request took its slot as
@@ -229,17 +232,15 @@ class DiskTier:
             if chat and dp.scope.mode in (ScopeMode.AUTO, ScopeMode.FIXED):
                 choice = select_prefix(dp.scope, fp, dp.window, self._disk.min_tokens)
                 seen = min(len(dp.window), dp.scope.window)
+                seen = seen if dp.scope.mode is ScopeMode.AUTO else 0
                 log.info(
                     "[disk-cache] %s scope: window=%d candidates=%d selected=%d tokens",
-                    dp.scope.mode.value,
-                    seen if dp.scope.mode is ScopeMode.AUTO else 0,
-                    choice.candidates,
-                    choice.tokens,
+                    *(dp.scope.mode.value, seen, choice.candidates, choice.tokens),
                 )
                 if choice.segments and predicted <= choice.tokens:
-                    await self.steps.scoped_save(
-                        dp, fp, choice.segments, index, slot_id, body, state.layout
-                    )
+                    args = (dp, fp, choice.segments, index, slot_id, body, state.layout)
+                    save = partial(self.steps.scoped_save, *args)
+                    await self.steps.save_once(dp, choice.segments, index, slot_id, save)
         if not dp.offers and predicted < self._settings.routing.min_prefix_tokens:
             self._metrics.disk_events.labels("miss").inc()
         if not chat:

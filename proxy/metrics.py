@@ -8,7 +8,8 @@ event and refusal reason.
 
 Disk tier: ``disk_events_total{event}`` counts hits (a restore that the next request reused),
 misses (a request the disk tier was asked to serve, with no snapshot of any prefix of it),
-saves (scoped, full and park), restores, bad (restores not reused, snapshot marked bad),
+saves (scoped, full and park), restores, shared (a scoped save skipped for a restore of
+the same prefix another request was saving), bad (restores not reused, snapshot marked bad),
 refusals (layout mismatch, or a failed restore) and evictions (budget); the index size and
 bytes are gauges, and ``disk_policy_info{policy}`` names the default scope.
 """
@@ -117,7 +118,7 @@ class ProxyMetrics:
         )
         self.disk_events = counter(
             "disk_events",
-            "Disk tier events: hit, miss, save, restore, bad, refusal, eviction",
+            "Disk tier events: hit, miss, save, restore, shared, bad, refusal, eviction",
             ["event"],
         )
         self.disk_saves = counter("disk_saves", "Snapshots written, by kind", ["kind"])

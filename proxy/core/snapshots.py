@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import xxhash
@@ -167,6 +167,7 @@ class Offer:
 class Lookup:
     offers: dict[int, Offer]  # backend index -> best restorable snapshot there
     refused: int  # snapshots of the prefix that some backend could not take (layout)
+    found: list[Snapshot] = field(default_factory=list)  # every one looked at
 
 
 def offers(
@@ -189,7 +190,7 @@ def offers(
                 cost = seconds * backend.prefill_tps
                 result[backend.index] = Offer(snap, reuse, cost, segments)
                 break
-    return Lookup(result, refused)
+    return Lookup(result, refused, [s for entries in found.values() for s in entries])
 
 
 def restore_failed(restored: int, cached: int, prompt: int) -> bool:

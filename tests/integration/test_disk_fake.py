@@ -292,3 +292,24 @@ async def test_park_auto_leaves_sessions_to_the_servers_ram_cache(
         await client.post("/v1/chat/completions", json=stranger)
         text = await (await client.get("/metrics")).text()
         assert metric(text, "llama_cache_proxy_disk_saves_total", kind="park") == parked
+
+
+async def test_sessions_arriving_together_save_their_shared_prefix_once_and_restore_it(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    """New sessions with one system prompt, sent together to a 4-slot backend: one of them
+    prefills and saves the prefix the window selects; the others, about to do the same for
+    the same prefix, wait for that save and restore it into their own slots instead."""
+    fake = await fakes(n_slots=4, save_dir=tmp_path, prompt_s_per_token=0.001)
+    client = await proxy([fake], disk=disk(tmp_path), queue={"max_wait_seconds": 30})
+    first = await client.post("/v1/chat/completions", json=turn(0, 1))  # the window learns
+    assert first.status == 200
+    answers = await asyncio.gather(
+        *(client.post("/v1/chat/completions", json=turn(s, 1)) for s in range(1, 4))
+    )
+    assert [a.status for a in answers] == [200, 200, 200]
+    actions = [a[0] for a in fake.slot_actions]
+    assert actions.count("save") == 1
+    assert actions.count("restore") >= 1
+    warm = [b for path, b, _ in fake.received if path == "/completion"]
+    assert len(warm) == 1  # the prefix was prefilled once

@@ -186,3 +186,27 @@ async def test_policy_modes_and_per_request_override(llama_servers: Any, proxy: 
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_disk_saves_total", kind="scoped") == 1
     assert metric(page, "llama_cache_proxy_disk_saves_total", kind="full") == 1
+
+
+async def test_sessions_arriving_together_save_the_shared_prefix_once(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """Two new sessions sent together, after one the window learned from, on a 3-slot
+    server: each goes to an empty slot; one prefills and saves the system prompt, the other
+    waits for that save and restores it instead of prefilling it too."""
+    server = llama_servers(slots=3)
+    client = await proxy([server], disk=disk(server), health={"interval_seconds": 0.2})
+    await post(client, turn(0))  # the window learns the agent's prompt shape
+    processed = server_metric(server, "llamacpp:prompt_tokens_total")
+    answers = await asyncio.gather(post(client, turn(1)), post(client, turn(2)))
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_disk_saves_total", kind="scoped") == 1
+    assert metric(page, "llama_cache_proxy_disk_events_total", event="shared") == 1
+    assert metric(page, "llama_cache_proxy_disk_events_total", event="hit") == 1
+    assert {h["X-Cache-Slot"] for _, h in answers} == {"1", "2"}
+    # the system prompt was computed once more, for the save; each request then its tail
+    extra = server_metric(server, "llamacpp:prompt_tokens_total") - processed
+    tails = sum(a["usage"]["prompt_tokens"] - a["timings"]["cache_n"] for a, _ in answers)
+    saved = min(a["timings"]["cache_n"] for a, _ in answers)
+    assert saved > 300
+    assert extra <= saved + tails + 2

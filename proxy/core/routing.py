@@ -29,8 +29,9 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    retrying one 14-token request 30 times, is a hit rather than a stranger) and a positive
    score: "prefix". Otherwise "cold": among backends loaded at most
    ``balance_abs`` above the least loaded one, the idle slot with the best score (empty or
-   least valuable first, then the less loaded backend). "balance" does the same restricted
-   to the least loaded backends.
+   least valuable first, then the less loaded backend); reported as "prefix" (or "disk")
+   when that slot still serves the floor above (every slot holds another conversation and
+   the least bad holds the prefix). "balance" does the same among the least loaded backends.
 5. *Waiting* (``core.waiting``): rather than place, wait for a busy slot, or for a full
    backend whose RAM cache holds the prefix, when that saves enough more than the best idle
    choice ("wait"); the caller re-decides whenever a slot frees and bounds the wait.
@@ -208,7 +209,10 @@ def route(
         return _with_key(_cold(idle, ready, params, Reason.BALANCE), key)
     if best.reuse >= hit_floor(fp, params) and best.score > 0:
         return _place(best, Reason.PREFIX, key)
-    return _with_key(_cold(idle, ready, params, Reason.COLD), key)
+    cold = _cold(idle, ready, params, Reason.COLD)
+    if cold.predicted >= hit_floor(fp, params):  # none scores; the least bad holds the prefix
+        cold = replace(cold, reason=Reason.DISK if cold.restore else Reason.PREFIX)
+    return _with_key(cold, key)
 
 
 def _with_key(decision: Decision, key: str | None) -> Decision:

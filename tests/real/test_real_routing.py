@@ -297,9 +297,10 @@ async def test_new_sessions_sharing_a_system_prompt_start_at_once_on_empty_slots
     """While one new session streams on a slot, a second new session with the same long
     system prompt starts at once on the empty slot instead of waiting for the first one's
     slot, which it would not take once free (it holds another conversation): route ``cold``,
-    not ``wait+cold``. (There the disk tier's scoped save, seeing two requests share the
-    system prompt, prefills and saves it before the request: the log shows both prefills
-    running at once.)"""
+    not ``wait+cold``; a third one, when both slots hold such a conversation, reuses the
+    prompt from one of them, routed "prefix". (There the disk tier's scoped save, seeing two
+    requests share the system prompt, prefills and saves it before the second request: the
+    log shows both prefills running at once.)"""
     server = llama_servers(slots=2)
     client = await proxy([server.url])
     system = SYSTEM * 3  # ~300 tokens: a saving the router would otherwise wait for
@@ -319,3 +320,8 @@ async def test_new_sessions_sharing_a_system_prompt_start_at_once_on_empty_slots
     assert second.headers["X-Cache-Route"] == "cold"
     assert second.headers["X-Cache-Slot"] != first.headers["X-Cache-Slot"]
     await second.json()
+    # both slots now hold another conversation with the system prompt: a third new session
+    # takes the least valuable one, which serves the prompt, and the route says "prefix"
+    third = await client.post("/v1/chat/completions", json=new_session("Why is the sky blue?"))
+    assert third.headers["X-Cache-Route"] == "prefix"
+    assert (await third.json())["timings"]["cache_n"] >= 250

@@ -117,6 +117,20 @@ def test_a_newcomer_starts_on_an_empty_slot_rather_than_wait_for_one_it_would_no
     assert (late.reason, late.wait_for) == (Reason.WAIT, (0, 0))
 
 
+def test_a_cold_choice_that_keeps_the_prefix_is_reported_as_prefix() -> None:
+    """Every idle slot holds another conversation with the same system prompt (segment 1):
+    none scores (taking one destroys more than it reuses), the least bad is taken, and it
+    serves the system prompt: the route says so."""
+    f = fleet(2)
+    for s in (0, 1):
+        hold(f, 0, s, Fingerprint((1, 10 + s, 20 + s), (2000, 2040, 2400), anchor=2))
+    d = decided(route(Fingerprint((1, 3), (2000, 2040), 2), f.backends, PARAMS, now=100.0))
+    assert (d.reason, d.predicted, d.placement is not None) == (Reason.PREFIX, 2000, True)
+    f.backends[0].slots[1].content = None  # an empty slot: a real cold start
+    d = decided(route(Fingerprint((1, 3), (2000, 2040), 2), f.backends, PARAMS, now=100.0))
+    assert (d.reason, d.predicted) == (Reason.COLD, 0)
+
+
 def test_a_saturated_fleet_waits_for_any_real_saving() -> None:
     f = fleet(4, 4, 4, 4)
     prompt = fp(*range(1, 9), size=50)  # 400 tokens; a busy slot holds its first 50

@@ -172,12 +172,16 @@ async def test_redis_stopped_and_restarted_under_steady_traffic(
             if up == [1.0, 1.0]:
                 break
             await asyncio.sleep(0.1)
+        back = len(statuses)
         await asyncio.sleep(1.0)
         stop.set()
         await asyncio.gather(*workers)
     assert down == [0.0, 0.0]  # both replicas noticed and routed on local state
     assert up == [1.0, 1.0]  # and came back
-    assert len(statuses) > 20
+    # traffic flowed through and after the outage (requests in flight when Redis dies can
+    # stall up to ~3 s on socket timeouts: 18-29 requests then, 45-57 otherwise)
+    assert back >= 4
+    assert len(statuses) > back
     assert set(statuses) == {200}  # zero failed client requests
 
 

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from proxy.core.fingerprint import Fingerprint, continues
+from proxy.core.fingerprint import Fingerprint, common_segments, continues
 from proxy.core.isolation import may_reuse
 from proxy.core.snapshots import Layout, Offer, Snapshot, file_name
 from proxy.metrics import ProxyMetrics
@@ -179,8 +179,9 @@ class DiskSteps:
         await asyncio.wait([other], timeout=self._tier.settings.routing.max_slot_wait_seconds)
         dp.lookup = await self._tier.lookup(dp.fp)
         offer = dp.lookup.offers.get(index)
-        slot = self._tier.fleet.backends[index].slots[slot_id]
-        if offer is not None and offer.segments > len(slot.content.hashes if slot.content else ()):
+        content = self._tier.fleet.backends[index].slots[slot_id].content
+        held = common_segments(dp.fp.hashes, content.hashes) if content is not None else 0
+        if offer is not None and offer.segments > held:  # the slot does not hold it already
             self._metrics.disk_events.labels("shared").inc()
             await self.restore(dp, offer, index, slot_id)
 

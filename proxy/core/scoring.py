@@ -211,17 +211,10 @@ def candidate(
     return Candidate(backend, slot, reuse, score, load, restore, loads, extends)
 
 
-def prospect(
-    fp: Fingerprint,
-    backend: BackendState,
-    slot: SlotState,
-    now: float,
-    params: RoutingParams,
-    ram: RamView | None = None,
-) -> float:
-    """The score ``slot`` (busy) would have for the request once its request is done."""
-    done = replace(slot, phase=SlotPhase.IDLE, content=slot.expected, last_used=now)
-    return candidate(fp, backend, done, now, params, ram).score
+def once_done(slot: SlotState, now: float) -> SlotState:
+    """A busy ``slot`` as it will be, idle, once its request is done: scoring it tells what
+    waiting for it is worth (``core.waiting``)."""
+    return replace(slot, phase=SlotPhase.IDLE, content=slot.expected, last_used=now)
 
 
 def ghost_reuse(fp: Fingerprint, backend: BackendState) -> int:

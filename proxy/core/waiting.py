@@ -8,14 +8,14 @@ frees, bounds the wait, and then decides again without waiting.
   best idle choice, or ``wait_min_fraction`` of the prompt when that is fewer (most of a
   short prompt is worth a short wait too, and going elsewhere would evict another session).
 - *Only a slot it would take*: while the best idle choice is an empty slot (and the fleet is
-  not saturated, below), a busy slot
-  counts only if the request would take it once free (``scoring.prospect`` > 0). A burst of
-  new sessions sharing a long system prompt then starts on empty slots at once instead of
-  queueing behind the first one's slot — which, free, holds another conversation they do
-  not take — to start cold after it anyway (``bench.burst``, four such 2k-token chats on
-  one 4-slot fake: 5.7 -> 4.5 s wall, as fast as the server's own slot choice, the same
-  tokens computed). The rule never fires in the replay traces (0 calls on Mooncake
-  conversation, taubench and magagent 4 x 4), whose fleets are full of content.
+  not saturated, below), a busy slot counts only if the request would take it once free
+  (scored as ``scoring.once_done``, the score positive). A burst of new sessions sharing a
+  long system prompt then starts on empty slots at once instead of queueing behind the first
+  one's slot — which, free, holds another conversation they do not take — to start cold
+  after it anyway (``bench.burst``, four such 2k-token chats on one 4-slot fake: 5.7 -> 4.5
+  s wall, as fast as the server's own slot choice, the same tokens computed). The rule never
+  fires in the replay traces (0 calls on Mooncake conversation, taubench and magagent 4 x
+  4), whose fleets are full of content.
 - *Saturation*: when at most one slot in ``SATURATED`` is idle, an idle slot elsewhere
   saves the fleet no time — the next request takes it — so any saving of
   ``min_prefix_tokens`` is worth the wait (replay, 4 x 4 fleet: magagent 0.817-0.825 ->
@@ -44,8 +44,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from proxy.core.fingerprint import Fingerprint
-from proxy.core.fleet import BackendState, SlotPhase
-from proxy.core.scoring import Candidate, RamView, RoutingParams, predicted_reuse, prospect
+from proxy.core.fleet import BackendState, SlotPhase, SlotState
+from proxy.core.scoring import (
+    Candidate,
+    RamView,
+    RoutingParams,
+    candidate,
+    once_done,
+    predicted_reuse,
+)
 
 SATURATED = 16  # a fleet with at most one idle slot in this many is saturated
 SHORT_WHOLE = 4  # a prompt under min_prefix_tokens is a hit when all of it (>= this) is cached
@@ -114,7 +121,7 @@ def worth_waiting(
             for s in backend.slots
             if s.phase is not SlotPhase.IDLE
             and (reuse := predicted_reuse(fp, s, backend.exact)) >= floor
-            and (not empty or prospect(fp, backend, s, now, params, ram[backend.index]) > 0)
+            and (not empty or _taken(fp, backend, once_done(s, now), now, params, ram))
         ]
         free = [s for s in backend.idle_slots() if (backend.index, s.id) not in spared]
         if backend.slots and not free:  # full, or its idle slots held for their sessions
@@ -124,3 +131,15 @@ def worth_waiting(
             if reuse >= least and (found is None or reuse > found[1]):
                 found = (where, reuse)
     return found
+
+
+def _taken(
+    fp: Fingerprint,
+    backend: BackendState,
+    slot: SlotState,
+    now: float,
+    params: RoutingParams,
+    ram: Mapping[int, RamView],
+) -> bool:
+    """Whether the request would take ``slot`` (idle) over an empty one: a positive score."""
+    return candidate(fp, backend, slot, now, params, ram[backend.index]).score > 0

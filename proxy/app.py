@@ -99,6 +99,7 @@ def create_app(
             client = LlamaServerClient(session, settings.timeouts)
             prober = Prober(settings, client, scheduler, metrics, clock, shared.forget_backend)
             handlers.client, handlers.prober, app[PROBER] = client, prober, prober
+            shared.on_down = prober.drain_all
             disk.attach(client)
             if settings.routing.tokenizer == "backend":
                 router.backend_tokens = _backend_counter(client, settings, fleet)

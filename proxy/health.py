@@ -81,6 +81,10 @@ class Prober:
             await self.probe_all()
             await asyncio.sleep(self._health.interval_seconds)
 
+    def drain_all(self, indexes: list[int]) -> None:
+        for index in indexes:
+            self.drain(index)
+
     def drain(self, index: int) -> None:
         """Start (once per backend) polling until its DRAINING slots are idle."""
         task = self._drains.get(index)
@@ -93,7 +97,7 @@ class Prober:
             await asyncio.sleep(self._health.drain_poll_seconds)
             await self.probe(index)
         if self._fleet.is_draining(index):
-            self._fleet.stop_draining(index)
+            self._fleet.recast(SlotPhase.DRAINING, SlotPhase.EXTERNAL, index)
             label = self._fleet.backends[index].label
             log.warning("backend=%s aborted slot still busy after drain limit", label)
 

@@ -23,7 +23,10 @@ logged once, and when Redis answers again the local slot table is written back (
 client request never fails because of Redis. Leases are then only local claims, so replicas
 that knew each other split the slots (``core.partition``; each keeps a heartbeat in the store
 and the last list of live replicas it read): a replica pins only its own part until Redis is
-back, and one that was alone keeps every slot.
+back, and one that was alone keeps every slot. A slot another replica held when the store
+went away drains like an aborted one (pinnable once its backend's ``/slots`` shows it idle):
+left REMOTE, nothing could free it before Redis came back, and a replica whose own part was
+leased at that moment served nothing for the whole outage.
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ class SharedState:
         self._refreshing: asyncio.Future[None] | None = None  # the view read in flight
         self.stopped = False  # set at shutdown: maintain() ends after its current round
         self.up = True
+        # called with the backends whose REMOTE slots now drain (the store just went down:
+        # another replica's lease can no longer be seen to end); the app polls them
+        self.on_down: Callable[[list[int]], None] = lambda backends: None
         metrics.store_up.set(1)
 
     def _ref(self, backend: int, slot: int) -> SlotRef:
@@ -87,8 +93,9 @@ class SharedState:
             self._metrics.store_errors.labels(op).inc()
             if self.up:
                 log.warning("state store unavailable (%s): routing on local state", exc)
-            self.up = False
-            self._metrics.store_up.set(0)
+                self.up = False
+                self._metrics.store_up.set(0)
+                self.on_down(self._fleet.recast(SlotPhase.REMOTE, SlotPhase.DRAINING))
             return default
         return result
 

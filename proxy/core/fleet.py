@@ -10,7 +10,8 @@ its slots. Each slot is in one phase:
 - DRAINING: a request of ours was aborted; llama-server notices a closed connection only by
   polling (about 1 s), so the slot stays unpinnable until ``/slots`` shows it idle.
 - EXTERNAL: ``/slots`` shows it processing but we sent nothing: someone else uses the server.
-- REMOTE: another proxy replica holds its lease (shared state in Redis).
+- REMOTE: another proxy replica holds its lease (shared state in Redis). When the store goes
+  away that lease can no longer be seen to end: the slot drains like an aborted one.
 
 The one safety rule, from llama-server's busy-slot pinning bug (a request pinned with
 ``id_slot`` to a slot that is generating can overwrite that slot's KV with another
@@ -20,10 +21,10 @@ Restart detection from probes: no boot id, so a restart is inferred when a backe
 READY from another phase, its slot count changes, or the highest ``id_task`` it reports goes
 down (task ids grow for a process's life). ``now`` comes from the caller: no clock read here.
 
-Each backend's RAM prompt cache is modelled (``core.ram_cache``) up to ``GHOST_LIMIT`` entries,
-or its token budget when configured: the server bounds it only by memory, so a model of 64
-entries forgot prefixes the server still held (Mooncake synthetic trace: 0.086 -> 0.110 hit rate
-at 256, the ideal); routing checks each entry in O(1) unless the prompt shares a quarter of it.
+Each backend's RAM prompt cache is modelled (``core.ram_cache``) up to ``GHOST_LIMIT`` entries
+or its token budget (the server bounds it only by memory: 64 entries forgot prefixes it held,
+Mooncake synthetic 0.086 -> 0.110 hit rate at 256, the ideal); O(1) per entry unless the
+prompt shares a quarter of it.
 """
 
 from __future__ import annotations
@@ -224,17 +225,16 @@ class Fleet:
         backend.ghosts = ram_cache.park(backend.ghosts, before, after, limit, budget)
 
     def is_draining(self, index: int) -> bool:
-        backend = self.backends[index]
-        return backend.phase is BackendPhase.READY and any(
-            s.phase is SlotPhase.DRAINING for s in backend.slots
-        )
+        b = self.backends[index]
+        return b.phase is BackendPhase.READY and any(s.phase is SlotPhase.DRAINING for s in b.slots)
 
-    def stop_draining(self, index: int) -> None:
-        """Give up waiting: treat still-draining slots as used by someone else until a probe
-        shows them idle."""
-        for slot in self.backends[index].slots:
-            if slot.phase is SlotPhase.DRAINING:
-                slot.phase = SlotPhase.EXTERNAL
+    def recast(self, old: SlotPhase, new: SlotPhase, index: int | None = None) -> list[int]:
+        """Every ``old`` slot (of backend ``index``, or of all) becomes ``new``; the backends that
+        had one. A drain given up: EXTERNAL, someone else's until a probe shows it idle."""
+        found = [(b.index, s) for b in self.backends for s in b.slots if s.phase is old]
+        for _, slot in (f for f in found if index is None or f[0] == index):
+            slot.phase = new
+        return sorted({i for i, _ in found if index is None or i == index})
 
     def fold_shared(
         self,
@@ -244,10 +244,10 @@ class Fleet:
         now: float,
         wall: float,
     ) -> None:
-        """Fold other replicas' leases and newer slot records into this backend's slots; a
-        newer record dates the slot's last use too (``now``, ``wall``: both clocks, now)."""
+        """Fold other replicas' leases (a leased EXTERNAL slot is theirs: the lease frees it)
+        and newer slot records in; a newer record dates the last use too (both clocks, now)."""
         for slot in self.backends[index].slots:
-            if slot.phase is SlotPhase.IDLE and slot.id in leased:
+            if slot.phase in (SlotPhase.IDLE, SlotPhase.EXTERNAL) and slot.id in leased:
                 slot.phase = SlotPhase.REMOTE
             elif slot.phase is SlotPhase.REMOTE and slot.id not in leased:
                 slot.phase = SlotPhase.IDLE

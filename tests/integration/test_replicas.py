@@ -139,6 +139,34 @@ async def test_replicas_that_lose_redis_split_the_slots_instead_of_sharing_them(
     assert metric(page, "llama_cache_proxy_state_store_up") == 0
 
 
+async def test_a_replica_serves_through_an_outage_that_began_on_another_replicas_leases(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Redis dies while replica B runs requests on both slots, which A had seen leased. With
+    the store gone nothing could end those leases: A queued everything until Redis came back
+    (a stalled replica for the whole outage), or, when its first failed call was the view
+    read, freed both slots at once and pinned one B was still generating on. The slots now
+    drain: A pins its part once the backend's ``/slots`` shows it idle, Redis still down."""
+    backend = await fakes(n_slots=2, gen_s_per_token=0.03)
+    # A probes rarely (the default is 2 s), so it learns of B's requests from their leases
+    a = await proxy([backend], redis_url=redis_server.url, health={"interval_seconds": 60})
+    b = await proxy([backend], redis_url=redis_server.url)
+    await asyncio.sleep(1.2)  # two heartbeats: each replica has read the other
+    long = [
+        asyncio.create_task(b.post("/v1/chat/completions", json=chat(f"long {i}", max_tokens=60)))
+        for i in range(2)
+    ]
+    await asyncio.sleep(0.7)  # A's background refresh has seen both slots leased
+    redis_server.stop()
+    resp = await asyncio.wait_for(
+        a.post("/v1/chat/completions", json=chat("short", max_tokens=4)), timeout=15
+    )
+    assert [resp.status] + [(await t).status for t in long] == [200] * 3
+    page = await (await a.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_state_store_up") == 0  # served on local state
+    assert backend.violations == []
+
+
 async def test_redis_outage_degrades_to_local_state_and_resyncs(
     fakes: Any, proxy: Any, redis_server: Any
 ) -> None:

@@ -86,12 +86,12 @@ def test_aborted_slot_drains_until_a_probe_shows_it_idle() -> None:
     assert place(fleet.backends, Need()) == placement
 
 
-def test_stop_draining_leaves_slot_external_until_probed_idle() -> None:
+def test_a_drain_given_up_leaves_slot_external_until_probed_idle() -> None:
     fleet = ready_fleet(1)
     placement = Placement(0, (0,), 0)
     fleet.claim(placement, now=1.0)
     fleet.release(placement, now=2.0, clean=False)
-    fleet.stop_draining(0)
+    assert fleet.recast(SlotPhase.DRAINING, SlotPhase.EXTERNAL, 0) == [0]
     assert fleet.backends[0].slots[0].phase is SlotPhase.EXTERNAL
 
 
@@ -243,3 +243,30 @@ def test_a_slot_someone_else_just_used_counts_as_just_used() -> None:
     fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 80, 3),)), now=9.0)
     assert slot.phase is SlotPhase.IDLE
     assert slot.last_used == 9.0
+
+
+def test_a_slot_seen_busy_before_its_lease_is_freed_by_the_lease() -> None:
+    """A probe saw another replica's request before this replica's view did (EXTERNAL): once
+    the view shows the lease the slot is REMOTE, so the lease's end frees it, not the next
+    probe seconds later (seen as 2 s stalls after a Redis outage)."""
+    fleet = ready_fleet(2)
+    fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, True, 50, 3),)), now=5.0)
+    assert fleet.backends[0].slots[0].phase is SlotPhase.EXTERNAL
+    fleet.fold_shared(0, {0}, {}, now=6.0, wall=1000.0)
+    assert fleet.backends[0].slots[0].phase is SlotPhase.REMOTE
+    fleet.fold_shared(0, set(), {}, now=6.5, wall=1000.5)
+    assert fleet.backends[0].slots[0].phase is SlotPhase.IDLE
+
+
+def test_losing_the_store_drains_other_replicas_slots() -> None:
+    """Without the store a lease cannot be seen to end: REMOTE slots drain (pinnable once a
+    probe shows them idle); the backends to poll are returned, each once."""
+    fleet = ready_fleet(2, 1)
+    fleet.fold_shared(0, {0, 1}, {}, now=1.0, wall=1000.0)
+    assert fleet.recast(SlotPhase.REMOTE, SlotPhase.DRAINING) == [0]
+    assert [s.phase for s in fleet.backends[0].slots] == [SlotPhase.DRAINING] * 2
+    assert fleet.backends[1].slots[0].phase is SlotPhase.IDLE
+    assert fleet.is_draining(0)
+    idle = (SlotProbe(0, False, 0, 4), SlotProbe(1, False, 0, 4))
+    fleet.apply_probe(0, Probe(BackendPhase.READY, idle), now=2.0)
+    assert fleet.backends[0].idle_slots() == fleet.backends[0].slots

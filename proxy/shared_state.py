@@ -43,7 +43,7 @@ from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import Fleet, Placement, SlotPhase
 from proxy.core.partition import owns
 from proxy.metrics import ProxyMetrics
-from proxy.state import SlotRecord, SlotRef, SlotView, StateStore, StateStoreUnavailable
+from proxy.state import SlotRecord, SlotRef, StateStore, StateStoreUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -170,7 +170,9 @@ class SharedState:
 
     async def _refresh(self) -> None:
         refs = [(b.label, s.id) for b in self._fleet.backends for s in b.slots]
-        view = await self.call("view", self.store.view(refs, self._wall()), SlotView({}, {}))
+        view = await self.call("view", self.store.view(refs, self._wall()), None)
+        if view is None:  # the store is down: its leases and records are unknown, not gone
+            return
         now, wall = self._clock(), self._wall()
         for backend in self._fleet.backends:
             leased = {

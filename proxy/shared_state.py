@@ -26,7 +26,10 @@ and the last list of live replicas it read): a replica pins only its own part un
 back, and one that was alone keeps every slot. A slot another replica held when the store
 went away drains like an aborted one (pinnable once its backend's ``/slots`` shows it idle):
 left REMOTE, nothing could free it before Redis came back, and a replica whose own part was
-leased at that moment served nothing for the whole outage.
+leased at that moment served nothing for the whole outage. The slots a replica pinned while
+the store was down hold no lease: when it comes back it leases those still running, and for
+``HEARTBEAT_TTL`` keeps to its own part (its peers reconnect within a maintenance round and
+lease theirs); before, a replica took another's running slot as soon as Redis answered.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class SharedState:
         self._lease_ttl = lease_ttl
         self._record_ttl = record_ttl
         self._held: set[SlotRef] = set()
+        self._local: set[SlotRef] = set()  # pinned while the store was down: no lease yet
+        self._rejoined = -HEARTBEAT_TTL  # when the store last came back (``clock``)
         self._replicas: list[str] = []  # live replica ids, as last read from the store
         self._refreshing: asyncio.Future[None] | None = None  # the view read in flight
         self.stopped = False  # set at shutdown: maintain() ends after its current round
@@ -104,13 +109,15 @@ class SharedState:
         it is another replica's part of the fleet: the caller marks it REMOTE."""
         if not self.enabled or placement.pin is None:
             return True
-        if not self.up:
-            return self._owns(placement.backend, placement.pin)
         ref = self._ref(placement.backend, placement.pin)
+        if not self.up:
+            return self._claim(ref)
+        if self._clock() < self._rejoined + HEARTBEAT_TTL and not self._owns(*ref):
+            return False  # just reconnected: peers may not have leased their outage pins yet
         taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
         result = await self.call("acquire_lease", taken, None)
         if result is None:  # the store went away just now
-            return self._owns(placement.backend, placement.pin)
+            return self._claim(ref)
         if result:
             self._held.add(ref)
             log.debug("lease taken %s by %s", ref, self.owner)
@@ -118,14 +125,24 @@ class SharedState:
         log.debug("lease refused %s for %s", ref, self.owner)
         return False
 
-    def _owns(self, backend: int, slot: int) -> bool:
+    def _claim(self, ref: SlotRef) -> bool:
+        """The store is down: pin only this replica's part, and remember the pin (no lease
+        records it) to lease it when the store is back."""
+        if not self._owns(*ref):
+            return False
+        self._local.add(ref)
+        return True
+
+    def _owns(self, label: str, slot: int) -> bool:
         counts = [len(b.slots) for b in self._fleet.backends]
+        backend = next(b.index for b in self._fleet.backends if b.label == label)
         return owns(backend, slot, counts, self._replicas, self.owner)
 
     async def give_back(self, placement: Placement) -> None:
         if not self.enabled or placement.pin is None:
             return
         ref = self._ref(placement.backend, placement.pin)
+        self._local.discard(ref)
         if ref in self._held:
             log.debug("lease given back %s by %s", ref, self.owner)
             self._held.discard(ref)
@@ -135,7 +152,9 @@ class SharedState:
         """Stop renewing the lease of a slot an aborted request may still be using upstream:
         other replicas get it when the lease expires (this replica drains it meanwhile)."""
         if self.enabled and placement.pin is not None:
-            self._held.discard(self._ref(placement.backend, placement.pin))
+            ref = self._ref(placement.backend, placement.pin)
+            self._held.discard(ref)
+            self._local.discard(ref)
 
     async def get_affinity(self, key: str) -> SlotRef | None:
         return await self.call("get_affinity", self.store.get_affinity(key, self._wall()), None)
@@ -235,8 +254,8 @@ class SharedState:
     async def _heartbeat(self) -> None:
         beat = self.store.heartbeat(self.owner, HEARTBEAT_TTL, self._wall())
         live = await self.call("heartbeat", beat, None)
-        if live is not None:
-            self._replicas = live
+        if live is not None and self._clock() >= self._rejoined + HEARTBEAT_TTL:
+            self._replicas = live  # (just back: the list that split the fleet in the outage)
 
     async def _recover(self) -> None:
         with contextlib.suppress(StateStoreUnavailable):
@@ -244,7 +263,26 @@ class SharedState:
             self.up = True
             self._metrics.store_up.set(1)
             log.warning("state store back: resyncing the local slot table")
+            self._rejoined = self._clock()
+            await self._lease_local()
             for backend in self._fleet.backends:
                 for slot in backend.slots:
                     if slot.content is not None and slot.phase is SlotPhase.IDLE:
                         await self.publish(backend.index, slot.id, slot.content, slot.n_tokens)
+
+    async def _lease_local(self) -> None:
+        """Lease the slots pinned while the store was down whose requests still run."""
+        for ref in sorted(self._local):
+            taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
+            result = await self.call("acquire_lease", taken, None)
+            if result is None:
+                return  # down again: the rest stay local claims
+            if ref not in self._local:  # the request ended meanwhile (and no other took it)
+                if ref not in self._held:
+                    release = self.store.release_lease(ref, self.owner)
+                    await self.call("release_lease", release, None)
+            elif result:
+                self._held.add(ref)
+            else:
+                log.warning("slot %s was pinned by another replica during the outage", ref)
+            self._local.discard(ref)

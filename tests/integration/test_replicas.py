@@ -167,6 +167,41 @@ async def test_a_replica_serves_through_an_outage_that_began_on_another_replicas
     assert backend.violations == []
 
 
+async def test_slots_pinned_during_an_outage_stay_theirs_when_redis_returns(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """During an outage each replica pins its own part without leases. When Redis returned,
+    nothing in it said those slots were busy: a replica took another's running slot at once
+    (no lease on it) and pinned it twice. Now each replica leases what it is running as it
+    reconnects, and keeps to its own part for a heartbeat period after, until its peers
+    have reconnected and done the same."""
+    backend = await fakes(n_slots=2, gen_s_per_token=0.045)
+    # rare probes: what A knows of B's requests comes from the store, as between probes
+    a = await proxy([backend], redis_url=redis_server.url, health={"interval_seconds": 60})
+    b = await proxy([backend], redis_url=redis_server.url, health={"interval_seconds": 60})
+    await asyncio.sleep(1.2)  # two heartbeats: each replica has read the other
+    redis_server.stop()
+    long = [  # each on its own replica's part of the fleet; B's runs ~4.5 s, A's ~1.8 s
+        asyncio.create_task(r.post("/v1/chat/completions", json=chat(f"long {n}", max_tokens=n)))
+        for n, r in ((40, a), (100, b))
+    ]
+    await asyncio.sleep(0.5)
+    redis_server.start()
+    for _ in range(40):
+        pages = [await (await r.get("/metrics")).text() for r in (a, b)]
+        if all(metric(p, "llama_cache_proxy_state_store_up") == 1 for p in pages):
+            break
+        await asyncio.sleep(0.05)
+    back = time.monotonic()
+    short = [await a.post("/v1/chat/completions", json=chat("short", max_tokens=4))]
+    await asyncio.sleep(max(0.0, back + 2.1 - time.monotonic()))  # past the keeping to parts
+    short.append(await a.post("/v1/chat/completions", json=chat("again", max_tokens=4)))
+    print("DBG", backend.violations, long[1].done(), time.monotonic() - back)
+    assert not long[1].done()  # B's request still ran: only its lease kept A off its slot
+    assert [r.status for r in short] + [(await t).status for t in long] == [200] * 4
+    assert backend.violations == []
+
+
 async def test_redis_outage_degrades_to_local_state_and_resyncs(
     fakes: Any, proxy: Any, redis_server: Any
 ) -> None:

@@ -23,10 +23,12 @@ logged once, and when Redis answers again the local slot table is written back (
 client request never fails because of Redis. Leases are then only local claims, so replicas
 that knew each other split the slots (``core.partition``; each keeps a heartbeat in the store
 and the last list of live replicas it read): a replica pins only its own part until Redis is
-back, and one that was alone keeps every slot. A slot another replica held when the store
-went away drains like an aborted one (pinnable once its backend's ``/slots`` shows it idle):
-left REMOTE, nothing could free it before Redis came back, and a replica whose own part was
-leased at that moment served nothing for the whole outage. The slots a replica pinned while
+back, and one that was alone keeps every slot. As the store goes away every slot this
+replica is not running on drains like an aborted one (pinnable once its backend's ``/slots``
+shows it idle, one quick poll for the idle ones): a slot another replica held, left REMOTE,
+could not be freed before Redis came back (a replica whose own part was leased then served
+nothing for the whole outage), and one it had leased since this replica's last view read
+looked idle and was pinned twice. The slots a replica pinned while
 the store was down hold no lease: when it comes back it leases those still running, and for
 ``HEARTBEAT_TTL`` keeps to its own part (its peers reconnect within a maintenance round and
 lease theirs); before, a replica took another's running slot as soon as Redis answered.
@@ -82,8 +84,8 @@ class SharedState:
         self._refreshing: asyncio.Future[None] | None = None  # the view read in flight
         self.stopped = False  # set at shutdown: maintain() ends after its current round
         self.up = True
-        # called with the backends whose REMOTE slots now drain (the store just went down:
-        # another replica's lease can no longer be seen to end); the app polls them
+        # called with the backends whose slots now drain (the store just went down: another
+        # replica's leases can no longer be seen); the app polls them
         self.on_down: Callable[[list[int]], None] = lambda backends: None
         metrics.store_up.set(1)
 
@@ -100,7 +102,9 @@ class SharedState:
                 log.warning("state store unavailable (%s): routing on local state", exc)
                 self.up = False
                 self._metrics.store_up.set(0)
-                self.on_down(self._fleet.recast(SlotPhase.REMOTE, SlotPhase.DRAINING))
+                remote = self._fleet.recast(SlotPhase.REMOTE, SlotPhase.DRAINING)
+                idle = self._fleet.recast(SlotPhase.IDLE, SlotPhase.DRAINING)
+                self.on_down(sorted(set(remote + idle)))
             return default
         return result
 

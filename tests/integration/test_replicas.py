@@ -167,6 +167,28 @@ async def test_a_replica_serves_through_an_outage_that_began_on_another_replicas
     assert backend.violations == []
 
 
+async def test_a_lease_taken_just_before_an_outage_is_respected(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """B leases and pins both slots; Redis dies before A's view (read every 0.5 s) has seen
+    the leases. A's picture said both slots idle, and one is A's part of the split: it was
+    pinned twice. Every slot A is not running on now drains as the outage starts (a probe
+    of ``/slots`` frees the idle ones)."""
+    backend = await fakes(n_slots=2, gen_s_per_token=0.03)
+    a = await proxy([backend], redis_url=redis_server.url, health={"interval_seconds": 60})
+    b = await proxy([backend], redis_url=redis_server.url)
+    await asyncio.sleep(1.2)  # two heartbeats: each replica has read the other
+    long = [
+        asyncio.create_task(b.post("/v1/chat/completions", json=chat(f"long {i}", max_tokens=50)))
+        for i in range(2)
+    ]
+    await asyncio.sleep(0.1)
+    redis_server.stop()
+    short = await a.post("/v1/chat/completions", json=chat("short", max_tokens=4))
+    assert [short.status] + [(await t).status for t in long] == [200] * 3
+    assert backend.violations == []
+
+
 async def test_slots_pinned_during_an_outage_stay_theirs_when_redis_returns(
     fakes: Any, proxy: Any, redis_server: Any
 ) -> None:

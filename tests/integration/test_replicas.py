@@ -7,6 +7,8 @@ import contextlib
 import time
 from typing import Any
 
+import pytest
+
 from tests.conftest import chat, delta_text, events_to_done, metric
 from tests.integration import test_holds_fake as holds
 from tests.integration.test_routing_fake import SYSTEM
@@ -139,24 +141,34 @@ async def test_replicas_that_lose_redis_split_the_slots_instead_of_sharing_them(
     assert metric(page, "llama_cache_proxy_state_store_up") == 0
 
 
+async def rarely_probing_pair(
+    fakes: Any, proxy: Any, redis_url: str, gen: float, **b: Any
+) -> tuple[Any, Any, Any]:
+    """A fake with 2 slots and replicas A and B that have read each other's heartbeats; A
+    probes rarely (the default is 2 s), so what it knows of B's requests comes from the store."""
+    backend = await fakes(n_slots=2, gen_s_per_token=gen)
+    a = await proxy([backend], redis_url=redis_url, health={"interval_seconds": 60})
+    b_client = await proxy([backend], redis_url=redis_url, **b)
+    await asyncio.sleep(1.2)  # two heartbeats
+    return backend, a, b_client
+
+
+@pytest.mark.parametrize("seen", [0.7, 0.1], ids=["leases-seen", "leases-not-yet-seen"])
 async def test_a_replica_serves_through_an_outage_that_began_on_another_replicas_leases(
-    fakes: Any, proxy: Any, redis_server: Any
+    fakes: Any, proxy: Any, redis_server: Any, seen: float
 ) -> None:
-    """Redis dies while replica B runs requests on both slots, which A had seen leased. With
-    the store gone nothing could end those leases: A queued everything until Redis came back
-    (a stalled replica for the whole outage), or, when its first failed call was the view
-    read, freed both slots at once and pinned one B was still generating on. The slots now
-    drain: A pins its part once the backend's ``/slots`` shows it idle, Redis still down."""
-    backend = await fakes(n_slots=2, gen_s_per_token=0.03)
-    # A probes rarely (the default is 2 s), so it learns of B's requests from their leases
-    a = await proxy([backend], redis_url=redis_server.url, health={"interval_seconds": 60})
-    b = await proxy([backend], redis_url=redis_server.url)
-    await asyncio.sleep(1.2)  # two heartbeats: each replica has read the other
+    """Redis dies while replica B runs requests on both slots. If A had seen them leased,
+    nothing could end those leases with the store gone: A queued everything until Redis came
+    back (a stalled replica for the whole outage), or, when its first failed call was the
+    view read, freed both slots at once and pinned one B was still generating on. If A's
+    view (read every 0.5 s) had not seen them yet, it pinned one of them as idle. Every slot
+    A is not running on now drains: A pins its part once ``/slots`` shows it idle."""
+    backend, a, b = await rarely_probing_pair(fakes, proxy, redis_server.url, 0.03)
     long = [
         asyncio.create_task(b.post("/v1/chat/completions", json=chat(f"long {i}", max_tokens=60)))
         for i in range(2)
     ]
-    await asyncio.sleep(0.7)  # A's background refresh has seen both slots leased
+    await asyncio.sleep(seen)  # 0.7: A's background refresh has seen both slots leased
     redis_server.stop()
     resp = await asyncio.wait_for(
         a.post("/v1/chat/completions", json=chat("short", max_tokens=4)), timeout=15
@@ -164,28 +176,6 @@ async def test_a_replica_serves_through_an_outage_that_began_on_another_replicas
     assert [resp.status] + [(await t).status for t in long] == [200] * 3
     page = await (await a.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_state_store_up") == 0  # served on local state
-    assert backend.violations == []
-
-
-async def test_a_lease_taken_just_before_an_outage_is_respected(
-    fakes: Any, proxy: Any, redis_server: Any
-) -> None:
-    """B leases and pins both slots; Redis dies before A's view (read every 0.5 s) has seen
-    the leases. A's picture said both slots idle, and one is A's part of the split: it was
-    pinned twice. Every slot A is not running on now drains as the outage starts (a probe
-    of ``/slots`` frees the idle ones)."""
-    backend = await fakes(n_slots=2, gen_s_per_token=0.03)
-    a = await proxy([backend], redis_url=redis_server.url, health={"interval_seconds": 60})
-    b = await proxy([backend], redis_url=redis_server.url)
-    await asyncio.sleep(1.2)  # two heartbeats: each replica has read the other
-    long = [
-        asyncio.create_task(b.post("/v1/chat/completions", json=chat(f"long {i}", max_tokens=50)))
-        for i in range(2)
-    ]
-    await asyncio.sleep(0.1)
-    redis_server.stop()
-    short = await a.post("/v1/chat/completions", json=chat("short", max_tokens=4))
-    assert [short.status] + [(await t).status for t in long] == [200] * 3
     assert backend.violations == []
 
 
@@ -197,11 +187,8 @@ async def test_slots_pinned_during_an_outage_stay_theirs_when_redis_returns(
     (no lease on it) and pinned it twice. Now each replica leases what it is running as it
     reconnects, and keeps to its own part for a heartbeat period after, until its peers
     have reconnected and done the same."""
-    backend = await fakes(n_slots=2, gen_s_per_token=0.045)
-    # rare probes: what A knows of B's requests comes from the store, as between probes
-    a = await proxy([backend], redis_url=redis_server.url, health={"interval_seconds": 60})
-    b = await proxy([backend], redis_url=redis_server.url, health={"interval_seconds": 60})
-    await asyncio.sleep(1.2)  # two heartbeats: each replica has read the other
+    rare = {"interval_seconds": 60}
+    backend, a, b = await rarely_probing_pair(fakes, proxy, redis_server.url, 0.045, health=rare)
     redis_server.stop()
     long = [  # each on its own replica's part of the fleet; B's runs ~4.5 s, A's ~1.8 s
         asyncio.create_task(r.post("/v1/chat/completions", json=chat(f"long {n}", max_tokens=n)))

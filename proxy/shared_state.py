@@ -28,10 +28,11 @@ replica is not running on drains like an aborted one (pinnable once its backend'
 shows it idle, one quick poll for the idle ones): a slot another replica held, left REMOTE,
 could not be freed before Redis came back (a replica whose own part was leased then served
 nothing for the whole outage), and one it had leased since this replica's last view read
-looked idle and was pinned twice. The slots a replica pinned while
-the store was down hold no lease: when it comes back it leases those still running, and for
-``HEARTBEAT_TTL`` keeps to its own part (its peers reconnect within a maintenance round and
-lease theirs); before, a replica took another's running slot as soon as Redis answered.
+looked idle and was pinned twice. The slots a replica pinned while the store was down hold
+no lease: when it comes back it leases those still running, and for ``HEARTBEAT_TTL`` keeps
+to its own part of the outage's split (its peers reconnect within a maintenance round and
+lease theirs; a restarted Redis lists no heartbeats yet); before, a replica took another's
+running slot as soon as Redis answered.
 """
 
 from __future__ import annotations
@@ -113,15 +114,16 @@ class SharedState:
         it is another replica's part of the fleet: the caller marks it REMOTE."""
         if not self.enabled or placement.pin is None:
             return True
-        ref = self._ref(placement.backend, placement.pin)
+        backend, slot = placement.backend, placement.pin
         if not self.up:
-            return self._claim(ref)
-        if self._clock() < self._rejoined + HEARTBEAT_TTL and not self._owns(*ref):
+            return self._claim(backend, slot)
+        if self._clock() < self._rejoined + HEARTBEAT_TTL and not self._owns(backend, slot):
             return False  # just reconnected: peers may not have leased their outage pins yet
+        ref = self._ref(backend, slot)
         taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
         result = await self.call("acquire_lease", taken, None)
         if result is None:  # the store went away just now
-            return self._claim(ref)
+            return self._claim(backend, slot)
         if result:
             self._held.add(ref)
             log.debug("lease taken %s by %s", ref, self.owner)
@@ -129,17 +131,16 @@ class SharedState:
         log.debug("lease refused %s for %s", ref, self.owner)
         return False
 
-    def _claim(self, ref: SlotRef) -> bool:
+    def _claim(self, backend: int, slot: int) -> bool:
         """The store is down: pin only this replica's part, and remember the pin (no lease
         records it) to lease it when the store is back."""
-        if not self._owns(*ref):
+        if not self._owns(backend, slot):
             return False
-        self._local.add(ref)
+        self._local.add(self._ref(backend, slot))
         return True
 
-    def _owns(self, label: str, slot: int) -> bool:
+    def _owns(self, backend: int, slot: int) -> bool:
         counts = [len(b.slots) for b in self._fleet.backends]
-        backend = next(b.index for b in self._fleet.backends if b.label == label)
         return owns(backend, slot, counts, self._replicas, self.owner)
 
     async def give_back(self, placement: Placement) -> None:

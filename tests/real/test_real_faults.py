@@ -194,6 +194,49 @@ async def test_redis_stopped_and_restarted_under_steady_traffic(
     assert set(statuses) == {200}  # zero failed client requests
 
 
+async def test_slots_pinned_during_a_redis_outage_are_respected_when_it_returns(
+    llama_servers: Any, redis_server: Any, proxies: list[ProxyProcess]
+) -> None:
+    """Each replica runs a request on its own part of the split while Redis is down; Redis
+    comes back while B's still generates. A's next request must not be pinned to B's slot
+    while B's request runs there (on llama-server that can overwrite B's KV; the server
+    defers it until B's request ends): it runs at once on A's own, free slot. A probes
+    rarely, so what it knows of B's requests comes from Redis."""
+    server = llama_servers(slots=2)
+    rare = {"LLAMA_CACHE_PROXY_HEALTH__INTERVAL_SECONDS": "60"}
+    a = ProxyProcess([server.url], redis_url=redis_server.url, env=rare).start()
+    b = ProxyProcess([server.url], redis_url=redis_server.url).start()
+    proxies.extend([a, b])
+    await asyncio.sleep(1.5)  # heartbeats: each replica has read the other
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+        async def post(proxy: ProxyProcess, body: dict[str, Any]) -> tuple[str, float]:
+            async with session.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+                return resp.headers["X-Cache-Slot"], time.monotonic()
+
+        redis_server.stop()
+        short = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+        await post(a, short)
+        await post(b, short)  # both have noticed the outage
+        first = asyncio.create_task(post(a, {**long_count(), "max_tokens": 40}))
+        second = asyncio.create_task(post(b, {**long_count(), "max_tokens": 300}))
+        await asyncio.sleep(0.5)
+        redis_server.start()
+        for _ in range(50):
+            up = [await metric_of(session, p, "llama_cache_proxy_state_store_up") for p in (a, b)]
+            if up == [1.0, 1.0]:
+                break
+            await asyncio.sleep(0.1)
+        assert up == [1.0, 1.0]
+        mine, _ = await first
+        slot, sent = await post(a, short)
+        theirs, ended = await second
+    assert mine != theirs  # the outage's split
+    assert (slot, sent < ended) == (mine, True)
+
+
 async def metric_of(session: aiohttp.ClientSession, proxy: ProxyProcess, name: str) -> float:
     async with session.get(proxy.url + "/metrics") as resp:
         return metric(await resp.text(), name)

@@ -105,6 +105,10 @@ class ProxyMetrics:
             "state_store_errors", "State-store operations that failed", ["op"]
         )
         self.store_up = gauge("state_store_up", "1 when the state store answers")
+        self.store_conflicts = counter(
+            "state_store_conflicts",
+            "Slots this replica pinned while the store was down that another replica also held",
+        )
         self.prompt_tokens = counter(
             "prompt_tokens", "Prompt tokens of completed requests", ["backend"]
         )

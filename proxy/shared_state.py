@@ -289,5 +289,6 @@ class SharedState:
             elif result:
                 self._held.add(ref)
             else:
+                self._metrics.store_conflicts.inc()
                 log.warning("slot %s was pinned by another replica during the outage", ref)
             self._local.discard(ref)

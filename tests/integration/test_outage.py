@@ -35,11 +35,13 @@ class Breakable(InMemoryStateStore):
         return call
 
 
-def replica(store: Breakable, now: list[float]) -> SharedState:
+def replica(
+    store: Breakable, now: list[float], registry: CollectorRegistry | None = None
+) -> SharedState:
     fleet = Fleet(["b0"])
     idle = tuple(SlotProbe(i, False, 0, 1) for i in range(2))
     fleet.apply_probe(0, Probe(BackendPhase.READY, idle), now=0.0)
-    metrics = ProxyMetrics(CollectorRegistry())
+    metrics = ProxyMetrics(registry or CollectorRegistry())
     clock = lambda: now[0]  # noqa: E731
     return SharedState(store, fleet, metrics, clock, enabled=True, clock=clock)
 
@@ -70,3 +72,23 @@ async def test_a_replica_back_first_keeps_off_the_slot_another_pinned_in_the_out
     assert not await a.take(Placement(0, (theirs,), theirs))
     await b.give_back(Placement(0, (theirs,), theirs))
     assert await a.take(Placement(0, (theirs,), theirs))
+
+
+async def test_a_slot_pinned_by_two_replicas_in_an_outage_is_counted_when_it_returns() -> None:
+    """B joined just before the outage: A had read B's heartbeat, B had not read A's, so B
+    kept every slot while A kept its part - both pinned one slot. The store cannot undo that,
+    but the replica whose lease is refused on reconnect counts it for the operator."""
+    store, now, registry = Breakable(), [100.0], CollectorRegistry()
+    a, b = replica(store, now, registry), replica(store, now)
+    for r in (b, a):
+        await r._heartbeat()  # B's list: B alone; A's: both
+    store.down = True
+    await a.refresh()
+    await b.refresh()
+    (both,) = [s for s in range(2) if await a.take(Placement(0, (s,), s))]  # A's part
+    assert await b.take(Placement(0, (both,), both))  # B's part is every slot
+    store.restart()
+    await b._recover()
+    await a._recover()
+    conflicts = registry.get_sample_value("llama_cache_proxy_state_store_conflicts_total")
+    assert conflicts == 1

@@ -8,6 +8,7 @@ served, then the prober runs in the background.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -116,6 +117,8 @@ def create_app(
             if tasks:  # bounded: a task whose cancellation a client library swallowed
                 await asyncio.wait(tasks, timeout=STOP_SECONDS)  # ends after its round
             await prober.close()
+            with contextlib.suppress(TimeoutError):  # a hung store must not hang shutdown
+                await asyncio.wait_for(shared.leave(), timeout=STOP_SECONDS)
             await store.close()
 
     app.cleanup_ctx.append(upstream_ctx)

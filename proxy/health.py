@@ -81,17 +81,20 @@ class Prober:
             await self.probe_all()
             await asyncio.sleep(self._health.interval_seconds)
 
-    def drain_all(self, indexes: list[int]) -> None:
+    def drain_all(self, indexes: list[int], after: float = 0.0) -> None:
         for index in indexes:
-            self.drain(index)
+            self.drain(index, after)
 
-    def drain(self, index: int) -> None:
-        """Start (once per backend) polling until its DRAINING slots are idle."""
+    def drain(self, index: int, after: float = 0.0) -> None:
+        """Start (once per backend) polling until its DRAINING slots are idle, the first
+        poll ``after`` seconds from now at the earliest."""
         task = self._drains.get(index)
         if task is None or task.done():
-            self._drains[index] = asyncio.create_task(self._drain(index))
+            self._drains[index] = asyncio.create_task(self._drain(index, after))
 
-    async def _drain(self, index: int) -> None:
+    async def _drain(self, index: int, after: float) -> None:
+        if after > 0:
+            await asyncio.sleep(after)
         deadline = self._clock() + self._health.drain_max_seconds
         while self._fleet.is_draining(index) and self._clock() < deadline:
             await asyncio.sleep(self._health.drain_poll_seconds)

@@ -21,18 +21,17 @@ With Redis configured, a replica:
 Redis unavailable: every operation degrades to local state, the outage is counted and
 logged once, and when Redis answers again the local slot table is written back (resync). A
 client request never fails because of Redis. Leases are then only local claims, so replicas
-that knew each other split the slots (``core.partition``; each keeps a heartbeat in the store
-and the last list of live replicas it read): a replica pins only its own part until Redis is
-back, and one that was alone keeps every slot. As the store goes away every slot this
-replica is not running on drains like an aborted one (pinnable once its backend's ``/slots``
-shows it idle, one quick poll for the idle ones): a slot another replica held, left REMOTE,
-could not be freed before Redis came back (a replica whose own part was leased then served
-nothing for the whole outage), and one it had leased since this replica's last view read
-looked idle and was pinned twice. The slots a replica pinned while the store was down hold
-no lease: when it comes back it leases those still running, and for ``HEARTBEAT_TTL`` keeps
-to its own part of the outage's split (its peers reconnect within a maintenance round and
-lease theirs; a restarted Redis lists no heartbeats yet); before, a replica took another's
-running slot as soon as Redis answered.
+that knew each other split the slots (``core.partition``: heartbeats, the split, fences): a
+replica pins only its own part until Redis is back (one that was alone keeps every slot).
+As the store goes away every slot this replica is not running on drains like an aborted one
+(pinnable once ``/slots`` shows it idle): a slot another replica held could not otherwise be
+freed before Redis came back, and one leased since the last view read looked idle. Peers that
+still reach the store (a partial outage) see only this replica's heartbeat lapse, and then
+fence its part: its first claims, and the drain polls, wait until they must have. Coming
+back, a replica leases the slots it pinned that still run and for ``HEARTBEAT_TTL`` keeps to
+its part of the outage's split (peers reconnect within a maintenance round and lease theirs;
+a restarted Redis lists no heartbeats yet). A replica that shuts down leaves the list, so
+its part is not fenced.
 """
 
 from __future__ import annotations
@@ -47,13 +46,14 @@ from typing import TypeVar
 
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import Fleet, Placement, SlotPhase
-from proxy.core.partition import owns
+from proxy.core.partition import FENCE_MARGIN, HEARTBEAT_TTL, Peers
 from proxy.metrics import ProxyMetrics
 from proxy.state import SlotRecord, SlotRef, StateStore, StateStoreUnavailable
+from proxy.state.base import LEFT
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-HEARTBEAT_TTL = 2.0  # seconds a replica counts as live after its last heartbeat
+__all__ = ["FENCE_MARGIN", "HEARTBEAT_TTL", "SharedState"]
 
 
 class SharedState:
@@ -80,14 +80,13 @@ class SharedState:
         self._record_ttl = record_ttl
         self._held: set[SlotRef] = set()
         self._local: set[SlotRef] = set()  # pinned while the store was down: no lease yet
-        self._rejoined = -HEARTBEAT_TTL  # when the store last came back (``clock``)
-        self._replicas: list[str] = []  # live replica ids, as last read from the store
+        self.peers = Peers(self.owner, lease_ttl)  # live and vanished replicas (``clock``)
         self._refreshing: asyncio.Future[None] | None = None  # the view read in flight
         self.stopped = False  # set at shutdown: maintain() ends after its current round
         self.up = True
         # called with the backends whose slots now drain (the store just went down: another
-        # replica's leases can no longer be seen); the app polls them
-        self.on_down: Callable[[list[int]], None] = lambda backends: None
+        # replica's leases can no longer be seen); the app polls them after ``after`` s
+        self.on_down: Callable[[list[int], float], None] = lambda backends, after: None
         metrics.store_up.set(1)
 
     def _ref(self, backend: int, slot: int) -> SlotRef:
@@ -103,9 +102,11 @@ class SharedState:
                 log.warning("state store unavailable (%s): routing on local state", exc)
                 self.up = False
                 self._metrics.store_up.set(0)
+                self.peers.went_down(self._held, self._clock())
                 remote = self._fleet.recast(SlotPhase.REMOTE, SlotPhase.DRAINING)
                 idle = self._fleet.recast(SlotPhase.IDLE, SlotPhase.DRAINING)
-                self.on_down(sorted(set(remote + idle)))
+                after = max(0.0, self.peers.claim_from() - self._clock())
+                self.on_down(sorted(set(remote + idle)), after)
             return default
         return result
 
@@ -115,15 +116,15 @@ class SharedState:
         if not self.enabled or placement.pin is None:
             return True
         backend, slot = placement.backend, placement.pin
+        if self.peers.keep_off(backend, slot, self._counts(), self._clock()):
+            return False  # a part another replica may pin without a lease
         if not self.up:
-            return self._claim(backend, slot)
-        if self._clock() < self._rejoined + HEARTBEAT_TTL and not self._owns(backend, slot):
-            return False  # just reconnected: peers may not have leased their outage pins yet
+            return await self._claim(placement)
         ref = self._ref(backend, slot)
         taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
         result = await self.call("acquire_lease", taken, None)
         if result is None:  # the store went away just now
-            return self._claim(backend, slot)
+            return await self._claim(placement)
         if result:
             self._held.add(ref)
             log.debug("lease taken %s by %s", ref, self.owner)
@@ -131,27 +132,37 @@ class SharedState:
         log.debug("lease refused %s for %s", ref, self.owner)
         return False
 
-    def _claim(self, backend: int, slot: int) -> bool:
-        """The store is down: pin only this replica's part, and remember the pin (no lease
-        records it) to lease it when the store is back."""
-        if not self._owns(backend, slot):
-            return False
-        self._local.add(self._ref(backend, slot))
-        return True
+    async def _claim(self, placement: Placement) -> bool:
+        """The store is down: pin only slots whose leases still stand in it and this
+        replica's part, and remember the pin (no lease records it) to lease it when the
+        store is back. Peers that still reach the store lease any other slot until they see
+        this replica's heartbeat lapse and fence its part, so that waits for it."""
+        ref, counts = self._ref(placement.backend, placement.pin or 0), self._counts()
+        claim = self.peers.may_claim(ref, placement.backend, counts, self._clock())
+        if claim is None:
+            await asyncio.sleep(self.peers.claim_from() - self._clock())
+            if self.up:  # back meanwhile: lease it as usual
+                return await self.take(placement)
+            claim = self.peers.may_claim(ref, placement.backend, counts, self._clock())
+        if claim:
+            self._local.add(ref)
+        return bool(claim)
 
-    def _owns(self, backend: int, slot: int) -> bool:
-        counts = [len(b.slots) for b in self._fleet.backends]
-        return owns(backend, slot, counts, self._replicas, self.owner)
+    def _fenced(self, backend: int, slot: int) -> bool:
+        return self.peers.fenced(backend, slot, self._counts(), self._clock())
+
+    def _counts(self) -> list[int]:
+        return [len(b.slots) for b in self._fleet.backends]
 
     async def give_back(self, placement: Placement) -> None:
         if not self.enabled or placement.pin is None:
             return
         ref = self._ref(placement.backend, placement.pin)
         self._local.discard(ref)
-        if ref in self._held:
+        if ref in self._held:  # (held until released: it stands if the store is gone)
             log.debug("lease given back %s by %s", ref, self.owner)
-            self._held.discard(ref)
             await self.call("release_lease", self.store.release_lease(ref, self.owner), None)
+            self._held.discard(ref)
 
     def abandon(self, placement: Placement) -> None:
         """Stop renewing the lease of a slot an aborted request may still be using upstream:
@@ -209,6 +220,7 @@ class SharedState:
                 for (label, s), r in view.records.items()
                 if label == backend.label
             }
+            leased |= {s.id for s in backend.slots if self._fenced(backend.index, s.id)}
             self._fleet.fold_shared(backend.index, leased, mine, now, wall)
 
     async def put_release(self, release: int, hashes: Sequence[int], ttl: float) -> None:
@@ -258,9 +270,20 @@ class SharedState:
 
     async def _heartbeat(self) -> None:
         beat = self.store.heartbeat(self.owner, HEARTBEAT_TTL, self._wall())
-        live = await self.call("heartbeat", beat, None)
-        if live is not None and self._clock() >= self._rejoined + HEARTBEAT_TTL:
-            self._replicas = live  # (just back: the list that split the fleet in the outage)
+        found = await self.call("heartbeat", beat, None)
+        if found is None:
+            return
+        left = {r.removesuffix(LEFT) for r in found if r.endswith(LEFT)}
+        live = [r for r in found if not r.endswith(LEFT)]
+        hold = self.peers.hold
+        for fence in self.peers.beat(live, left, self._clock()):
+            log.warning("replica %s vanished: its part kept off for %.0f s", fence.replica, hold)
+
+    async def leave(self) -> None:
+        """At shutdown: stop counting as live, so peers do not fence this replica's part."""
+        if self.enabled and self.up:
+            gone = self.store.leave(self.owner, HEARTBEAT_TTL, self._wall())
+            await self.call("leave", gone, None)
 
     async def _recover(self) -> None:
         with contextlib.suppress(StateStoreUnavailable):
@@ -268,7 +291,7 @@ class SharedState:
             self.up = True
             self._metrics.store_up.set(1)
             log.warning("state store back: resyncing the local slot table")
-            self._rejoined = self._clock()
+            self.peers.rejoined, self.peers.stale = self._clock(), {}
             await self._lease_local()
             for backend in self._fleet.backends:
                 for slot in backend.slots:

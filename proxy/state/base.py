@@ -13,7 +13,9 @@ What it holds (every key has a TTL or a bound):
   soon the session came back (``core.returns``); a release is claimed once;
 - *replicas*: each live proxy replica's id, kept by a heartbeat with a TTL that returns
   the live ids, so that a replica that loses the store knows whether it is alone
-  (``core.partition``);
+  (``core.partition``); a replica that shuts down ``leave``s: it stops counting as live at
+  once and is listed as ``id + LEFT`` for a while, so the others can tell it from one that
+  lost the store (whose part of the fleet they keep off for a while);
 - *snapshots*: the disk tier's index, index key -> packed entries (``core.snapshots``),
   bounded by the disk budget (entries are deleted with their files), so it has no TTL.
 
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 SlotRef = tuple[str, int]
+LEFT = "!left"  # suffix of a replica id ``heartbeat`` lists for a while after it left
 
 
 class StateStoreUnavailable(Exception):
@@ -118,6 +121,8 @@ class StateStore(Protocol):
     async def claimed(self, releases: Sequence[str], now: float) -> set[str]: ...
 
     async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]: ...
+
+    async def leave(self, owner: str, ttl: float, now: float) -> None: ...
 
     async def get_snapshots(self, keys: Sequence[str]) -> dict[str, bytes]: ...
 

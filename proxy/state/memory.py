@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.state.base import SlotRecord, SlotRef, SlotView
+from proxy.state.base import LEFT, SlotRecord, SlotRef, SlotView
 
 
 class InMemoryStateStore:
@@ -75,6 +75,10 @@ class InMemoryStateStore:
     async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]:
         self._set(("replica", owner), owner, ttl, now)
         return sorted(k[1] for k, v in self._data.items() if k[0] == "replica" and v[1] > now)
+
+    async def leave(self, owner: str, ttl: float, now: float) -> None:
+        self._data.pop(("replica", owner), None)
+        self._set(("replica", owner + LEFT), owner + LEFT, ttl, now)
 
     async def push_window(
         self, name: str, entry: bytes, limit: int, ttl: float, now: float

@@ -20,14 +20,15 @@ slow must not count as down. With 0.25 s, a CPU-starved host (load ~60, or 12 bu
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from redis import asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from proxy.state import keys
-from proxy.state.base import SlotRecord, SlotRef, SlotView, StateStoreUnavailable
+from proxy.state.base import LEFT, SlotRecord, SlotRef, SlotView, StateStoreUnavailable
 
 _RELEASE = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -116,30 +117,45 @@ class RedisStateStore:
             return
         await _call(self._redis.delete(*(keys.slot(*ref) for ref in refs)))
 
-    async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]:
+    async def _pipeline(self, build: Callable[[Pipeline], object], atomic: bool = True) -> Any:
+        """Queue commands with ``build`` and run them in one round trip; the pipeline's own
+        context can raise too, so the whole of it maps redis errors."""
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.zadd(keys.REPLICAS, {owner: now + ttl})
-                pipe.zremrangebyscore(keys.REPLICAS, "-inf", now)
-                pipe.pexpire(keys.REPLICAS, _ms(ttl))
-                pipe.zrangebyscore(keys.REPLICAS, f"({now!r}", "+inf")
-                found = (await pipe.execute())[-1]
+            async with self._redis.pipeline(transaction=atomic) as pipe:
+                build(pipe)
+                return await pipe.execute()
         except RedisError as exc:
             raise StateStoreUnavailable(str(exc)) from None
+
+    async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]:
+        def build(pipe: Pipeline) -> None:
+            pipe.zadd(keys.REPLICAS, {owner: now + ttl})
+            pipe.zremrangebyscore(keys.REPLICAS, "-inf", now)
+            pipe.pexpire(keys.REPLICAS, _ms(ttl))
+            pipe.zrangebyscore(keys.REPLICAS, f"({now!r}", "+inf")
+
+        found = (await self._pipeline(build))[-1]
         return sorted(_bytes(v).decode() for v in found if isinstance(v, bytes | str))
+
+    async def leave(self, owner: str, ttl: float, now: float) -> None:
+        def build(pipe: Pipeline) -> None:
+            pipe.zrem(keys.REPLICAS, owner)
+            pipe.zadd(keys.REPLICAS, {owner + LEFT: now + ttl})
+            pipe.pexpire(keys.REPLICAS, _ms(ttl))
+
+        await self._pipeline(build)
 
     async def push_window(
         self, name: str, entry: bytes, limit: int, ttl: float, now: float
     ) -> None:
         key = keys.window(name)
-        try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.lpush(key, entry)
-                pipe.ltrim(key, 0, limit - 1)
-                pipe.pexpire(key, _ms(ttl))
-                await pipe.execute()
-        except RedisError as exc:  # the pipeline context itself can raise too
-            raise StateStoreUnavailable(str(exc)) from None
+
+        def build(pipe: Pipeline) -> None:
+            pipe.lpush(key, entry)
+            pipe.ltrim(key, 0, limit - 1)
+            pipe.pexpire(key, _ms(ttl))
+
+        await self._pipeline(build)
 
     async def window(self, name: str, now: float) -> list[bytes]:
         values = await _call(self._redis.lrange(keys.window(name), 0, -1))
@@ -151,13 +167,12 @@ class RedisStateStore:
         if not hashes:
             return
         value = f"{release}|{now!r}"
-        try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for key in hashes:
-                    pipe.set(keys.release(key), value, px=_ms(ttl))
-                await pipe.execute()
-        except RedisError as exc:
-            raise StateStoreUnavailable(str(exc)) from None
+
+        def build(pipe: Pipeline) -> None:
+            for key in hashes:
+                pipe.set(keys.release(key), value, px=_ms(ttl))
+
+        await self._pipeline(build, atomic=False)
 
     async def claim_release(
         self, hashes: Sequence[int], ttl: float, now: float

@@ -16,8 +16,10 @@ from proxy.state import (
     StateStore,
     StateStoreUnavailable,
 )
+from proxy.state.base import LEFT
 from proxy.state.redis import RedisStateStore
 from tests.real.stack import RedisServer
+from tests.relay import Relay
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +125,17 @@ async def test_replicas_are_the_live_heartbeats(store: StateStore) -> None:
     assert await store.heartbeat("a", 2.0, t + 1.5) == ["a", "b"]  # and c's
 
 
+async def test_a_replica_that_leaves_stops_being_live_and_is_listed_as_left(
+    store: StateStore,
+) -> None:
+    t = now()
+    await store.heartbeat("a", 2.0, t)
+    await store.heartbeat("b", 2.0, t)
+    await store.leave("a", 2.0, t + 0.5)
+    assert await store.heartbeat("b", 2.0, t + 1.0) == ["a" + LEFT, "b"]
+    assert await store.heartbeat("b", 2.0, t + 3.0) == ["b"]  # the mark expires too
+
+
 async def test_ping(store: StateStore) -> None:
     await store.ping()
 
@@ -140,30 +153,15 @@ async def test_a_slow_redis_is_not_down(redis_url: str) -> None:
     """On local state two replicas can pin one slot, so a Redis that answers late (here
     every reply and the connection held back 0.4 s, as on a CPU-starved host) must not be
     taken for an outage; an unreachable one still is (above)."""
-    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
-
-    async def delayed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(0.4)
-        up_reader, up_writer = await asyncio.open_connection(host, int(port))
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, lag: float) -> None:
-            while data := await src.read(65536):
-                await asyncio.sleep(lag)
-                dst.write(data)
-                await dst.drain()
-            dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer, 0.0), pipe(up_reader, writer, 0.4))
-
-    server = await asyncio.start_server(delayed, "127.0.0.1", 0)
-    slow = RedisStateStore(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0")
+    relay = Relay(redis_url, lag=0.4)
+    slow = RedisStateStore(await relay.start())
     try:
         assert await slow.acquire_lease(("slow", 0), "r", 5, now())
         assert (await slow.view([("slow", 0)], now())).owners == {("slow", 0): "r"}
         await slow.release_lease(("slow", 0), "r")
     finally:
         await slow.close()
-        server.close()
+        await relay.close()
 
 
 async def test_snapshot_index_put_get_delete_list(store: StateStore) -> None:

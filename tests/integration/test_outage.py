@@ -8,8 +8,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from proxy.core.fleet import BackendPhase, Fleet, Placement, Probe, SlotProbe
+from proxy.core.partition import STALE_MARGIN
 from proxy.metrics import ProxyMetrics
-from proxy.shared_state import HEARTBEAT_TTL, SharedState
+from proxy.shared_state import FENCE_MARGIN, HEARTBEAT_TTL, SharedState
 from proxy.state import InMemoryStateStore, StateStoreUnavailable
 
 
@@ -35,9 +36,25 @@ class Breakable(InMemoryStateStore):
         return call
 
 
-def replica(
-    store: Breakable, now: list[float], registry: CollectorRegistry | None = None
-) -> SharedState:
+class Link:
+    """One replica's way to a store shared with others, cut on its own (``down``): a
+    partial outage."""
+
+    def __init__(self, store: InMemoryStateStore) -> None:
+        self.store, self.down = store, False
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if self.down:
+                raise StateStoreUnavailable("cut")
+            return await attr(*args, **kwargs)
+
+        return call
+
+
+def replica(store: Any, now: list[float], registry: CollectorRegistry | None = None) -> SharedState:
     fleet = Fleet(["b0"])
     idle = tuple(SlotProbe(i, False, 0, 1) for i in range(2))
     fleet.apply_probe(0, Probe(BackendPhase.READY, idle), now=0.0)
@@ -58,6 +75,7 @@ async def test_a_replica_back_first_keeps_off_the_slot_another_pinned_in_the_out
     store.down = True
     await a.refresh()
     await b.refresh()  # both notice
+    now[0] += HEARTBEAT_TTL + FENCE_MARGIN  # claims start once peers must see a lapse
     mine = {r: [await r.take(Placement(0, (s,), s)) for s in range(2)] for r in (a, b)}
     assert sorted([mine[a], mine[b]]) == [[False, True], [True, False]]  # a split
     theirs = mine[a].index(False)  # B runs a request there, with no lease in the store
@@ -68,6 +86,7 @@ async def test_a_replica_back_first_keeps_off_the_slot_another_pinned_in_the_out
     assert not await a.take(Placement(0, (theirs,), theirs))
     await b._recover()  # B leases the slot its request still runs on
     now[0] += HEARTBEAT_TTL
+    await b._heartbeat()  # live again: A lifts the fence it put on B's part
     await a._heartbeat()
     assert not await a.take(Placement(0, (theirs,), theirs))
     await b.give_back(Placement(0, (theirs,), theirs))
@@ -85,6 +104,7 @@ async def test_a_slot_pinned_by_two_replicas_in_an_outage_is_counted_when_it_ret
     store.down = True
     await a.refresh()
     await b.refresh()
+    now[0] += HEARTBEAT_TTL + FENCE_MARGIN
     (both,) = [s for s in range(2) if await a.take(Placement(0, (s,), s))]  # A's part
     assert await b.take(Placement(0, (both,), both))  # B's part is every slot
     store.restart()
@@ -92,3 +112,98 @@ async def test_a_slot_pinned_by_two_replicas_in_an_outage_is_counted_when_it_ret
     await a._recover()
     conflicts = registry.get_sample_value("llama_cache_proxy_state_store_conflicts_total")
     assert conflicts == 1
+
+
+async def partial_outage(now: list[float]) -> tuple[SharedState, SharedState, list[float]]:
+    """Replicas A and B that read each other's heartbeats; then A alone loses the store and
+    B reads A's heartbeat lapsed. Returns A, B, and the delays A's /slots polls got."""
+    drained: list[float] = []
+    link = Link(InMemoryStateStore())
+    a, b = replica(link, now), replica(Link(link.store), now)
+    a.on_down = lambda backends, after: drained.append(after)
+    for r in (a, b, a):
+        await r._heartbeat()
+    link.down = True
+    await a.refresh()  # A notices
+    now[0] += HEARTBEAT_TTL
+    await b._heartbeat()  # A's heartbeat has lapsed
+    return a, b, drained
+
+
+def cut(r: SharedState, down: bool) -> None:
+    link = r.store
+    assert isinstance(link, Link)
+    link.down = down
+
+
+async def test_a_replica_that_alone_loses_the_store_keeps_its_part_and_others_keep_off_it() -> None:
+    """A partial outage: A loses the store, B still reaches it. A's pins then hold no lease,
+    and B, leasing through the store, took A's part as soon as A's heartbeat lapsed: a slot
+    pinned twice. Now B keeps off the part of a replica that vanished without leaving, and A
+    claims its part only once B must have read the lapse (and polls /slots only then, so it
+    sees what B started before)."""
+    now = [100.0]
+    a, b, drained = await partial_outage(now)
+    assert drained == [HEARTBEAT_TTL + FENCE_MARGIN]
+    now[0] += FENCE_MARGIN
+    (ours,) = [s for s in range(2) if await a.take(Placement(0, (s,), s))]
+    assert not await b.take(Placement(0, (ours,), ours))  # fenced: A may be running there
+    assert await b.take(Placement(0, (1 - ours,), 1 - ours))
+
+    cut(a, False)
+    await a._recover()  # A leases what it pinned, then is live again
+    await a._heartbeat()
+    await b._heartbeat()
+    assert not b.peers.fences
+    assert not await b.take(Placement(0, (ours,), ours))  # now A's lease keeps B off
+    await a.give_back(Placement(0, (ours,), ours))
+    assert await b.take(Placement(0, (ours,), ours))
+
+
+async def test_a_fence_ends_after_the_lease_ttl_and_holds_through_the_fencers_own_outage() -> None:
+    """A replica that vanished may have died: its part is kept off only as long as a lease
+    of a dead replica would be. Until then a fencing replica that loses the store too keeps
+    off it (its own split, read after the lapse, no longer lists the vanished replica)."""
+    now = [100.0]
+    a, b, _ = await partial_outage(now)
+    (ours,) = [s for s in range(2) if a.peers.owns(0, s, [2])]
+    cut(b, True)
+    await b.refresh()
+    now[0] += FENCE_MARGIN
+    assert not await b.take(Placement(0, (ours,), ours))
+    cut(b, False)
+    await b._recover()
+    now[0] += 30.0  # lease_ttl_seconds
+    await b._heartbeat()
+    assert await b.take(Placement(0, (ours,), ours))
+
+
+async def test_a_replica_that_shut_down_is_not_fenced() -> None:
+    now = [100.0]
+    link = Link(InMemoryStateStore())
+    a, b = replica(link, now), replica(Link(link.store), now)
+    for r in (a, b, a):
+        await r._heartbeat()
+    await a.leave()
+    await b._heartbeat()
+    assert not b.peers.fences
+    assert all([await b.take(Placement(0, (s,), s)) for s in range(2)])
+
+
+async def test_a_lease_held_as_the_store_went_down_keeps_its_slot_until_it_expires() -> None:
+    """The store goes away while A runs a request under a lease. The lease stands in the
+    store, so peers keep off that slot until it expires: A runs its next request there at
+    once (claims of its part wait until its peers must have fenced it), even when the slot
+    is not of its part; after that only its part."""
+    store, now = Breakable(), [100.0]
+    a, b = replica(store, now), replica(store, now)
+    for r in (a, b, a):
+        await r._heartbeat()
+    theirs = next(s for s in range(2) if not a.peers.owns(0, s, [2]))
+    assert await a.take(Placement(0, (theirs,), theirs))
+    store.down = True
+    await a.give_back(Placement(0, (theirs,), theirs))  # the release fails: an outage
+    assert await a.take(Placement(0, (theirs,), theirs))  # no wait: its lease stands
+    await a.give_back(Placement(0, (theirs,), theirs))
+    now[0] += 30.0 - STALE_MARGIN  # lease_ttl_seconds
+    assert not await a.take(Placement(0, (theirs,), theirs))

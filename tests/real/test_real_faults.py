@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 
 from tests.conftest import metric
 from tests.real.stack import LlamaServer, ProxyProcess
+from tests.relay import Relay
 
 ADMIN = {
     "LLAMA_CACHE_PROXY_ADMIN_TOKEN": "t",
@@ -209,15 +211,8 @@ async def test_slots_pinned_during_a_redis_outage_are_respected_when_it_returns(
     proxies.extend([a, b])
     await asyncio.sleep(1.5)  # heartbeats: each replica has read the other
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-
-        async def post(proxy: ProxyProcess, body: dict[str, Any]) -> tuple[str, float]:
-            async with session.post(proxy.url + "/v1/chat/completions", json=body) as resp:
-                assert resp.status == 200
-                await resp.read()
-                return resp.headers["X-Cache-Slot"], time.monotonic()
-
+        post, short = functools.partial(post_slot, session), SHORT
         redis_server.stop()
-        short = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
         await post(a, short)
         await post(b, short)  # both have noticed the outage
         first = asyncio.create_task(post(a, {**long_count(), "max_tokens": 40}))
@@ -237,6 +232,51 @@ async def test_slots_pinned_during_a_redis_outage_are_respected_when_it_returns(
     assert (slot, sent < ended) == (mine, True)
 
 
+SHORT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+
+
+async def post_slot(
+    session: aiohttp.ClientSession, proxy: ProxyProcess, body: dict[str, Any]
+) -> tuple[str, float]:
+    """Post a chat completion; the slot it ran on and when it ended."""
+    async with session.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.read()
+        return resp.headers["X-Cache-Slot"], time.monotonic()
+
+
 async def metric_of(session: aiohttp.ClientSession, proxy: ProxyProcess, name: str) -> float:
     async with session.get(proxy.url + "/metrics") as resp:
         return metric(await resp.text(), name)
+
+
+async def test_a_replica_cut_off_from_redis_alone_keeps_its_slot_to_itself(
+    llama_servers: Any, redis_server: Any, proxies: list[ProxyProcess]
+) -> None:
+    """A partial outage: A's connection to Redis is cut (a relay), B keeps its own. A runs a
+    long request on its part of the split, with no lease; B's two requests must not be
+    pinned to A's slot while it runs there (llama-server would load the RAM cache into the
+    busy slot and then defer the request until A's ends): both run on B's own slot and end
+    first. Both probe ``/slots`` rarely, so only the fence keeps B off A's slot."""
+    server = llama_servers(slots=2)
+    rare = {"LLAMA_CACHE_PROXY_HEALTH__INTERVAL_SECONDS": "60"}
+    relay = Relay(redis_server.url)
+    a = ProxyProcess([server.url], redis_url=await relay.start(), env=rare)
+    b = ProxyProcess([server.url], redis_url=redis_server.url, env=rare)
+    proxies.extend([a, b])
+    try:
+        for proxy in (a, b):  # off the event loop, which runs the relay
+            await asyncio.to_thread(proxy.start)
+        await asyncio.sleep(1.5)  # heartbeats: each replica has read the other
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            post, short = functools.partial(post_slot, session), SHORT
+            relay.cut()
+            await post(a, short)  # served on A's part once B must have fenced it
+            assert await metric_of(session, a, "llama_cache_proxy_state_store_up") == 0
+            first = asyncio.create_task(post(a, {**long_count(), "max_tokens": 300}))
+            await asyncio.sleep(1.0)
+            theirs = await asyncio.gather(*(post(b, short) for _ in range(2)))
+            mine, ended = await first
+        assert all(slot != mine and done < ended for slot, done in theirs), (mine, theirs)
+    finally:
+        await relay.close()

@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.core.partition import owns
+from proxy.core.partition import Fence, fenced, fences, owns
 
 
 def test_two_replicas_on_two_by_two_each_keep_one_slot_of_every_backend() -> None:
@@ -31,3 +31,22 @@ def test_property_the_parts_are_disjoint_and_cover_the_fleet(
     for b, n in enumerate(counts):
         for s in range(n):
             assert sum(owns(b, s, counts, ids, r) for r in ids) == 1
+
+
+def test_a_replica_whose_heartbeat_lapsed_is_fenced_and_one_that_left_is_not() -> None:
+    before = ["a", "b", "c"]
+    found = fences(before, ["a"], {"c"}, {}, "a", now=10.0, hold=30.0)
+    assert found == {"b": Fence("b", 10.0, ("a", "b", "c"))}  # c left: nothing to keep off
+    again = fences(["a"], ["a"], set(), found, "a", now=12.0, hold=30.0)
+    assert again == found  # still gone: fenced from when it vanished, not re-dated
+    assert fences(["a"], ["a", "b"], set(), again, "a", now=13.0, hold=30.0) == {}  # live again
+    assert fences(["a"], ["a"], set(), again, "a", now=40.0, hold=30.0) == {}  # held long enough
+
+
+def test_a_fence_covers_the_vanished_replicas_part_of_the_split_it_was_listed_in() -> None:
+    counts, peers = [2, 2], ("r-a", "r-b")
+    fence = Fence("r-b", 10.0, peers)
+    kept = {(b, s) for b in (0, 1) for s in (0, 1) if fenced(b, s, counts, [fence], 11.0, 30.0)}
+    assert kept == {(b, s) for b in (0, 1) for s in (0, 1) if owns(b, s, counts, peers, "r-b")}
+    assert kept == {(0, 1), (1, 1)}
+    assert not any(fenced(b, s, counts, [fence], 40.0, 30.0) for b in (0, 1) for s in (0, 1))

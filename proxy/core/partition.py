@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-HEARTBEAT_TTL = 2.0  # seconds a replica counts as live after its last heartbeat
+HEARTBEAT_TTL = 1.0  # seconds a replica counts as live after its last heartbeat (beats: 0.5 s)
 # after that, until peers surely read the lapse (a maintenance round, and clock skew)
-FENCE_MARGIN = 1.0
+FENCE_MARGIN = 0.75
 # a lease held as the store went down stands its TTL from its last renewal, which was up to
 # a maintenance round and a timed-out call before the outage was noticed
 STALE_MARGIN = 3.0

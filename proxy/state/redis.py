@@ -212,6 +212,9 @@ class RedisStateStore:
         return {_bytes(k).decode(): _bytes(v) for k, v in found.items()}
 
     async def ping(self) -> None:
+        """Whether Redis answers again after an outage: on fresh connections (pooled ones
+        opened before a Redis restart would each fail once, a flap back into the outage)."""
+        await _call(self._redis.connection_pool.disconnect(inuse_connections=False))
         await _call(self._redis.ping())
 
     async def close(self) -> None:

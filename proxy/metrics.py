@@ -109,6 +109,11 @@ class ProxyMetrics:
             "state_store_conflicts",
             "Slots this replica pinned while the store was down that another replica also held",
         )
+        self.replicas_fenced = gauge(
+            "replicas_fenced",
+            "Replicas whose heartbeat lapsed without leaving (cut off from the store, or dead):"
+            " their part of the fleet is kept off",
+        )
         self.prompt_tokens = counter(
             "prompt_tokens", "Prompt tokens of completed requests", ["backend"]
         )

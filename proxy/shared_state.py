@@ -20,18 +20,15 @@ With Redis configured, a replica:
 
 Redis unavailable: every operation degrades to local state, the outage is counted and
 logged once, and when Redis answers again the local slot table is written back (resync). A
-client request never fails because of Redis. Leases are then only local claims, so replicas
-that knew each other split the slots (``core.partition``: heartbeats, the split, fences): a
-replica pins only its own part until Redis is back (one that was alone keeps every slot).
-As the store goes away every slot this replica is not running on drains like an aborted one
-(pinnable once ``/slots`` shows it idle): a slot another replica held could not otherwise be
-freed before Redis came back, and one leased since the last view read looked idle. Peers that
-still reach the store (a partial outage) see only this replica's heartbeat lapse, and then
-fence its part: its first claims, and the drain polls, wait until they must have. Coming
-back, a replica leases the slots it pinned that still run and for ``HEARTBEAT_TTL`` keeps to
-its part of the outage's split (peers reconnect within a maintenance round and lease theirs;
-a restarted Redis lists no heartbeats yet). A replica that shuts down leaves the list, so
-its part is not fenced.
+client request never fails because of Redis. Leases are then only local claims: replicas
+pin only their part of a split of the slots, and peers that still reach the store fence the
+part of one whose heartbeat lapsed (``core.partition``, which explains the rules). As the
+store goes away every slot this replica is not running on drains like an aborted one
+(pinnable once ``/slots`` shows it idle): a slot another replica held could not otherwise
+be freed before Redis came back, and one leased since the last view read looked idle.
+Coming back, a replica leases the slots it pinned that still run and for ``HEARTBEAT_TTL``
+keeps to its part of the outage's split (peers reconnect within a maintenance round and
+lease theirs; a restarted Redis lists no heartbeats yet). A replica that shuts down leaves.
 """
 
 from __future__ import annotations
@@ -277,7 +274,12 @@ class SharedState:
         live = [r for r in found if not r.endswith(LEFT)]
         hold = self.peers.hold
         for fence in self.peers.beat(live, left, self._clock()):
-            log.warning("replica %s vanished: its part kept off for %.0f s", fence.replica, hold)
+            log.warning(
+                "replica %s lapsed: its part kept off until back, %.0f s at most",
+                fence.replica,
+                hold,
+            )
+        self._metrics.replicas_fenced.set(len(self.peers.fences))
 
     async def leave(self) -> None:
         """At shutdown: stop counting as live, so peers do not fence this replica's part."""

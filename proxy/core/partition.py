@@ -6,7 +6,7 @@ pinned to a busy slot can overwrite the running generation's KV). So, while the 
 down, replicas that knew each other split the fleet instead of sharing it:
 
 - every replica keeps a heartbeat in the store and reads the list of live replicas
-  (``StateStore.replicas``) while it can; that last list is what it knows when the store
+  (``StateStore.heartbeat``) while it can; that last list is what it knows when the store
   goes away;
 - number the slots of the whole fleet in configuration order, backend by backend
   (``position = slots of the backends before it + slot id``); slot ``position`` belongs to
@@ -23,9 +23,12 @@ without having left (a replica that shuts down says so, ``StateStore.leave``), e
 replica keeps off its part of the split it was last listed in (``Fence``: that list), for
 ``hold`` seconds or until it is live again (it leases its local claims as it reconnects,
 before its next heartbeat). The replica that lost the store claims its part only once its
-peers must have seen its heartbeat lapse (``SharedState``), and a replica whose own store
-goes down later keeps off fenced parts too. A partial outage longer than ``hold`` (or a
-crashed replica's part after it) is shared again, seen busy only through ``/slots``.
+peers must have read its heartbeat lapse (``Peers.claim_from``: ``HEARTBEAT_TTL`` +
+``FENCE_MARGIN`` after its last heartbeat); until then it pins only slots whose leases it
+held as the store went away (``Peers.went_down``: they stand in the store, so peers keep off
+them, until they expire). A replica whose own store goes down later keeps off fenced parts
+too. A partial outage longer than ``hold`` (or a crashed replica's part after it) is shared
+again, seen busy only through ``/slots``; replicas whose last lists differ split differently.
 """
 
 from __future__ import annotations

@@ -130,6 +130,10 @@ async def partial_outage(now: list[float]) -> tuple[SharedState, SharedState, li
     return a, b, drained
 
 
+def fenced_gauge(r: SharedState) -> float:
+    return r._metrics.replicas_fenced._value.get()  # type: ignore[no-any-return]
+
+
 def cut(r: SharedState, down: bool) -> None:
     link = r.store
     assert isinstance(link, Link)
@@ -145,6 +149,7 @@ async def test_a_replica_that_alone_loses_the_store_keeps_its_part_and_others_ke
     now = [100.0]
     a, b, drained = await partial_outage(now)
     assert drained == [HEARTBEAT_TTL + FENCE_MARGIN]
+    assert fenced_gauge(b) == 1
     now[0] += FENCE_MARGIN
     (ours,) = [s for s in range(2) if await a.take(Placement(0, (s,), s))]
     assert not await b.take(Placement(0, (ours,), ours))  # fenced: A may be running there
@@ -155,6 +160,7 @@ async def test_a_replica_that_alone_loses_the_store_keeps_its_part_and_others_ke
     await a._heartbeat()
     await b._heartbeat()
     assert not b.peers.fences
+    assert fenced_gauge(b) == 0
     assert not await b.take(Placement(0, (ours,), ours))  # now A's lease keeps B off
     await a.give_back(Placement(0, (ours,), ours))
     assert await b.take(Placement(0, (ours,), ours))

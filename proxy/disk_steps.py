@@ -73,7 +73,7 @@ class DiskSteps:
             self._unsupported(index, exc)
             return None
         whole = kind != "scoped"  # the slot as it is: prompt and reply
-        snapshot = self._tier.snapshot(layout, index, content, segments, answer, whole)
+        snapshot = self._snapshot(layout, index, content, segments, answer, whole)
         await self._tier.index.put(snapshot)
         dp.saved[chain] = snapshot
         self._metrics.disk_events.labels("save").inc()
@@ -239,3 +239,30 @@ class DiskSteps:
         except SlotActionFailed as exc:
             log.warning("[disk-cache] scoped save skipped: %s", exc)
             self._unsupported(index, exc)
+
+    def _snapshot(
+        self,
+        layout: Layout,
+        index: int,
+        content: Fingerprint,
+        segments: int,
+        answer: dict[str, Any],
+        whole: bool,
+    ) -> Snapshot:
+        now = self._tier.wall()
+        chain = content.hashes[segments - 1]
+        shorter = {segments - 1, content.anchor} if whole else set()
+        aliases = tuple(content.hashes[k - 1] for k in sorted(shorter) if 0 < k < segments)
+        return Snapshot(
+            name=file_name(layout, chain),
+            directory=self._tier.directory(index),
+            chain=chain,
+            segments=segments,
+            tokens=int(answer.get("n_saved", 0)),
+            estimate=content.tokens_at(segments),
+            nbytes=int(answer.get("n_written", 0)),
+            layout=layout,
+            created=now,
+            last_used=now,
+            aliases=aliases,
+        )

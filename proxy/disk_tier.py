@@ -47,7 +47,6 @@ from proxy.core.snapshots import (
     Lookup,
     Offer,
     Snapshot,
-    file_name,
     offers,
     restore_failed,
     touched,
@@ -125,6 +124,9 @@ class DiskTier:
 
     def now(self) -> float:
         return self._clock()
+
+    def wall(self) -> float:
+        return self._wall()
 
     # -- where files live --------------------------------------------------------------------
     def directory(self, index: int) -> str:
@@ -235,7 +237,10 @@ class DiskTier:
                 seen = seen if dp.scope.mode is ScopeMode.AUTO else 0
                 log.info(
                     "[disk-cache] %s scope: window=%d candidates=%d selected=%d tokens",
-                    *(dp.scope.mode.value, seen, choice.candidates, choice.tokens),
+                    dp.scope.mode.value,
+                    seen,
+                    choice.candidates,
+                    choice.tokens,
                 )
                 if choice.segments and predicted <= choice.tokens:
                     args = (dp, fp, choice.segments, index, slot_id, body, state.layout)
@@ -289,30 +294,3 @@ class DiskTier:
         if ms > 0 and nbytes > 0:
             state = self.backends[index]
             state.restore_bps = 0.8 * state.restore_bps + 0.2 * nbytes / (ms / 1000)
-
-    def snapshot(
-        self,
-        layout: Layout,
-        index: int,
-        content: Fingerprint,
-        segments: int,
-        answer: dict[str, Any],
-        whole: bool,
-    ) -> Snapshot:
-        now = self._wall()
-        chain = content.hashes[segments - 1]
-        shorter = {segments - 1, content.anchor} if whole else set()
-        aliases = tuple(content.hashes[k - 1] for k in sorted(shorter) if 0 < k < segments)
-        return Snapshot(
-            name=file_name(layout, chain),
-            directory=self.directory(index),
-            chain=chain,
-            segments=segments,
-            tokens=int(answer.get("n_saved", 0)),
-            estimate=content.tokens_at(segments),
-            nbytes=int(answer.get("n_written", 0)),
-            layout=layout,
-            created=now,
-            last_used=now,
-            aliases=aliases,
-        )

@@ -148,18 +148,25 @@ def test_a_saturated_fleet_waits_for_any_real_saving() -> None:
 
 
 def test_queued_requests_make_a_full_backends_ram_copy_worth_any_real_saving() -> None:
-    f = fleet(1, 1)  # wait_min_tokens 100: a 50-token saving is not worth a wait alone
-    hold(f, 0, 0, fp(1, size=50))
+    f = fleet(1, 1)  # wait_min_tokens 100: a 40-token saving is not worth a wait alone
+    hold(f, 0, 0, fp(1, size=40))
     f.claim(Placement(0, (0,), 0), now=100.0, content=fp(9))  # parks fp(1) in b0's RAM
-    prompt = fp(1, 2, 3, 4, 5, 6, 7, 8, size=50)
+    prompt = fp(1, 2, 3, 4, 5, 6, 7, 8, size=40)
     alone = decided(route(prompt, f.backends, PARAMS, now=100.0, queued=1))
     assert (alone.reason, alone.placement) == (Reason.COLD, Placement(1, (0,), 0))
     pressed = decided(route(prompt, f.backends, PARAMS, now=100.0, queued=2))
-    assert (pressed.reason, pressed.wait_for, pressed.predicted) == (Reason.WAIT, (0, -1), 50)
-    hold(f, 1, 0, fp(1, size=50))  # the same saving in a busy slot keeps the usual bar
-    f.claim(Placement(1, (0,), 0), now=100.0, content=fp(1, size=50))
+    assert (pressed.reason, pressed.wait_for, pressed.predicted) == (Reason.WAIT, (0, -1), 40)
+    # half the usual bar (half of min(wait_min_tokens, half the prompt)) is worth a wait
+    # for a full backend: it frees *some* slot sooner than one given slot finishes
+    short = fp(1, 2, 3, size=40)  # 120 tokens: the bar is 60, half of it 30
+    ram = decided(route(short, f.backends, PARAMS, now=100.0, queued=1))
+    assert (ram.reason, ram.wait_for, ram.predicted) == (Reason.WAIT, (0, -1), 40)
+    hold(f, 1, 0, fp(1, size=40))  # the same saving in a busy slot keeps the usual bar
+    f.claim(Placement(1, (0,), 0), now=100.0, content=fp(1, size=40))
     f.release(Placement(0, (0,), 0), now=100.0, clean=True, content=fp(9))
     f.backends[0].ghosts = []  # b0 is idle again; no RAM copy anywhere
+    busy = decided(route(short, f.backends, PARAMS, now=100.0, queued=1))
+    assert (busy.reason, busy.placement) == (Reason.COLD, Placement(0, (0,), 0))
     busy = decided(route(prompt, f.backends, PARAMS, now=100.0, queued=5))
     assert (busy.reason, busy.placement) == (Reason.COLD, Placement(0, (0,), 0))
 

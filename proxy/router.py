@@ -174,12 +174,12 @@ class Router:
             returns.arrived(fp, self._clock())
             return
         expired = returns.expired()
-        claimed = await self._shared.claimed(expired) if expired else set()
+        claimed = await self._shared.releases.claimed(expired) if expired else set()
         returns.missed(len(expired) - len(claimed or ()))
         if not self._shared.up:
             returns.arrived(fp, self._clock())  # Redis down: this replica's own releases
             return
-        found = await self._shared.claim_release(fp.hashes[-SCAN:], CLAIM_TTL)
+        found = await self._shared.releases.claim_release(fp.hashes[-SCAN:], CLAIM_TTL)
         if found is not None:
             returns.returned(found[1], found[0])
 
@@ -265,7 +265,7 @@ class Router:
     ) -> None:
         if plan.release is not None and self.returns.shared:
             ttl = self.returns.max_hold
-            await self._shared.put_release(*plan.release, ttl)
+            await self._shared.releases.put_release(*plan.release, ttl)
         decision = plan.decision
         label = self._fleet.backends[placement.backend].label
         if decision is not None:

@@ -16,7 +16,7 @@ With Redis configured, a replica:
 - *clears* the records of a backend it saw restart;
 - registers each *release* (the hashes its session's next prompt will contain) and claims
   the release an arriving prompt continues, so how soon sessions come back is measured
-  across replicas (``core.returns``).
+  across replicas (``core.returns``; ``shared_releases``).
 
 Redis unavailable: every operation degrades to local state, the outage is counted and
 logged once, and when Redis answers again the local slot table is written back (resync). A
@@ -38,13 +38,14 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import Fleet, Placement, SlotPhase
 from proxy.core.partition import FENCE_MARGIN, HEARTBEAT_TTL, Peers
 from proxy.metrics import ProxyMetrics
+from proxy.shared_releases import SharedReleases
 from proxy.state import SlotRecord, SlotRef, StateStore, StateStoreUnavailable
 from proxy.state.base import LEFT
 
@@ -71,13 +72,14 @@ class SharedState:
         self.owner = uuid.uuid4().hex[:12]
         self._fleet = fleet
         self._metrics = metrics
-        self._wall = wall
+        self.wall = wall
         self._clock = clock  # the fleet's (last use of a slot)
         self._lease_ttl = lease_ttl
         self._record_ttl = record_ttl
         self._held: set[SlotRef] = set()
         self._local: set[SlotRef] = set()  # pinned while the store was down: no lease yet
         self.peers = Peers(self.owner, lease_ttl)  # live and vanished replicas (``clock``)
+        self.releases = SharedReleases(self)
         self._refreshing: asyncio.Future[None] | None = None  # the view read in flight
         self.stopped = False  # set at shutdown: maintain() ends after its current round
         self.up = True
@@ -118,7 +120,7 @@ class SharedState:
         if not self.up:
             return await self._claim(placement)
         ref = self._ref(backend, slot)
-        taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
+        taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self.wall())
         result = await self.call("acquire_lease", taken, None)
         if result is None:  # the store went away just now
             return await self._claim(placement)
@@ -170,15 +172,15 @@ class SharedState:
             self._local.discard(ref)
 
     async def get_affinity(self, key: str) -> SlotRef | None:
-        return await self.call("get_affinity", self.store.get_affinity(key, self._wall()), None)
+        return await self.call("get_affinity", self.store.get_affinity(key, self.wall()), None)
 
     async def set_affinity(self, key: str, ref: SlotRef, ttl: float) -> None:
-        await self.call("set_affinity", self.store.set_affinity(key, ref, ttl, self._wall()), None)
+        await self.call("set_affinity", self.store.set_affinity(key, ref, ttl, self.wall()), None)
 
     async def publish(self, backend: int, slot: int, content: Fingerprint, n_tokens: int) -> None:
         if not self.enabled:
             return
-        now = self._wall()
+        now = self.wall()
         self._fleet.backends[backend].slots[slot].record_at = now
         record = SlotRecord(content.hashes, content.tokens, content.anchor, n_tokens, now)
         put = self.store.put_slot(self._ref(backend, slot), record, self._record_ttl, now)
@@ -202,10 +204,10 @@ class SharedState:
 
     async def _refresh(self) -> None:
         refs = [(b.label, s.id) for b in self._fleet.backends for s in b.slots]
-        view = await self.call("view", self.store.view(refs, self._wall()), None)
+        view = await self.call("view", self.store.view(refs, self.wall()), None)
         if view is None:  # the store is down: its leases and records are unknown, not gone
             return
-        now, wall = self._clock(), self._wall()
+        now, wall = self._clock(), self.wall()
         for backend in self._fleet.backends:
             leased = {
                 s
@@ -219,29 +221,6 @@ class SharedState:
             }
             leased |= {s.id for s in backend.slots if self._fenced(backend.index, s.id)}
             self._fleet.fold_shared(backend.index, leased, mine, now, wall)
-
-    async def put_release(self, release: int, hashes: Sequence[int], ttl: float) -> None:
-        if self.enabled and self.up:
-            put = self.store.put_release(f"{self.owner}:{release}", hashes, ttl, self._wall())
-            await self.call("put_release", put, None)
-
-    async def claim_release(
-        self, hashes: Sequence[int], ttl: float
-    ) -> tuple[int | None, float] | None:
-        """The release ``hashes`` continue, claimed: (its id if it is this replica's, the
-        seconds since it); None when there is none or the store is down."""
-        now = self._wall()
-        found = await self.call("claim_release", self.store.claim_release(hashes, ttl, now), None)
-        if found is None:
-            return None
-        owner, _, release = found[0].rpartition(":")
-        return (int(release) if owner == self.owner else None), max(0.0, now - found[1])
-
-    async def claimed(self, releases: Sequence[int]) -> set[int] | None:
-        """Which of this replica's releases some replica claimed; None when the store is down."""
-        ids = [f"{self.owner}:{r}" for r in releases]
-        found = await self.call("claimed", self.store.claimed(ids, self._wall()), None)
-        return None if found is None else {int(r.rpartition(":")[2]) for r in found}
 
     async def forget_backend(self, index: int) -> None:
         backend = self._fleet.backends[index]
@@ -259,14 +238,14 @@ class SharedState:
                 await self._recover()
                 continue
             for ref in list(self._held):
-                renew = self.store.renew_lease(ref, self.owner, self._lease_ttl, self._wall())
+                renew = self.store.renew_lease(ref, self.owner, self._lease_ttl, self.wall())
                 await self.call("renew_lease", renew, True)
             await self.refresh()
             on_change()
             await self._heartbeat()  # after: two round trips first cost 2-replica hit rate
 
     async def _heartbeat(self) -> None:
-        beat = self.store.heartbeat(self.owner, HEARTBEAT_TTL, self._wall())
+        beat = self.store.heartbeat(self.owner, HEARTBEAT_TTL, self.wall())
         found = await self.call("heartbeat", beat, None)
         if found is None:
             return
@@ -284,7 +263,7 @@ class SharedState:
     async def leave(self) -> None:
         """At shutdown: stop counting as live, so peers do not fence this replica's part."""
         if self.enabled and self.up:
-            gone = self.store.leave(self.owner, HEARTBEAT_TTL, self._wall())
+            gone = self.store.leave(self.owner, HEARTBEAT_TTL, self.wall())
             await self.call("leave", gone, None)
 
     async def _recover(self) -> None:
@@ -303,7 +282,7 @@ class SharedState:
     async def _lease_local(self) -> None:
         """Lease the slots pinned while the store was down whose requests still run."""
         for ref in sorted(self._local):
-            taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self._wall())
+            taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self.wall())
             result = await self.call("acquire_lease", taken, None)
             if result is None:
                 return  # down again: the rest stay local claims

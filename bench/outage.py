@@ -16,12 +16,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
-import time
 
 import aiohttp
 
 from bench.results_io import print_markdown
-from tests.real.stack import LlamaServer, ProxyProcess, RedisServer, require_real_stack
+from tests.real.stack import (
+    LlamaServer,
+    ProxyProcess,
+    RedisServer,
+    Served,
+    looping_client,
+    require_real_stack,
+)
 
 
 async def one_run(before: float, outage: float, after: float) -> dict[str, float]:
@@ -29,27 +35,15 @@ async def one_run(before: float, outage: float, after: float) -> dict[str, float
     server = LlamaServer(binary, model, slots=2).start()
     redis = RedisServer().start()
     pair = [ProxyProcess([server.url], redis_url=redis.url).start() for _ in range(2)]
-    served: list[tuple[float, int]] = []  # latency, status
+    served: list[Served] = []
     stop = asyncio.Event()
     try:
         async with aiohttp.ClientSession() as session:
-
-            async def client(worker: int) -> None:
-                i = 0
-                while not stop.is_set():
-                    body = {
-                        "messages": [{"role": "user", "content": f"Worker {worker} says {i}."}],
-                        "max_tokens": 4,
-                        "prompt_cache_key": f"w{worker}",
-                    }
-                    sent = time.monotonic()
-                    url = pair[(worker + i) % 2].url + "/v1/chat/completions"
-                    async with session.post(url, json=body) as resp:
-                        await resp.read()
-                    served.append((time.monotonic() - sent, resp.status))
-                    i += 1
-
-            clients = [asyncio.create_task(client(w)) for w in range(4)]
+            urls = [proxy.url for proxy in pair]
+            clients = [
+                asyncio.create_task(looping_client(session, urls, w, stop, served))
+                for w in range(4)
+            ]
             await asyncio.sleep(before)
             redis.stop()
             await asyncio.sleep(outage)
@@ -64,8 +58,8 @@ async def one_run(before: float, outage: float, after: float) -> dict[str, float
         server.cleanup()
     return {
         "requests": len(served),
-        "failed": sum(status != 200 for _, status in served),
-        "worst_s": max(latency for latency, _ in served),
+        "failed": sum(s.status != 200 for s in served),
+        "worst_s": max(s.answered - s.sent for s in served),
     }
 
 

@@ -219,7 +219,8 @@ class SharedState:
                 for (label, s), r in view.records.items()
                 if label == backend.label
             }
-            leased |= {s.id for s in backend.slots if self._fenced(backend.index, s.id)}
+            if self.peers.fences:  # (rare: a peer's heartbeat lapsed)
+                leased |= {s.id for s in backend.slots if self._fenced(backend.index, s.id)}
             self._fleet.fold_shared(backend.index, leased, mine, now, wall)
 
     async def forget_backend(self, index: int) -> None:

@@ -7,6 +7,7 @@ Both start on free loopback ports and are always stopped. llama-server runs with
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import shutil
@@ -18,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 
 def free_port() -> int:
@@ -258,3 +261,34 @@ class PrometheusServer:
             self.proc.wait(10)
         self.proc = None
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Served:
+    replica: int  # index into the urls the client was given
+    sent: float
+    answered: float
+    status: int
+
+
+async def looping_client(
+    session: aiohttp.ClientSession,
+    urls: list[str],
+    worker: int,
+    stop: asyncio.Event,
+    served: list[Served],
+) -> None:
+    """Short chats (4 tokens, keyed by worker) until ``stop``, turn by turn to ``urls``
+    (proxy base URLs): steady traffic for outage tests and ``bench.outage``."""
+    i = 0
+    while not stop.is_set():
+        body = {
+            "messages": [{"role": "user", "content": f"Worker {worker} says {i}."}],
+            "max_tokens": 4,
+            "prompt_cache_key": f"w{worker}",
+        }
+        replica, sent = (worker + i) % len(urls), time.monotonic()
+        async with session.post(urls[replica] + "/v1/chat/completions", json=body) as resp:
+            await resp.read()
+        served.append(Served(replica, sent, time.monotonic(), resp.status))
+        i += 1

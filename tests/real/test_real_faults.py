@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import metric
-from tests.real.stack import LlamaServer, ProxyProcess
+from tests.real.stack import LlamaServer, ProxyProcess, Served, looping_client
 from tests.relay import Relay
 
 ADMIN = {
@@ -145,44 +145,26 @@ async def test_redis_stopped_and_restarted_under_steady_traffic(
     server = llama_servers(slots=2)
     pair = [ProxyProcess([server.url], redis_url=redis_server.url).start() for _ in range(2)]
     proxies.extend(pair)
-    statuses: list[int] = []
-    served: list[tuple[int, float, float]] = []  # replica, sent, answered
+    served: list[Served] = []
     stop = asyncio.Event()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-
-        async def traffic(worker: int) -> None:
-            i = 0
-            while not stop.is_set():
-                body = {
-                    "messages": [{"role": "user", "content": f"Worker {worker} says {i}."}],
-                    "max_tokens": 4,
-                    "prompt_cache_key": f"w{worker}",
-                }
-                replica, sent = (worker + i) % 2, time.monotonic()
-                async with session.post(
-                    pair[replica].url + "/v1/chat/completions", json=body
-                ) as resp:
-                    statuses.append(resp.status)
-                    await resp.read()
-                served.append((replica, sent, time.monotonic()))
-                i += 1
-
-        workers = [asyncio.create_task(traffic(w)) for w in range(4)]
+        urls = [p.url for p in pair]
+        workers = [
+            asyncio.create_task(looping_client(session, urls, w, stop, served)) for w in range(4)
+        ]
         await asyncio.sleep(1.0)
         redis_server.stop()
         outage = time.monotonic()
         await asyncio.sleep(2.0)
         down = [await metric_of(session, p, "llama_cache_proxy_state_store_up") for p in pair]
-        during = {
-            r for r, sent, answered in served if sent > outage and answered < time.monotonic()
-        }
+        during = {s.replica for s in served if s.sent > outage and s.answered < time.monotonic()}
         redis_server.start()
         for _ in range(50):
             up = [await metric_of(session, p, "llama_cache_proxy_state_store_up") for p in pair]
             if up == [1.0, 1.0]:
                 break
             await asyncio.sleep(0.1)
-        back = len(statuses)
+        back = len(served)
         await asyncio.sleep(1.0)
         stop.set()
         await asyncio.gather(*workers)
@@ -192,8 +174,8 @@ async def test_redis_stopped_and_restarted_under_steady_traffic(
     assert during == {0, 1}
     assert up == [1.0, 1.0]  # and came back
     assert back >= 4
-    assert len(statuses) > back
-    assert set(statuses) == {200}  # zero failed client requests
+    assert len(served) > back
+    assert {s.status for s in served} == {200}  # zero failed client requests
 
 
 async def test_slots_pinned_during_a_redis_outage_are_respected_when_it_returns(

@@ -111,8 +111,8 @@ class ProxyMetrics:
         )
         self.replicas_fenced = gauge(
             "replicas_fenced",
-            "Replicas whose heartbeat lapsed without leaving (cut off from the store, or dead):"
-            " their part of the fleet is kept off",
+            "Replicas whose heartbeat lapsed without leaving (cut off from the store, or dead)"
+            " for a heartbeat TTL or more: their part of the fleet is kept off",
         )
         self.prompt_tokens = counter(
             "prompt_tokens", "Prompt tokens of completed requests", ["backend"]

@@ -259,7 +259,7 @@ class SharedState:
                 fence.replica,
                 hold,
             )
-        self._metrics.replicas_fenced.set(len(self.peers.fences))
+        self._metrics.replicas_fenced.set(len(self.peers.reported))
 
     async def leave(self) -> None:
         """At shutdown: stop counting as live, so peers do not fence this replica's part."""

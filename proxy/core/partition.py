@@ -29,6 +29,11 @@ held as the store went away (``Peers.went_down``: they stand in the store, so pe
 them, until they expire). A replica whose own store goes down later keeps off fenced parts
 too. A partial outage longer than ``hold`` (or a crashed replica's part after it) is shared
 again, seen busy only through ``/slots``; replicas whose last lists differ split differently.
+
+A fence acts at once but is *reported* (logged; counted by the gauge behind the
+``ReplicaLapsed`` alert) only once it has stood ``HEARTBEAT_TTL``: a restarted store lists no
+heartbeats, so the first replica back would otherwise report every peer that reconnects a
+maintenance round after it (the Redis-down alert covers that outage).
 """
 
 from __future__ import annotations
@@ -114,6 +119,7 @@ class Peers:
     rejoined: float = -HEARTBEAT_TTL  # when the store last came back
     fences: dict[str, Fence] = field(default_factory=dict)
     stale: dict[Ref, float] = field(default_factory=dict)  # leases left in the store: until
+    reported: set[str] = field(default_factory=set)  # fenced replicas reported as lapsed
 
     def went_down(self, held: Iterable[Ref], now: float) -> None:
         """The store went away with these slots leased: the leases stand in it (peers keep
@@ -134,13 +140,21 @@ class Peers:
 
     def beat(self, live: list[str], left: Collection[str], now: float) -> list[Fence]:
         """A heartbeat read ``live`` (and ``left``: replicas that shut down); returns the
-        replicas fenced from now. The list that split the fleet in an outage is kept for a
-        heartbeat period after the store comes back (``settling``)."""
+        fences to report from now: those that have stood ``HEARTBEAT_TTL``. The list that
+        split the fleet in an outage is kept for a heartbeat period after the store comes
+        back (``settling``)."""
         self.beat_at = now
         self.fences = fences(self.live, live, left, self.fences, self.me, now, self.hold)
         if not self.settling(now):
             self.live = live
-        return [f for f in self.fences.values() if f.since == now]
+        self.reported &= self.fences.keys()
+        due = [
+            f
+            for f in self.fences.values()
+            if f.replica not in self.reported and now >= f.since + HEARTBEAT_TTL
+        ]
+        self.reported |= {f.replica for f in due}
+        return due
 
     def settling(self, now: float) -> bool:
         """Just back from an outage: peers may not have leased their outage pins yet."""

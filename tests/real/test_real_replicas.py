@@ -99,3 +99,33 @@ async def test_replicas_that_lose_redis_split_a_real_servers_slots(
     assert slots[0]
     assert slots[1]
     assert slots[0].isdisjoint(slots[1]), slots
+
+
+async def test_replicas_back_from_a_redis_restart_do_not_report_each_other_lapsed(
+    llama_servers: Any, proxy: Any, redis_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis restarts empty: the first replica back read a heartbeat list without the other,
+    which reconnects a maintenance round later, and reported it as lapsed (a log line and
+    the ReplicaLapsed alert after every restart). The fence still acts at once; it is
+    reported only when the peer stays away. Both serve before, during and after."""
+    server = llama_servers(slots=2)
+    pair = [await proxy([server.url], redis_url=redis_server.url) for _ in range(2)]
+    await asyncio.sleep(1.2)  # two heartbeats: each has read the other
+    redis_server.stop()
+    await asyncio.sleep(1.0)
+    redis_server.start()
+    fenced = []
+    for _ in range(30):  # 3 s: both reconnect and beat several times
+        for client in pair:
+            text = await (await client.get("/metrics")).text()
+            gauge = "llama_cache_proxy_replicas_fenced "
+            line = next(x for x in text.splitlines() if x.startswith(gauge))
+            fenced.append(float(line.split()[-1]))
+        await asyncio.sleep(0.1)
+    assert fenced
+    assert max(fenced) == 0
+    assert "lapsed" not in caplog.text
+    assert "state store back" in caplog.text
+    for i, client in enumerate(pair):
+        resp = await client.post("/v1/chat/completions", json=body(i, 4))
+        assert resp.status == 200

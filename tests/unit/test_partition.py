@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.core.partition import Fence, fenced, fences, owns
+from proxy.core.partition import HEARTBEAT_TTL, Fence, Peers, fenced, fences, owns
 
 
 def test_two_replicas_on_two_by_two_each_keep_one_slot_of_every_backend() -> None:
@@ -50,3 +50,19 @@ def test_a_fence_covers_the_vanished_replicas_part_of_the_split_it_was_listed_in
     assert kept == {(b, s) for b in (0, 1) for s in (0, 1) if owns(b, s, counts, peers, "r-b")}
     assert kept == {(0, 1), (1, 1)}
     assert not any(fenced(b, s, counts, [fence], 40.0, 30.0) for b in (0, 1) for s in (0, 1))
+
+
+def test_a_fence_acts_at_once_and_is_reported_once_it_has_stood_a_heartbeat_ttl() -> None:
+    peers = Peers("a", hold=30.0)
+    peers.beat(["a", "b"], set(), now=10.0)
+    assert peers.beat(["a"], set(), now=11.0) == []  # b's heartbeat lapsed (or a store restart)
+    assert peers.fenced(0, 1, [2], now=11.0)
+    assert not peers.reported
+    assert peers.beat(["a"], set(), now=11.5) == []
+    (fence,) = peers.beat(["a"], set(), now=11.0 + HEARTBEAT_TTL)
+    assert fence.replica == "b"
+    assert peers.reported == {"b"}
+    assert peers.beat(["a"], set(), now=12.5) == []  # reported once
+    peers.beat(["a", "b"], set(), now=13.0)
+    assert not peers.fences
+    assert not peers.reported

@@ -267,10 +267,9 @@ def _ram_label() -> str:
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     from bench.peers import available_peers
 
-    peers = available_peers() if args.peers else {}
-    policies = (
-        [*args.policies, *peers] if args.policies else ["round-robin", "ours-lru", "ours", *peers]
-    )
+    peers = available_peers()  # --policies may name one; --peers runs them all
+    chosen = args.policies or ["round-robin", "ours-lru", "ours"]
+    policies = list(dict.fromkeys([*chosen, *(peers if args.peers else [])]))
     rows = []
     for workload, shape in scenarios(not args.quick, args.only):
         backends, slots = shape or (args.backends, args.slots)
@@ -347,7 +346,9 @@ def main() -> None:
     parser.add_argument("--from-json", action="store_true", help="re-print the last results")
     parser.add_argument("--only", nargs="*", help="workloads by name, e.g. lmcache/magagent")
     parser.add_argument("--out", help="results file stem under bench/results (default: derived)")
-    parser.add_argument("--policies", nargs="*", help="run only these of ours, e.g. ours-patient")
+    parser.add_argument(
+        "--policies", nargs="*", help="run only these (ours-patient, sglang-router, ...)"
+    )
     parser.add_argument("--chat", action="store_true", help="send prompts as chat messages")
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs per policy (fresh fleets); table: means"

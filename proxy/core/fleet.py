@@ -244,13 +244,13 @@ class Fleet:
         now: float,
         wall: float,
     ) -> None:
-        """Fold other replicas' leases (a leased EXTERNAL slot is theirs: the lease frees it)
-        and newer slot records in; a newer record dates the last use too (both clocks, now)."""
+        """Fold other replicas' leases (a leased EXTERNAL slot is theirs; an ended lease: just
+        used) and newer slot records in; a newer record dates the last use (both clocks, now)."""
         for slot in self.backends[index].slots:
             if slot.phase in (SlotPhase.IDLE, SlotPhase.EXTERNAL) and slot.id in leased:
                 slot.phase = SlotPhase.REMOTE
             elif slot.phase is SlotPhase.REMOTE and slot.id not in leased:
-                slot.phase = SlotPhase.IDLE
+                slot.phase, slot.last_used = SlotPhase.IDLE, max(slot.last_used, now)
             found = records.get(slot.id)
             if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
                 slot.content, slot.n_tokens, slot.record_at = found

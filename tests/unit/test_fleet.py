@@ -258,6 +258,23 @@ def test_a_slot_seen_busy_before_its_lease_is_freed_by_the_lease() -> None:
     assert fleet.backends[0].slots[0].phase is SlotPhase.IDLE
 
 
+def test_a_slot_whose_lease_just_ended_counts_as_just_used() -> None:
+    """Another replica's request left the slot when its lease ended, before the record of what
+    the slot now holds arrives (a read between its lease and its record): dated to the view
+    that saw the lease go, so a session's freed slot is held for its next turn here too.
+    Before, it kept the last use of the record before (two replicas, chat 2 x 2 with the
+    RAM cache off: waiters of the other replica took sessions' slots in that window)."""
+    fleet = ready_fleet(1)
+    slot = fleet.backends[0].slots[0]
+    slot.last_used = 2.0
+    fleet.fold_shared(0, {0}, {}, now=6.0, wall=1000.0)
+    assert (slot.phase, slot.last_used) == (SlotPhase.REMOTE, 2.0)
+    fleet.fold_shared(0, set(), {}, now=6.5, wall=1000.5)
+    assert (slot.phase, slot.last_used) == (SlotPhase.IDLE, 6.5)
+    fleet.fold_shared(0, set(), {}, now=9.0, wall=1003.0)
+    assert slot.last_used == 6.5  # an idle slot's last use moves only with a newer record
+
+
 def test_losing_the_store_drains_other_replicas_slots() -> None:
     """Without the store a lease cannot be seen to end: REMOTE slots drain (pinnable once a
     probe shows them idle); the backends to poll are returned, each once."""

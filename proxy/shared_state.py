@@ -47,7 +47,7 @@ from proxy.core.partition import FENCE_MARGIN, HEARTBEAT_TTL, Peers
 from proxy.metrics import ProxyMetrics
 from proxy.shared_releases import SharedReleases
 from proxy.state import SlotRecord, SlotRef, StateStore, StateStoreUnavailable
-from proxy.state.base import LEFT
+from proxy.state.base import LEFT, stamp_ms
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -180,7 +180,7 @@ class SharedState:
     async def publish(self, backend: int, slot: int, content: Fingerprint, n_tokens: int) -> None:
         if not self.enabled:
             return
-        now = self.wall()
+        now = stamp_ms(self.wall()) / 1000  # as stored: a view then leaves it out
         self._fleet.backends[backend].slots[slot].record_at = now
         record = SlotRecord(content.hashes, content.tokens, content.anchor, n_tokens, now)
         put = self.store.put_slot(self._ref(backend, slot), record, self._record_ttl, now)
@@ -203,8 +203,10 @@ class SharedState:
             self._refreshing = None
 
     async def _refresh(self) -> None:
-        refs = [(b.label, s.id) for b in self._fleet.backends for s in b.slots]
-        view = await self.call("view", self.store.view(refs, self.wall()), None)
+        slots = [(b.label, s) for b in self._fleet.backends for s in b.slots]
+        refs = [(label, s.id) for label, s in slots]
+        known = {(label, s.id): s.record_at for label, s in slots if s.record_at > 0}
+        view = await self.call("view", self.store.view(refs, self.wall(), known), None)
         if view is None:  # the store is down: its leases and records are unknown, not gone
             return
         now, wall = self._clock(), self.wall()

@@ -24,7 +24,10 @@ at a time and renewed (extended, never re-created) or released only by it; expir
 read as absent; a window keeps the newest ``limit`` entries, newest first; ``claim_release``
 returns the unclaimed release registered under the last of the given hashes that has one (a
 later registration of a hash replaces an earlier one) and marks it claimed, so it is
-returned once, whichever replica asks. Times are wall-clock seconds from the caller.
+returned once, whichever replica asks; ``view`` leaves out a slot's record when it is not
+newer than the one the caller says it has (``known``: its ``updated_at``, compared in whole
+milliseconds, ``stamp_ms``), so a replica reads each record once rather than before every
+request. Times are wall-clock seconds from the caller.
 Every method may raise ``StateStoreUnavailable``; the proxy then routes on local state.
 """
 
@@ -33,11 +36,12 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 SlotRef = tuple[str, int]
+Known = Mapping[SlotRef, float]  # per slot, the updated_at of the record the caller holds
 LEFT = "!left"  # suffix of a replica id ``heartbeat`` lists for a while after it left
 
 
@@ -60,7 +64,7 @@ class SlotRecord:
             hashes.byteswap()
             tokens.byteswap()
         body = hashes.tobytes() + tokens.tobytes()
-        return head + body + struct.pack("<IQ", self.n_tokens, int(self.updated_at * 1000))
+        return head + body + struct.pack("<IQ", self.n_tokens, stamp_ms(self.updated_at))
 
     @classmethod
     def unpack(cls, raw: bytes) -> SlotRecord:
@@ -78,10 +82,22 @@ class SlotRecord:
         return cls(tuple(hashes), tuple(tokens), anchor, n_tokens, updated / 1000)
 
 
+def stamp_ms(updated_at: float) -> int:
+    """A record's time as stored: whole milliseconds (``round``: a time read back from a
+    stamp, ``ms / 1000``, gives the same stamp again)."""
+    return round(updated_at * 1000)
+
+
+def newer(record: SlotRecord, ref: SlotRef, known: Known | None) -> bool:
+    """Whether ``view`` returns ``record``: the caller holds no record of ``ref``, or an
+    older one."""
+    return known is None or ref not in known or stamp_ms(record.updated_at) > stamp_ms(known[ref])
+
+
 @dataclass(frozen=True)
 class SlotView:
     """What a replica reads before routing, in one round trip: who leases each slot, and
-    the last record of what each slot's KV holds."""
+    the last record of what each slot's KV holds (those newer than the caller's)."""
 
     owners: dict[SlotRef, str]
     records: dict[SlotRef, SlotRecord]
@@ -98,7 +114,9 @@ class StateStore(Protocol):
 
     async def renew_lease(self, ref: SlotRef, owner: str, ttl: float, now: float) -> bool: ...
 
-    async def view(self, refs: Sequence[SlotRef], now: float) -> SlotView: ...
+    async def view(
+        self, refs: Sequence[SlotRef], now: float, known: Known | None = None
+    ) -> SlotView: ...
 
     async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None: ...
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.state.base import LEFT, SlotRecord, SlotRef, SlotView
+from proxy.state.base import LEFT, Known, SlotRecord, SlotRef, SlotView, newer
 
 
 class InMemoryStateStore:
@@ -57,12 +57,18 @@ class InMemoryStateStore:
         self._set(("lease", ref), owner, ttl, now)
         return True
 
-    async def view(self, refs: Sequence[SlotRef], now: float) -> SlotView:
+    async def view(
+        self, refs: Sequence[SlotRef], now: float, known: Known | None = None
+    ) -> SlotView:
         owners = {ref: self._get(("lease", ref), now) for ref in refs}
         records = {ref: self._get(("slot", ref), now) for ref in refs}
         return SlotView(
             {ref: owner for ref, owner in owners.items() if owner is not None},
-            {ref: record for ref, record in records.items() if record is not None},
+            {
+                ref: record
+                for ref, record in records.items()
+                if record is not None and newer(record, ref, known)
+            },
         )
 
     async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None:

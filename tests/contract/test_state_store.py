@@ -111,6 +111,24 @@ async def test_the_view_holds_leases_and_records_of_the_same_slots(store: StateS
     assert await store.view([], now()) == SlotView({}, {})
 
 
+async def test_the_view_leaves_out_records_not_newer_than_the_callers(store: StateStore) -> None:
+    """A replica reads each record once: a record no newer than the one it holds (same stamp,
+    to the millisecond) is not sent again; a newer one, or one it does not hold, is."""
+    first = SlotRecord((7,) * 300, tuple(range(1, 301)), 1, 300, 1732611234.567)
+    newer = SlotRecord((8,), (3,), 1, 3, 1732611234.568)
+    await store.put_slot(("b0", 0), first, ttl=5, now=now())
+    await store.put_slot(("b0", 1), newer, ttl=5, now=now())
+    assert await store.acquire_lease(("b0", 0), "r1", ttl=5, now=now())
+    refs = [("b0", 0), ("b0", 1), ("b0", 2)]
+    held = {("b0", 0): first.updated_at, ("b0", 1): 1732611234.567, ("b0", 2): 1.0}
+    got = await store.view(refs, now(), held)
+    assert got == SlotView({("b0", 0): "r1"}, {("b0", 1): newer})
+    assert (await store.view(refs, now(), {("b0", 1): 1732611234.5684})).records == {
+        ("b0", 0): first
+    }
+    assert (await store.view(refs, now(), {})).records == {("b0", 0): first, ("b0", 1): newer}
+
+
 async def test_window_is_bounded_newest_first(store: StateStore) -> None:
     for i in range(5):
         await store.push_window("model", f"e{i}".encode(), limit=3, ttl=5, now=now())

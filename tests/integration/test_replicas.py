@@ -325,7 +325,7 @@ async def test_requests_arriving_together_share_one_read_of_the_view() -> None:
     class Counting(InMemoryStateStore):
         reads = 0
 
-        async def view(self, refs: Any, now: float) -> SlotView:
+        async def view(self, refs: Any, now: float, known: Any = None) -> SlotView:
             self.reads += 1
             await asyncio.sleep(0.05)
             return SlotView({("b", 0): "other"}, {})
@@ -347,3 +347,47 @@ async def test_requests_arriving_together_share_one_read_of_the_view() -> None:
     assert store.reads == 2
     await shared.refresh()
     assert store.reads == 3
+
+
+async def test_a_replica_reads_each_slot_record_once() -> None:
+    """The view before every request used to carry every slot's record, however often it had
+    been read (64 slots holding 32k-token raw prompts: 12 ms a read); now a record is sent to
+    a replica only when it is newer than the one it folded or wrote itself, and still folded
+    in when another replica rewrites it."""
+    from prometheus_client import CollectorRegistry
+
+    from proxy.core.fingerprint import Fingerprint
+    from proxy.core.fleet import Fleet, SlotState
+    from proxy.metrics import ProxyMetrics
+    from proxy.shared_state import SharedState
+    from proxy.state import InMemoryStateStore, SlotView
+
+    class Counting(InMemoryStateStore):
+        sent: list[int]
+
+        async def view(self, refs: Any, now: float, known: Any = None) -> SlotView:
+            found = await super().view(refs, now, known)
+            self.sent.append(len(found.records))
+            return found
+
+    store = Counting()
+    store.sent = []
+    replicas = []
+    for _ in range(2):
+        fleet = Fleet(["b"])
+        fleet.backends[0].slots = [SlotState(0), SlotState(1)]
+        metrics = ProxyMetrics(CollectorRegistry())
+        replicas.append((fleet, SharedState(store, fleet, metrics, time.time, enabled=True)))
+    (_, one), (fleet, two) = replicas
+    await one.publish(0, 0, Fingerprint((1, 2), (10, 20)), 20)
+    await one.publish(0, 1, Fingerprint((3,), (5,)), 5)
+    await two.refresh()
+    await two.refresh()
+    await one.refresh()  # its own records: it holds them already
+    assert store.sent == [2, 0, 0]
+    assert fleet.backends[0].slots[0].content == Fingerprint((1, 2), (10, 20))
+    await asyncio.sleep(0.002)  # a newer stamp, to the millisecond
+    await one.publish(0, 0, Fingerprint((1, 2, 4), (10, 20, 30)), 30)
+    await two.refresh()
+    assert store.sent[-1] == 1
+    assert fleet.backends[0].slots[0].content == Fingerprint((1, 2, 4), (10, 20, 30))

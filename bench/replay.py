@@ -18,7 +18,9 @@ completion prompt: the disk tier's scoped snapshots need message boundaries.
     python -m bench.replay [--backends 4] [--slots 4] [--peers] [--repeat N]
 
 With ``--replicas N`` ours runs as N proxies sharing one redis-server (``bench.replicas``),
-each request sent to the next replica in turn, so a session's turns alternate replicas.
+each request sent to the next replica in turn, so a session's turns alternate replicas;
+``--shard`` instead gives each replica its own backends and a session's turns to one
+replica (a diagnostic: each slot scheduled by one replica, ``bench.replicas``).
 
 With ``--repeat N`` every policy runs N times per workload (in rounds, each on a fresh
 fleet) and the table shows means; the JSON keeps each run's hit rate (``<policy>_runs``).
@@ -52,7 +54,7 @@ from bench.inproc import serve
 from bench.outproc import serve_process
 from bench.peers import SESSION_HEADERS
 from bench.plots import plot_replay, policy_columns
-from bench.replicas import serve_replicas
+from bench.replicas import serve_replicas, serve_shards
 from bench.results_io import load, path_of, print_markdown, save
 from bench.workloads import Workload, chat_body, lmcache, mooncake
 from proxy.config import Settings
@@ -100,6 +102,7 @@ CHAT = False  # --chat
 RAM_CACHE = True  # --no-ram-cache: backends run with --cache-ram 0
 RAM_TOKENS: int | None = None  # --ram-tokens: what each backend's RAM cache holds
 REPLICAS = 1  # --replicas: ours as that many proxies on one Redis, requests round-robin
+SHARD = False  # --shard: the replicas split the backends, sessions sticky (a diagnostic)
 STREAM = False  # --stream: requests stream their replies (as OpenClaw's do)
 ROUTING: dict[str, Any] = {}  # --routing: settings over ours' routing defaults
 PROCESS = False  # --process: ours as its own process (bench.outproc), as the peers run
@@ -211,7 +214,12 @@ async def run_policy(
                 }
             )
             if REPLICAS > 1:
-                async with serve_replicas(settings, REPLICAS) as next_url:
+                replicas = (
+                    serve_shards(settings, REPLICAS, WHERE)
+                    if SHARD
+                    else serve_replicas(settings, REPLICAS)
+                )
+                async with replicas as next_url:
                     await _run_sessions(
                         workload, lambda s, p, i: _post(s, next_url(), p, _key(keyed, i))
                     )
@@ -255,7 +263,9 @@ def scenarios(
 
 
 def _replicas_label() -> str:
-    return f", {REPLICAS} replicas" if REPLICAS > 1 else ""
+    if REPLICAS < 2:
+        return ""
+    return f", {REPLICAS} replicas" + (" sharded" if SHARD else "")
 
 
 def _ram_label() -> str:
@@ -362,15 +372,18 @@ def main() -> None:
     parser.add_argument(
         "--replicas", type=int, default=1, help="ours as N proxies on one Redis, round-robin"
     )
+    parser.add_argument(
+        "--shard", action="store_true", help="with --replicas: each its own backends (diagnostic)"
+    )
     parser.add_argument("--stream", action="store_true", help="stream replies (as OpenClaw)")
     parser.add_argument(
         "--routing", type=json.loads, default={}, help="routing settings of ours, as JSON"
     )
     parser.add_argument("--process", action="store_true", help="ours as its own process")
     args = parser.parse_args()
-    global CHAT, RAM_CACHE, RAM_TOKENS, REPLICAS, STREAM, PROCESS
+    global CHAT, RAM_CACHE, RAM_TOKENS, REPLICAS, SHARD, STREAM, PROCESS
     CHAT, RAM_CACHE, RAM_TOKENS = args.chat, not args.no_ram_cache, args.ram_tokens
-    REPLICAS, STREAM = args.replicas, args.stream
+    REPLICAS, SHARD, STREAM = args.replicas, args.shard, args.stream
     ROUTING.update(args.routing)
     PROCESS = args.process
     stem = "replay-partial" if (args.only or args.policies or args.quick) else "replay"
@@ -381,7 +394,7 @@ def main() -> None:
     elif args.ram_tokens:
         stem += f"-ram{args.ram_tokens // 1000}k"
     if args.replicas > 1:
-        stem += f"-replicas{args.replicas}"
+        stem += f"-replicas{args.replicas}" + ("-shard" if args.shard else "")
     if args.stream:
         stem += "-stream"
     stem = args.out or stem

@@ -41,11 +41,12 @@ async def serve_shards(
     """``--shard``: replica ``i`` routes backends ``i``, ``i + count``, ... on its own state;
     a request goes to the replica of its session (``session``: (session, turn) of the
     request being sent)."""
-    backends = settings.model_dump()["backends"]
+    base = settings.model_dump()
+    backends = base["backends"]
     if len(backends) < count:
         raise SystemExit(f"--shard needs at least {count} backends for {count} replicas")
     async with AsyncExitStack() as stack:
-        urls, base = [], settings.model_dump()
+        urls = []
         for i in range(count):
             part = Settings.model_validate({**base, "backends": backends[i::count]})
             urls.append(await stack.enter_async_context(serve(part)))

@@ -205,7 +205,7 @@ class SharedState:
     async def _refresh(self) -> None:
         slots = [(b.label, s) for b in self._fleet.backends for s in b.slots]
         refs = [(label, s.id) for label, s in slots]
-        known = {(label, s.id): s.record_at for label, s in slots if s.record_at > 0}
+        known = {(label, s.id): s.record_at for label, s in slots}  # 0.0: none yet
         view = await self.call("view", self.store.view(refs, self.wall(), known), None)
         if view is None:  # the store is down: its leases and records are unknown, not gone
             return

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
 from proxy.config import Settings
+from tests.real.stack import free_port
 
 
 @asynccontextmanager
@@ -18,12 +19,14 @@ async def serve(
 ) -> AsyncIterator[str]:
     """``async with serve(settings) as url``: the proxy's base URL while it runs (its metrics
     in ``registry`` when given)."""
+    port = free_port()  # named in listen: a replica advertises it to its peers
+    settings = settings.model_copy(update={"listen": f"127.0.0.1:{port}"})
     app = create_app(settings, registry=registry or CollectorRegistry())
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()

@@ -20,7 +20,9 @@ completion prompt: the disk tier's scoped snapshots need message boundaries.
 With ``--replicas N`` ours runs as N proxies sharing one redis-server (``bench.replicas``),
 each request sent to the next replica in turn, so a session's turns alternate replicas;
 ``--shard`` instead gives each replica its own backends and a session's turns to one
-replica (a diagnostic: each slot scheduled by one replica, ``bench.replicas``).
+replica (a diagnostic: each slot scheduled by one replica, ``bench.replicas``). The
+replicas forward each request to its backend's home replica (``proxy.forwarding``); policy
+``ours-local`` runs them with ``replica_url: off`` (each routes what it receives), side by side.
 
 With ``--repeat N`` every policy runs N times per workload (in rounds, each on a fresh
 fleet) and the table shows means; the JSON keeps each run's hit rate (``<policy>_runs``).
@@ -211,6 +213,7 @@ async def run_policy(
                     "disk": disk,
                     "queue": {"max_wait_seconds": 600},
                     "log_level": "WARNING",
+                    "replica_url": "off" if policy == "ours-local" else "auto",
                 }
             )
             if REPLICAS > 1:

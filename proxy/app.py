@@ -21,6 +21,7 @@ from proxy.churn_tracker import ChurnTracker
 from proxy.config import Settings
 from proxy.core.fleet import BackendPhase, Fleet
 from proxy.disk_tier import DiskTier
+from proxy.forwarding import Forwarder, advertised_url
 from proxy.handlers import ProxyHandlers
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
@@ -68,6 +69,7 @@ def create_app(
         record_ttl=settings.routing.affinity_ttl_seconds,
         lease_ttl=settings.routing.lease_ttl_seconds,
         clock=clock,
+        url=advertised_url(settings),
     )
     disk = DiskTier(settings, fleet, shared, metrics, wall, clock)
     router = Router(settings, fleet, shared, TokenCounter(), metrics, clock, disk)
@@ -78,7 +80,8 @@ def create_app(
 
     router.wake_later = wake_later
     router.churn = churn = ChurnTracker(metrics, wall)
-    handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock, disk)
+    forwarder = Forwarder(shared, metrics, clock)
+    handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock, disk, forwarder)
 
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[make_middleware(metrics, clock)]
@@ -100,6 +103,7 @@ def create_app(
             client = LlamaServerClient(session, settings.timeouts)
             prober = Prober(settings, client, scheduler, metrics, clock, shared.forget_backend)
             handlers.client, handlers.prober, app[PROBER] = client, prober, prober
+            forwarder.client = client
             shared.on_down = prober.drain_all
             disk.attach(client)
             if settings.routing.tokenizer == "backend":

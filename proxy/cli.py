@@ -19,7 +19,8 @@ from aiohttp import web
 
 from proxy import __version__
 from proxy.app import create_app
-from proxy.config import ConfigError, Settings, load_settings
+from proxy.config import Settings, load_settings
+from proxy.config_sources import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -13,13 +13,10 @@ wherever it came from: ``ConfigError`` carries one line naming the field.
 
 from __future__ import annotations
 
-import json
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     AnyHttpUrl,
     BaseModel,
@@ -30,13 +27,14 @@ from pydantic import (
     field_validator,
 )
 
+from proxy.config_sources import (
+    ENV_PREFIX,
+    ConfigError,
+    deep_merge,
+    env_overrides,
+    read_config_file,
+)
 from proxy.core.disk_scope import parse_scope
-
-ENV_PREFIX = "LLAMA_CACHE_PROXY_"
-
-
-class ConfigError(Exception):
-    """Invalid configuration; ``str()`` is one line naming the offending field."""
 
 
 class _Frozen(BaseModel):
@@ -118,7 +116,7 @@ class RoutingSettings(_Frozen):
         default=False, description="pin to the id_slot a client sends instead of choosing"
     )
     route_headers: bool = Field(
-        default=True, description="add X-Cache-Route, -Predicted-Tokens, -Backend, -Slot"
+        default=True, description="add X-Cache-Route, -Predicted-Tokens, -Backend, -Slot, -Replica"
     )
     tokenizer: Literal["tiktoken", "backend"] = "tiktoken"
     block_tokens: int = Field(default=16, ge=4, description="raw-prompt fingerprint block size")
@@ -201,6 +199,11 @@ class Settings(_Frozen):
     backends: tuple[BackendSettings, ...] = Field(min_length=1)
     listen: str = Field(default="127.0.0.1:8000", description="host:port to listen on")
     redis_url: str | None = Field(default=None, description="shared state; none = embedded")
+    replica_url: str = Field(
+        default="auto",
+        description="this replica's URL as its peers reach it, to forward each request to the "
+        "replica that routes its backend (with redis_url); auto: from listen; off: never",
+    )
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
     admin_token: SecretStr | None = None
@@ -228,6 +231,13 @@ class Settings(_Frozen):
             raise ValueError("must be host:port, e.g. 127.0.0.1:8000")
         return value
 
+    @field_validator("replica_url")
+    @classmethod
+    def _replica_url(cls, value: str) -> str:
+        if value not in ("auto", "off") and not value.startswith(("http://", "https://")):
+            raise ValueError("must be auto, off or an http(s):// URL")
+        return value.rstrip("/")
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str | None) -> str | None:
@@ -242,53 +252,6 @@ class Settings(_Frozen):
     @property
     def port(self) -> int:
         return int(self.listen.rpartition(":")[2])
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Parse a YAML (``.yaml``/``.yml``), TOML (``.toml``) or JSON file into a dict."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from None
-    try:
-        if path.suffix == ".toml":
-            data: Any = tomllib.loads(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text)
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"config: {path} is not valid: {first}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config: {path} must hold a mapping at the top level")
-    return data
-
-
-def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """``LLAMA_CACHE_PROXY_A__B=v`` -> ``{"a": {"b": "v"}}`` (the CONFIG variable excluded)."""
-    out: dict[str, Any] = {}
-    for key, value in environ.items():
-        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
-            continue
-        path = key[len(ENV_PREFIX) :].lower().split("__")
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return out
-
-
-def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
 
 
 def _describe(error: ValidationError) -> str:

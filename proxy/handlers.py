@@ -31,6 +31,7 @@ from proxy.errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
+from proxy.forwarding import Forwarder
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RECORD
@@ -51,8 +52,10 @@ class ProxyHandlers:
         metrics: ProxyMetrics,
         clock: Callable[[], float],
         disk: DiskTier,
+        forwarder: Forwarder,
     ) -> None:
         self._settings = settings
+        self._forwarder = forwarder
         self._disk = disk
         self._scheduler = scheduler
         self._router = router
@@ -90,7 +93,7 @@ class ProxyHandlers:
         if request.path == "/v1/messages" and self._settings.isolation.mode != "off":
             # llama-server ignores cache_prompt there, so reuse across tenants can't be ruled out
             raise InvalidRequest("/v1/messages is not served under cache isolation")
-        return await self._pinned(request, parsed, self._need(route, parsed))
+        return await self._pinned(request, raw, parsed, self._need(route, parsed))
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self._settings.max_body_bytes
@@ -115,11 +118,17 @@ class ProxyHandlers:
         return Need(slot=wanted)
 
     async def _pinned(
-        self, request: web.Request, parsed: ParsedBody, need: Need
+        self, request: web.Request, raw: bytes, parsed: ParsedBody, need: Need
     ) -> web.StreamResponse:
         plan = None
         if self._settings.routing.prefix_aware and not need.exclusive and need.slot is None:
-            plan = await self._router.plan(request, parsed.data, parsed.prefix_cache)
+            plan = await self._router.plan(request, parsed.data)
+            home = self._forwarder.home(request, lambda: self._router.target(plan))
+            if home is not None:
+                forwarded = await self._forwarder.send(request, raw, home)
+                if forwarded is not None:
+                    return forwarded
+            await self._router.prepare(plan, parsed.data, parsed.prefix_cache)
         for attempt in (1, 2):
             placement = await self._leased(plan, need)
             pin = placement.pin if self._settings.routing.pin_slots or plan is None else None
@@ -275,8 +284,7 @@ class ProxyHandlers:
     ) -> Fingerprint | None:
         """Free (or drain) the slots; returns what the pinned slot now holds, if known."""
         clean = outcome is not None and outcome.complete
-        content = None
-        n_tokens = None
+        content, n_tokens = None, None
         if clean and outcome is not None and outcome.response.status == 200:
             if plan is not None:
                 content = self._router.content_after(plan, outcome.reply)
@@ -297,24 +305,16 @@ class ProxyHandlers:
             if plan is not None:
                 headers.update(self._router.headers(plan))
             headers["X-Cache-Backend"] = label
+            if self._shared.enabled:  # which replica scheduled it (``core.homes``)
+                headers["X-Cache-Replica"] = self._shared.token
             if placement is not None and placement.pin is not None:
                 headers["X-Cache-Slot"] = str(placement.pin)
         return headers
 
     def _record(self, index: int, outcome: Outcome, request: web.Request) -> None:
-        label = self._settings.backends[index].label
-        usage = outcome.usage
-        if outcome.first_byte_at is not None:
-            ttft = outcome.first_byte_at - request[RECORD].started
-            cache = "unknown"
-            if usage is not None and usage.prompt_tokens > 0:
-                cache = "hit" if usage.cached_tokens * 2 >= usage.prompt_tokens else "miss"
-            self._metrics.ttft.labels(request.path, cache).observe(ttft)
-        if usage is None:
-            return
-        if usage.prompt_ms is not None:
-            self._metrics.prefill_seconds.labels(label).inc(usage.prompt_ms / 1000)
         record = request[RECORD]
-        record.prompt_tokens, record.cached_tokens = usage.prompt_tokens, usage.cached_tokens
-        self._metrics.prompt_tokens.labels(label).inc(usage.prompt_tokens)
-        self._metrics.cached_tokens.labels(label).inc(usage.cached_tokens)
+        first = outcome.first_byte_at
+        ttft = None if first is None else first - record.started
+        label = self._settings.backends[index].label
+        self._metrics.response(request.path, label, ttft, outcome.usage)
+        record.counted(outcome.usage)

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from proxy.core.usage import Usage
+
 PREFIX = "llama_cache_proxy_"
 _LATENCY_BUCKETS = (
     0.0005,
@@ -109,6 +111,15 @@ class ProxyMetrics:
             "state_store_conflicts",
             "Slots this replica pinned while the store was down that another replica also held",
         )
+        self.forwards = counter(
+            "forwarded_requests",
+            "Requests sent to the replica that schedules their backend (sent), that could not"
+            " reach it and were routed here (unreachable), and received from another (received)",
+            ["outcome"],
+        )
+        self.replicas_live = gauge(
+            "replicas_live", "Live replicas (this one included) in the last heartbeat read"
+        )
         self.replicas_fenced = gauge(
             "replicas_fenced",
             "Replicas whose heartbeat lapsed without leaving (cut off from the store, or dead)"
@@ -155,3 +166,17 @@ class ProxyMetrics:
             "panels",
             ["backend", "model"],
         )
+
+    def response(self, path: str, label: str, ttft: float | None, usage: Usage | None) -> None:
+        """A backend response's time to first byte and usage (cache hit: half the prompt)."""
+        if ttft is not None:
+            cache = "unknown"
+            if usage is not None and usage.prompt_tokens > 0:
+                cache = "hit" if usage.cached_tokens * 2 >= usage.prompt_tokens else "miss"
+            self.ttft.labels(path, cache).observe(ttft)
+        if usage is None:
+            return
+        if usage.prompt_ms is not None:
+            self.prefill_seconds.labels(label).inc(usage.prompt_ms / 1000)
+        self.prompt_tokens.labels(label).inc(usage.prompt_tokens)
+        self.cached_tokens.labels(label).inc(usage.cached_tokens)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from proxy.core.usage import Usage
 from proxy.errors import (
     MethodNotAllowed,
     NotFound,
@@ -38,6 +39,11 @@ class RequestRecord:
     slot: int | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+
+    def counted(self, usage: Usage | None) -> None:
+        """The response's usage, for the log line."""
+        if usage is not None:
+            self.prompt_tokens, self.cached_tokens = usage.prompt_tokens, usage.cached_tokens
 
 
 RECORD = web.RequestKey("record", RequestRecord)

@@ -30,6 +30,7 @@ from proxy.core.fingerprint import (
     reply_segment,
 )
 from proxy.core.fleet import Fleet, NoPlacement, Placement
+from proxy.core.homes import target
 from proxy.core.isolation import salt, tenant_of
 from proxy.core.request_body import is_chat
 from proxy.core.returns import SCAN, ReturnTracker
@@ -60,6 +61,7 @@ class Plan:
     release: tuple[int, tuple[int, ...]] | None = None  # its response's, for its session
     after: Fingerprint | None = None  # what the slot holds after the reply (content_after)
     views: dict[int, RamView] = field(default_factory=dict)  # route's memo while it waits
+    segments: list[Segment] | None = None  # a chat prompt's
 
 
 def routing_params(settings: Settings) -> RoutingParams:
@@ -139,9 +141,9 @@ class Router:
         text = prompt if isinstance(prompt, str) else str(prompt or "")
         return fingerprint_text(text, lambda at, part: self._counter.blocks(at, part, block), seed)
 
-    async def plan(
-        self, request: web.Request, body: dict[str, Any], scope: Scope | None = None
-    ) -> Plan:
+    async def plan(self, request: web.Request, body: dict[str, Any]) -> Plan:
+        """The request's fingerprint, session key and affinity (no side effects but reading
+        the shared view): enough to tell where it would go (``target``)."""
         chat = is_chat(body)
         segments = chat_segments(body) if chat else None
         if segments is not None and self.backend_tokens is not None:
@@ -157,14 +159,44 @@ class Router:
             ref = await self._shared.get_affinity(key)
             if ref is not None and ref[0] in self._labels:
                 hint = (self._labels[ref[0]], ref[1])
-        if segments is not None and self.churn is not None:
-            self.churn.observe(key, fp, body, segments)
-        await self._arrived(fp)
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
-        plan = Plan(fp, chat, key, hint, wait_until, tenant=tenant)
+        return Plan(fp, chat, key, hint, wait_until, tenant=tenant, segments=segments)
+
+    def target(self, plan: Plan) -> int | None:
+        """The backend the request would be placed on, or wait for, now (disk offers aside)."""
+        return target(self._route(plan, self._clock()))
+
+    def _route(
+        self,
+        plan: Plan,
+        now: float,
+        allow_wait: bool = True,
+        avoid: frozenset[int] = frozenset(),
+        disk: DiskPlan | None = None,
+    ) -> Decision | NoPlacement:
+        hold = self.returns.hold(now)
+        self._metrics.slot_hold.set(hold)
+        return route(
+            plan.fp,
+            self._fleet.backends,
+            self.params,
+            now=now,
+            affinity=plan.hint,
+            allow_wait=allow_wait,
+            avoid=avoid,
+            disk=disk.offers if disk is not None else None,
+            queued=self.queued(),
+            hold=hold,
+            views=plan.views,
+        )
+
+    async def prepare(self, plan: Plan, body: dict[str, Any], scope: Scope | None) -> None:
+        """The request is routed here: count its arrival, plan its disk-tier work."""
+        if plan.segments is not None and self.churn is not None:
+            self.churn.observe(plan.key, plan.fp, body, plan.segments)
+        await self._arrived(plan.fp)
         if self._disk is not None and self._settings.routing.pin_slots:
-            plan.disk = await self._disk.plan(fp, body, scope, tenant)
-        return plan
+            plan.disk = await self._disk.plan(plan.fp, body, scope, plan.tenant)
 
     async def _arrived(self, fp: Fingerprint) -> None:
         """How soon this request's session came back (``core.returns``): through the shared
@@ -186,21 +218,7 @@ class Router:
     def decider(self, plan: Plan, avoid: frozenset[int]) -> Callable[[], Placement | NoPlacement]:
         def decide() -> Placement | NoPlacement:
             now = self._clock()
-            hold = self.returns.hold(now)
-            self._metrics.slot_hold.set(hold)
-            decision = route(
-                plan.fp,
-                self._fleet.backends,
-                self.params,
-                now=now,
-                affinity=plan.hint,
-                allow_wait=now < plan.wait_until,
-                avoid=avoid,
-                disk=plan.disk.offers if plan.disk is not None else None,
-                queued=self.queued(),
-                hold=hold,
-                views=plan.views,
-            )
+            decision = self._route(plan, now, now < plan.wait_until, avoid, plan.disk)
             if isinstance(decision, NoPlacement):
                 return decision
             plan.decision = decision

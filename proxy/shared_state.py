@@ -43,6 +43,7 @@ from typing import TypeVar
 
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import Fleet, Placement, SlotPhase
+from proxy.core.homes import replica_id
 from proxy.core.partition import FENCE_MARGIN, HEARTBEAT_TTL, Peers
 from proxy.metrics import ProxyMetrics
 from proxy.shared_releases import SharedReleases
@@ -66,10 +67,12 @@ class SharedState:
         lease_ttl: float = 30.0,
         record_ttl: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
+        url: str | None = None,
     ) -> None:
         self.store = store
         self.enabled = enabled
-        self.owner = uuid.uuid4().hex[:12]
+        self.token = uuid.uuid4().hex[:12]  # this replica, in logs and X-Cache-Replica
+        self.owner = replica_id(self.token, url)  # with the URL peers forward to, if any
         self._fleet = fleet
         self._metrics = metrics
         self.wall = wall
@@ -262,6 +265,7 @@ class SharedState:
                 hold,
             )
         self._metrics.replicas_fenced.set(len(self.peers.reported))
+        self._metrics.replicas_live.set(len(live))
 
     async def leave(self) -> None:
         """At shutdown: stop counting as live, so peers do not fence this replica's part."""

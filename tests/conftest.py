@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from proxy.app import create_app
 from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer
-from tests.real.stack import RedisServer
+from tests.real.stack import RedisServer, free_port
 
 
 def make_settings(urls: list[str], **over: Any) -> Settings:
@@ -57,10 +57,11 @@ def proxy(aiohttp_client: Any) -> ProxyFactory:
         backends: list[Any], *, probe_loop: bool = True, **over: Any
     ) -> TestClient[Any, Any]:
         urls = [b if isinstance(b, str | dict) else b.url for b in backends]
-        settings = make_settings(urls, **over)
+        port = free_port()  # listen names it: replicas advertise it to their peers
+        settings = make_settings(urls, listen=f"127.0.0.1:{port}", **over)
         app = create_app(settings, registry=CollectorRegistry(), probe_loop=probe_loop)
         client: TestClient[Any, Any] = await aiohttp_client(
-            app, server_kwargs={"handler_cancellation": True}
+            app, server_kwargs={"handler_cancellation": True, "port": port}
         )
         return client
 

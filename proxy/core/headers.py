@@ -24,7 +24,13 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-conversation-id"}
+_REQUEST_DROP = HOP_BY_HOP | {
+    "host",
+    "content-length",
+    "accept-encoding",
+    "x-conversation-id",
+    "x-cache-forwarded-by",  # between replicas only (``proxy.forwarding``)
+}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date"}
 
 

@@ -263,23 +263,28 @@ async def alternating(a: Any, b: Any) -> tuple[int, int, Any]:
     return size, second["timings"]["cache_n"], stranger_headers
 
 
+@pytest.mark.parametrize("replica_url", ["off", "auto"])
 async def test_a_slot_is_held_for_a_session_whose_turns_alternate_replicas(
-    fakes: Any, proxy: Any, redis_server: Any
+    fakes: Any, proxy: Any, redis_server: Any, replica_url: str
 ) -> None:
-    """Behind a load balancer a session's turns alternate replicas. Each replica measures
-    how soon sessions come back through Redis (not only its own releases), and dates a slot
-    another replica just freed, so the replica the session returns to holds the slot for it
-    against a stranger waiting there (one slot, no RAM prompt cache)."""
+    """Behind a load balancer a session's turns alternate replicas. Without forwarding
+    (``off``) each replica measures how soon sessions come back through Redis (not only its
+    own releases), and dates a slot another replica just freed, so the replica the session
+    returns to holds the slot for it against a stranger waiting there (one slot, no RAM
+    prompt cache). With forwarding every request is scheduled by the backend's home, which
+    holds the slot the same way."""
     backend = await fakes(n_slots=1, ram_cache=False, gen_s_per_token=0.05, prompt_s_per_token=1e-3)
     config = [{"url": backend.url, "ram_cache": False}]
-    a = await proxy(config, redis_url=redis_server.url)
-    b = await proxy(config, redis_url=redis_server.url)
+    a = await proxy(config, redis_url=redis_server.url, replica_url=replica_url)
+    b = await proxy(config, redis_url=redis_server.url, replica_url=replica_url)
     size, reused, stranger_headers = await alternating(a, b)
     assert reused >= 0.9 * size  # A's history stayed in the slot
     assert stranger_headers["X-Cache-Route"].startswith("wait")
+    holds = []
     for client in (a, b):
         page = await (await client.get("/metrics")).text()
-        assert metric(page, "llama_cache_proxy_slot_hold_seconds") > 0
+        holds.append(metric(page, "llama_cache_proxy_slot_hold_seconds"))
+    assert (min if replica_url == "off" else max)(holds) > 0, holds
 
 
 async def test_maintenance_ends_at_shutdown_even_if_a_store_call_swallows_the_cancel() -> None:

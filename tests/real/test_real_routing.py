@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 import urllib.request
 from typing import Any
 
@@ -206,14 +207,16 @@ def test_two_proxy_processes_share_redis_and_keep_a_session(
     try:
         for port, proc in zip(ports, procs, strict=True):
             _wait_http(f"http://127.0.0.1:{port}/readyz", 30, proc)
+        _until_listed(ports)
         history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(1)}]
-        placed = []
+        placed, replicas = [], set()
         previous = 0
         for turn in range(4):
             port = ports[turn % 2]
             body = {"messages": history, "max_tokens": 8, "temperature": 0}
             data, headers = _post(f"http://127.0.0.1:{port}/v1/chat/completions", body)
             placed.append((headers["X-Cache-Backend"], headers["X-Cache-Slot"]))
+            replicas.add(headers["X-Cache-Replica"])
             if turn:
                 timings = data["timings"]
                 assert timings["cache_n"] >= 0.9 * previous, (turn, timings, placed, dict(headers))
@@ -224,10 +227,32 @@ def test_two_proxy_processes_share_redis_and_keep_a_session(
                 {"role": "user", "content": f"Turn {turn}: continue."},
             ]
         assert len(set(placed)) == 1, placed
+        # its backend's home scheduled every turn: the two that reached the other replica
+        # were forwarded to it
+        assert len(replicas) == 1, replicas
+        pages = [_get(f"http://127.0.0.1:{port}/metrics") for port in ports]
+        forwards = "llama_cache_proxy_forwarded_requests_total"
+        assert sum(metric(p, forwards, outcome="sent") for p in pages) == 2
+        assert sum(metric(p, forwards, outcome="received") for p in pages) == 2
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(10)
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def _until_listed(ports: list[int]) -> None:
+    """Until every proxy has read every other's heartbeat."""
+    for _ in range(100):
+        pages = [_get(f"http://127.0.0.1:{port}/metrics") for port in ports]
+        if all(metric(p, "llama_cache_proxy_replicas_live") == len(ports) for p in pages):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the proxies never listed each other")
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from proxy.cli import main
-from proxy.config import ConfigError, Settings, load_settings
+from proxy.config import Settings, load_settings
+from proxy.config_sources import ConfigError
 
 EXAMPLE = Path(__file__).parents[2] / "deploy" / "config.example.yaml"
 
@@ -73,6 +74,7 @@ def test_settings_are_immutable() -> None:
         ({"backends": ["http://a:1"]}, {"LLAMA_CACHE_PROXY_QUEUE__MAX_WAITING": "-1"},
          "queue.max_waiting"),
         ({"backends": ["http://a:1"], "redis_url": "http://x"}, {}, "redis_url"),
+        ({"backends": ["http://a:1"], "replica_url": "a:1"}, {}, "replica_url"),
         ({"backends": ["http://a:1"]}, {"LLAMA_CACHE_PROXY_NOPE": "1"}, "nope"),
         ({"backends": ["http://a:1"], "disk": {"prefix_cache": "auto:0"}}, {},
          "disk.prefix_cache"),

@@ -1,0 +1,134 @@
+"""Forward a request to the replica that schedules its backend, the shell of ``core.homes``.
+
+- *Which URL this replica advertises* (``replica_url``, only with a shared store): a URL as
+  configured; ``auto`` takes ``listen``, or with a wildcard listen address the local address
+  of the route to Redis, so every container or pod of one deployment advertises its own;
+  ``off`` (or no address peers could use: a loopback listen with a remote Redis) advertises
+  none, and this replica then neither forwards nor is forwarded to.
+- *When*: a prefix-routed request that did not come from another replica, while the store is
+  up, whose target backend (``Router.target``, before it waits) is homed at another live
+  replica. The request goes there with ``X-Cache-Forwarded-By`` (so it is not forwarded
+  again), the bytes the client sent, and the same request id; the home's response, headers
+  included, is relayed byte for byte. Its usage is counted by the home only, so hit-rate
+  metrics summed over replicas count every request once.
+- *Failure*: a home that cannot be connected to is skipped for ``RETRY_SECONDS`` and the
+  request is routed here (nothing was sent). A replica that died leaves the heartbeat list
+  within ``HEARTBEAT_TTL`` anyway; any failure after the request was sent is the client's
+  answer, as for a backend.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from proxy.config import Settings
+from proxy.core.headers import upstream_request_headers
+from proxy.core.homes import home, url_of
+from proxy.metrics import ProxyMetrics
+from proxy.middleware import RECORD
+from proxy.shared_state import SharedState
+from proxy.streaming import relay
+from proxy.upstream import LlamaServerClient, UpstreamConnectError
+
+log = logging.getLogger(__name__)
+FORWARDED = "X-Cache-Forwarded-By"
+RETRY_SECONDS = 5.0
+_WILDCARD = {"0.0.0.0", "::", ""}
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _address_towards(host: str, port: int) -> str | None:
+    """The local address this host uses to reach ``host`` (no packet is sent)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def advertised_url(settings: Settings) -> str | None:
+    """The URL peers forward to this replica at, or None (see the module docstring)."""
+    if settings.redis_url is None or settings.replica_url == "off":
+        return None
+    if settings.replica_url != "auto":
+        return settings.replica_url
+    redis = urlsplit(settings.redis_url)
+    remote = redis.hostname is not None and not _loopback(redis.hostname)
+    host = settings.host.strip("[]")
+    if host in _WILDCARD:
+        found = _address_towards(redis.hostname, redis.port or 6379) if redis.hostname else None
+        host = found or "127.0.0.1"
+    if remote and _loopback(host):
+        log.warning("replica_url auto: listening on %s, which peers cannot reach", host)
+        return None
+    return f"http://{f'[{host}]' if ':' in host else host}:{settings.port}"
+
+
+class Forwarder:
+    def __init__(
+        self, shared: SharedState, metrics: ProxyMetrics, clock: Callable[[], float]
+    ) -> None:
+        self._shared = shared
+        self._metrics = metrics
+        self._clock = clock
+        self._unreachable: dict[str, float] = {}  # URL -> until
+        self.client: LlamaServerClient | None = None  # attached at startup (app.py)
+
+    def home(self, request: web.Request, backend: Callable[[], int | None]) -> str | None:
+        """The URL to forward this request to, or None to route it here; ``backend``: where
+        it would go (only asked when forwarding is possible)."""
+        shared = self._shared
+        if FORWARDED in request.headers:
+            self._metrics.forwards.labels("received").inc()
+            return None
+        if not shared.enabled or not shared.up or url_of(shared.owner) is None:
+            return None
+        index = backend()
+        if index is None:
+            return None
+        now = self._clock()
+        down = {url for url, until in self._unreachable.items() if now < until}
+        return home(index, shared.peers.live, shared.owner, down)
+
+    async def send(self, request: web.Request, body: bytes, url: str) -> web.StreamResponse | None:
+        """Relay the request through the replica at ``url``; None when it cannot be reached."""
+        assert self.client is not None
+        record = request[RECORD]
+        headers = [
+            (name, value)
+            for name, value in upstream_request_headers(request.headers.items())
+            if name.lower() != "x-request-id"
+        ]
+        headers += [(FORWARDED, self._shared.owner), ("X-Request-Id", record.request_id)]
+        try:
+            async with self.client.send(
+                url, request.path, method=request.method, body=body, headers=headers
+            ) as upstream:
+                self._metrics.forwards.labels("sent").inc()
+                record.backend = f"replica:{url}"
+                # the home counted its usage; this replica's log line shows it too
+                outcome = await relay(
+                    request, upstream, {}, self._clock, lambda done: record.counted(done.usage)
+                )
+        except UpstreamConnectError as exc:
+            self._unreachable[url] = self._clock() + RETRY_SECONDS
+            self._metrics.forwards.labels("unreachable").inc()
+            log.warning("replica %s unreachable (%s): routing here", url, exc)
+            return None
+        return outcome.response

@@ -1,0 +1,122 @@
+"""Each backend's requests are scheduled by one replica (``core.homes``, ``proxy.forwarding``):
+two replicas sharing one real Redis in front of fake llama-servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from typing import Any
+
+from tests.conftest import delta_text, events_to_done, metric
+from tests.integration.test_routing_fake import SYSTEM
+from tests.real.stack import free_port
+
+FORWARDS = "llama_cache_proxy_forwarded_requests_total"
+
+
+async def _metrics(client: Any) -> str:
+    return str(await (await client.get("/metrics")).text())
+
+
+async def _met(*clients: Any) -> None:
+    """Until every replica has read every other's heartbeat."""
+    for _ in range(50):
+        texts = [await _metrics(c) for c in clients]
+        if all(metric(t, "llama_cache_proxy_replicas_live") == len(clients) for t in texts):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the replicas never listed each other")
+
+
+def _turn(session: int, history: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    if not history:
+        history.append({"role": "system", "content": SYSTEM})
+    history.append({"role": "user", "content": f"session {session}: " + "go on " * 20})
+    return {"messages": list(history), "max_tokens": 6, **extra}
+
+
+async def test_each_backends_requests_are_scheduled_by_one_replica(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Four sessions on 2 backends x 2 slots, each turn through the other replica (half of
+    them streamed): every response of a backend comes from the same replica, its home;
+    requests that arrived elsewhere were forwarded there, and each session keeps its slot."""
+    backends = [await fakes(n_slots=2) for _ in range(2)]
+    pair = [await proxy(backends, redis_url=redis_server.url) for _ in range(2)]
+    await _met(*pair)
+    histories: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    scheduled: dict[str, set[str]] = defaultdict(set)
+    slots: dict[int, set[tuple[str, str]]] = defaultdict(set)
+    prompts = 0
+    for turn in range(3):
+        for session in range(4):
+            stream = (session + turn) % 2 == 1
+            body = _turn(session, histories[session], stream=stream)
+            resp = await pair[(session + turn) % 2].post("/v1/chat/completions", json=body)
+            assert resp.status == 200, await resp.text()
+            if stream:
+                events = await events_to_done(resp)
+                reply = delta_text(events)
+                timings = next(e["timings"] for e in events if e.get("timings"))
+            else:
+                data = await resp.json()
+                reply, timings = data["choices"][0]["message"]["content"], data["timings"]
+            prompts += timings["prompt_n"] + timings["cache_n"]
+            assert reply
+            histories[session].append({"role": "assistant", "content": reply})
+            backend = resp.headers["X-Cache-Backend"]
+            scheduled[backend].add(resp.headers["X-Cache-Replica"])
+            slots[session].add((backend, resp.headers["X-Cache-Slot"]))
+    assert len(scheduled) == 2
+    assert all(len(r) == 1 for r in scheduled.values()), scheduled
+    assert len(set.union(*scheduled.values())) == 2  # each replica is one backend's home
+    assert all(len(s) == 1 for s in slots.values()), slots
+    texts = [await _metrics(c) for c in pair]
+    sent = [metric(t, FORWARDS, outcome="sent") for t in texts]
+    received = [metric(t, FORWARDS, outcome="received") for t in texts]
+    assert sum(sent) > 0
+    assert sent == received[::-1], (sent, received)
+    # usage is counted once, by the replica that scheduled the request
+    assert sum(metric(t, "llama_cache_proxy_prompt_tokens_total") for t in texts) == prompts
+
+
+async def test_a_home_that_cannot_be_reached_is_skipped_and_the_request_routed_here(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Replica b advertises a URL nothing listens on: a request a would forward to it is
+    routed by a instead (200), and a does not try again for ``RETRY_SECONDS``."""
+    backends = [await fakes(n_slots=2) for _ in range(2)]
+    a = await proxy(backends, redis_url=redis_server.url)
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    b = await proxy(backends, redis_url=redis_server.url, replica_url=nowhere)
+    await _met(a, b)
+    seen = set()
+    for session in range(4):
+        resp = await a.post("/v1/chat/completions", json=_turn(session, []))
+        assert resp.status == 200, await resp.text()
+        seen.add(resp.headers["X-Cache-Backend"])
+    assert len(seen) == 2  # one of them is b's home
+    text = await _metrics(a)
+    assert metric(text, FORWARDS, outcome="unreachable") == 1
+    assert metric(text, FORWARDS, outcome="sent") == 0
+
+
+async def test_a_forwarded_request_is_routed_where_it_lands(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    backends = [await fakes(n_slots=2) for _ in range(2)]
+    pair = [await proxy(backends, redis_url=redis_server.url) for _ in range(2)]
+    await _met(*pair)
+    mark = {"X-Cache-Forwarded-By": "another replica"}
+    replicas = set()
+    for session in range(4):
+        resp = await pair[0].post("/v1/chat/completions", json=_turn(session, []), headers=mark)
+        assert resp.status == 200
+        replicas.add(resp.headers["X-Cache-Replica"])
+    assert len(replicas) == 1
+    text = await _metrics(pair[0])
+    assert metric(text, FORWARDS, outcome="received") == 4
+    assert metric(text, FORWARDS, outcome="sent") == 0
+    for fake in backends:  # the marker stays between replicas
+        assert fake.received
+        assert all("X-Cache-Forwarded-By" not in headers for _, _, headers in fake.received)

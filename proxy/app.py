@@ -80,7 +80,7 @@ def create_app(
 
     router.wake_later = wake_later
     router.churn = churn = ChurnTracker(metrics, wall)
-    forwarder = Forwarder(shared, metrics, clock)
+    forwarder = Forwarder(shared, fleet, metrics, clock)
     handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock, disk, forwarder)
 
     app = web.Application(

@@ -11,6 +11,8 @@
   again), the bytes the client sent, and the same request id; the home's response, headers
   included, is relayed byte for byte. Its usage is counted by the home only, so hit-rate
   metrics summed over replicas count every request once.
+- *Where a replica places*: only on the backends it is home to (``foreign``: the others are
+  avoided while it routes and re-decides a queued request), unless none of them is up.
 - *Failure*: a home that cannot be connected to is skipped for ``RETRY_SECONDS`` and the
   request is routed here (nothing was sent). A replica that died leaves the heartbeat list
   within ``HEARTBEAT_TTL`` anyway; any failure after the request was sent is the client's
@@ -28,6 +30,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from proxy.config import Settings
+from proxy.core.fleet import BackendPhase, Fleet
 from proxy.core.headers import upstream_request_headers
 from proxy.core.homes import home, url_of
 from proxy.metrics import ProxyMetrics
@@ -82,29 +85,49 @@ def advertised_url(settings: Settings) -> str | None:
 
 class Forwarder:
     def __init__(
-        self, shared: SharedState, metrics: ProxyMetrics, clock: Callable[[], float]
+        self,
+        shared: SharedState,
+        fleet: Fleet,
+        metrics: ProxyMetrics,
+        clock: Callable[[], float],
     ) -> None:
         self._shared = shared
+        self._backends = fleet.backends
         self._metrics = metrics
         self._clock = clock
         self._unreachable: dict[str, float] = {}  # URL -> until
         self.client: LlamaServerClient | None = None  # attached at startup (app.py)
 
-    def home(self, request: web.Request, backend: Callable[[], int | None]) -> str | None:
-        """The URL to forward this request to, or None to route it here; ``backend``: where
-        it would go (only asked when forwarding is possible)."""
+    def _homes(self) -> Callable[[int], str | None] | None:
+        """Each backend's home URL (None: this replica), or None when not forwarding."""
         shared = self._shared
-        if FORWARDED in request.headers:
-            self._metrics.forwards.labels("received").inc()
-            return None
         if not shared.enabled or not shared.up or url_of(shared.owner) is None:
-            return None
-        index = backend()
-        if index is None:
             return None
         now = self._clock()
         down = {url for url, until in self._unreachable.items() if now < until}
-        return home(index, shared.peers.live, shared.owner, down)
+        return lambda index: home(index, shared.peers.live, shared.owner, down)
+
+    def foreign(self) -> frozenset[int]:
+        """Backends another replica schedules: this one does not place requests on them (it
+        forwards those to their home), unless none of its own is up."""
+        homes = self._homes()
+        if homes is None:
+            return frozenset()
+        foreign = frozenset(b.index for b in self._backends if homes(b.index) is not None)
+        own = [b for b in self._backends if b.index not in foreign]
+        if all(b.phase is BackendPhase.DOWN for b in own):
+            return frozenset()
+        return foreign
+
+    def home(self, request: web.Request, backend: Callable[[], int | None]) -> str | None:
+        """The URL to forward this request to, or None to route it here; ``backend``: where
+        it would go (only asked when forwarding is possible)."""
+        if FORWARDED in request.headers:
+            self._metrics.forwards.labels("received").inc()
+            return None
+        homes = self._homes()
+        index = backend() if homes is not None else None
+        return None if homes is None or index is None else homes(index)
 
     async def send(self, request: web.Request, body: bytes, url: str) -> web.StreamResponse | None:
         """Relay the request through the replica at ``url``; None when it cannot be reached."""

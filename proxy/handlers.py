@@ -183,8 +183,8 @@ class ProxyHandlers:
             self._scheduler.release(placement, clean=True, sent=False, remote=True)
 
     def _decider(self, plan: Plan | None, need: Need) -> Callable[[], Placement | NoPlacement]:
-        if plan is not None:
-            return self._router.decider(plan, need.avoid)
+        if plan is not None:  # (backends another replica schedules: forwarded there)
+            return self._router.decider(plan, need.avoid | self._forwarder.foreign())
         return lambda: place(self._fleet.backends, need)
 
     async def _unpinned(self, request: web.Request, body: bytes | None) -> web.StreamResponse:

@@ -108,15 +108,39 @@ async def test_a_forwarded_request_is_routed_where_it_lands(
     pair = [await proxy(backends, redis_url=redis_server.url) for _ in range(2)]
     await _met(*pair)
     mark = {"X-Cache-Forwarded-By": "another replica"}
-    replicas = set()
+    replicas, served = set(), set()
     for session in range(4):
         resp = await pair[0].post("/v1/chat/completions", json=_turn(session, []), headers=mark)
         assert resp.status == 200
         replicas.add(resp.headers["X-Cache-Replica"])
+        served.add(resp.headers["X-Cache-Backend"])
     assert len(replicas) == 1
+    assert len(served) == 1  # its own backend: the other one's requests go to its home
     text = await _metrics(pair[0])
     assert metric(text, FORWARDS, outcome="received") == 4
     assert metric(text, FORWARDS, outcome="sent") == 0
-    for fake in backends:  # the marker stays between replicas
-        assert fake.received
-        assert all("X-Cache-Forwarded-By" not in headers for _, _, headers in fake.received)
+    received = [h for fake in backends for path, _, h in fake.received if "chat" in path]
+    assert len(received) == 4
+    assert all("X-Cache-Forwarded-By" not in headers for headers in received)  # between replicas
+
+
+async def test_a_replica_whose_own_backends_are_down_places_on_the_others(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """A replica places requests only on the backends it schedules, unless none of them is
+    up: then it serves from the others rather than fail."""
+    backends = [await fakes(n_slots=2) for _ in range(2)]
+    pair = [await proxy(backends, redis_url=redis_server.url) for _ in range(2)]
+    await _met(*pair)
+    mark = {"X-Cache-Forwarded-By": "another replica"}
+    first = await pair[0].post("/v1/chat/completions", json=_turn(0, []), headers=mark)
+    own = first.headers["X-Cache-Backend"]
+    await next(b for b in backends if b.url.endswith(own)).stop()
+    for _ in range(50):  # until the prober saw it go
+        page = await (await pair[0].get("/readyz")).json()
+        if own not in page["backends"]:
+            break
+        await asyncio.sleep(0.1)
+    resp = await pair[0].post("/v1/chat/completions", json=_turn(1, []), headers=mark)
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["X-Cache-Backend"] != own

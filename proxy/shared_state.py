@@ -248,9 +248,9 @@ class SharedState:
                 await self.call("renew_lease", renew, True)
             await self.refresh()
             on_change()
-            await self._heartbeat()  # after: two round trips first cost 2-replica hit rate
+            await self.heartbeat()  # after: two round trips first cost 2-replica hit rate
 
-    async def _heartbeat(self) -> None:
+    async def heartbeat(self) -> None:
         beat = self.store.heartbeat(self.owner, HEARTBEAT_TTL, self.wall())
         found = await self.call("heartbeat", beat, None)
         if found is None:

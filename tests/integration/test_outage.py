@@ -77,7 +77,7 @@ async def test_a_replica_back_first_keeps_off_the_slot_another_pinned_in_the_out
     registry = CollectorRegistry()
     a, b = replica(store, now, registry), replica(store, now)
     for r in (a, b, a):
-        await r._heartbeat()  # each has read the other
+        await r.heartbeat()  # each has read the other
     store.down = True
     await a.refresh()
     await b.refresh()  # both notice
@@ -88,12 +88,12 @@ async def test_a_replica_back_first_keeps_off_the_slot_another_pinned_in_the_out
 
     store.restart()
     await a._recover()
-    await a._heartbeat()  # the store lists only A until B's next heartbeat
+    await a.heartbeat()  # the store lists only A until B's next heartbeat
     assert not await a.take(Placement(0, (theirs,), theirs))
     await b._recover()  # B leases the slot its request still runs on
     now[0] += HEARTBEAT_TTL
-    await b._heartbeat()  # live again: A lifts the fence it put on B's part
-    await a._heartbeat()
+    await b.heartbeat()  # live again: A lifts the fence it put on B's part
+    await a.heartbeat()
     assert not a.peers.fences
     assert not await a.take(Placement(0, (theirs,), theirs))
     assert registry.get_sample_value("llama_cache_proxy_replicas_fenced") == 0
@@ -109,7 +109,7 @@ async def test_a_slot_pinned_by_two_replicas_in_an_outage_is_counted_when_it_ret
     store, now, registry = Breakable(), [100.0], CollectorRegistry()
     a, b = replica(store, now, registry), replica(store, now)
     for r in (b, a):
-        await r._heartbeat()  # B's list: B alone; A's: both
+        await r.heartbeat()  # B's list: B alone; A's: both
     store.down = True
     await a.refresh()
     await b.refresh()
@@ -131,11 +131,11 @@ async def partial_outage(now: list[float]) -> tuple[SharedState, SharedState, li
     a, b = replica(link, now), replica(Link(link.store), now)
     a.on_down = lambda backends, after: drained.append(after)
     for r in (a, b, a):
-        await r._heartbeat()
+        await r.heartbeat()
     link.down = True
     await a.refresh()  # A notices
     now[0] += HEARTBEAT_TTL
-    await b._heartbeat()  # A's heartbeat has lapsed
+    await b.heartbeat()  # A's heartbeat has lapsed
     return a, b, drained
 
 
@@ -167,14 +167,14 @@ async def test_a_replica_that_alone_loses_the_store_keeps_its_part_and_others_ke
     assert not await b.take(Placement(0, (ours,), ours))  # fenced: A may be running there
     assert await b.take(Placement(0, (1 - ours,), 1 - ours))
     now[0] += HEARTBEAT_TTL
-    await b._heartbeat()
+    await b.heartbeat()
     assert fenced_gauge(b) == 1
     assert f"replica {a.owner} lapsed" in caplog.text
 
     cut(a, False)
     await a._recover()  # A leases what it pinned, then is live again
-    await a._heartbeat()
-    await b._heartbeat()
+    await a.heartbeat()
+    await b.heartbeat()
     assert not b.peers.fences
     assert fenced_gauge(b) == 0
     assert not await b.take(Placement(0, (ours,), ours))  # now A's lease keeps B off
@@ -196,7 +196,7 @@ async def test_a_fence_ends_after_the_lease_ttl_and_holds_through_the_fencers_ow
     cut(b, False)
     await b._recover()
     now[0] += 30.0  # lease_ttl_seconds
-    await b._heartbeat()
+    await b.heartbeat()
     assert await b.take(Placement(0, (ours,), ours))
 
 
@@ -205,9 +205,9 @@ async def test_a_replica_that_shut_down_is_not_fenced() -> None:
     link = Link(InMemoryStateStore())
     a, b = replica(link, now), replica(Link(link.store), now)
     for r in (a, b, a):
-        await r._heartbeat()
+        await r.heartbeat()
     await a.leave()
-    await b._heartbeat()
+    await b.heartbeat()
     assert not b.peers.fences
     assert all([await b.take(Placement(0, (s,), s)) for s in range(2)])
 
@@ -220,7 +220,7 @@ async def test_a_lease_held_as_the_store_went_down_keeps_its_slot_until_it_expir
     store, now = Breakable(), [100.0]
     a, b = replica(store, now), replica(store, now)
     for r in (a, b, a):
-        await r._heartbeat()
+        await r.heartbeat()
     theirs = next(s for s in range(2) if not a.peers.owns(0, s, [2]))
     assert await a.take(Placement(0, (theirs,), theirs))
     store.down = True

@@ -113,7 +113,6 @@ def create_app(
             tasks = [asyncio.create_task(prober.run())] if probe_loop else []
             if shared.enabled:
                 await shared.refresh()
-                await shared.heartbeat()  # live, and its peers known, from the first request
                 tasks.append(asyncio.create_task(shared.maintain(scheduler.wake)))
             yield
             shared.stopped = True

@@ -144,14 +144,3 @@ async def test_a_replica_whose_own_backends_are_down_places_on_the_others(
     resp = await pair[0].post("/v1/chat/completions", json=_turn(1, []), headers=mark)
     assert resp.status == 200, await resp.text()
     assert resp.headers["X-Cache-Backend"] != own
-
-
-async def test_a_replica_knows_its_peers_from_its_first_request(
-    fakes: Any, proxy: Any, redis_server: Any
-) -> None:
-    """A replica beats once at start-up, before it serves: the second replica to start
-    lists the first at once, so its first request already goes to the backend's home."""
-    backends = [await fakes(n_slots=2) for _ in range(2)]
-    await proxy(backends, redis_url=redis_server.url)
-    second = await proxy(backends, redis_url=redis_server.url)
-    assert metric(await _metrics(second), "llama_cache_proxy_replicas_live") == 2

@@ -10,17 +10,14 @@ were scheduled by one replica."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from contextvars import ContextVar
 
-import aiohttp
-
 from bench.inproc import serve
 from proxy.config import Settings
-from tests.conftest import metric
+from tests.conftest import until_listed
 from tests.real.stack import RedisServer
 
 
@@ -32,26 +29,11 @@ async def serve_replicas(settings: Settings, count: int) -> AsyncIterator[Callab
         shared = Settings.model_validate({**settings.model_dump(), "redis_url": redis.url})
         async with AsyncExitStack() as stack:
             urls = [await stack.enter_async_context(serve(shared)) for _ in range(count)]
-            await _until_listed(urls)
+            await until_listed(urls)  # replicas run for days, a replay lasts seconds
             turn = itertools.count()
             yield lambda: urls[next(turn) % count]
     finally:
         redis.stop()
-
-
-async def _until_listed(urls: list[str]) -> None:
-    """Until every replica has read every other's heartbeat (and so knows each backend's
-    home): a deployment's replicas run for days, a replay lasts seconds."""
-    async with aiohttp.ClientSession() as session:
-        for _ in range(100):
-            live = []
-            for url in urls:
-                async with session.get(url + "/metrics") as resp:
-                    live.append(metric(await resp.text(), "llama_cache_proxy_replicas_live"))
-            if all(n == len(urls) for n in live):
-                return
-            await asyncio.sleep(0.1)
-    raise RuntimeError("the replicas never listed each other")
 
 
 @asynccontextmanager

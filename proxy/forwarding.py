@@ -31,7 +31,7 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.core.fleet import BackendPhase, Fleet
-from proxy.core.headers import upstream_request_headers
+from proxy.core.headers import FORWARDED_BY, upstream_request_headers
 from proxy.core.homes import home, url_of
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RECORD
@@ -40,7 +40,6 @@ from proxy.streaming import relay
 from proxy.upstream import LlamaServerClient, UpstreamConnectError
 
 log = logging.getLogger(__name__)
-FORWARDED = "X-Cache-Forwarded-By"
 RETRY_SECONDS = 5.0
 _WILDCARD = {"0.0.0.0", "::", ""}
 
@@ -122,7 +121,7 @@ class Forwarder:
     def home(self, request: web.Request, backend: Callable[[], int | None]) -> str | None:
         """The URL to forward this request to, or None to route it here; ``backend``: where
         it would go (only asked when forwarding is possible)."""
-        if FORWARDED in request.headers:
+        if FORWARDED_BY in request.headers:
             self._metrics.forwards.labels("received").inc()
             return None
         homes = self._homes()
@@ -138,7 +137,7 @@ class Forwarder:
             for name, value in upstream_request_headers(request.headers.items())
             if name.lower() != "x-request-id"
         ]
-        headers += [(FORWARDED, self._shared.owner), ("X-Request-Id", record.request_id)]
+        headers += [(FORWARDED_BY, self._shared.owner), ("X-Request-Id", record.request_id)]
         try:
             async with self.client.send(
                 url, request.path, method=request.method, body=body, headers=headers

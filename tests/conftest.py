@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
@@ -89,6 +91,21 @@ def delta_text(events: list[dict[str, Any]]) -> str:
     return "".join(
         (e["choices"][0]["delta"].get("content") or "") for e in events if e.get("choices")
     )
+
+
+async def until_listed(urls: list[str]) -> None:
+    """Until every proxy replica at ``urls`` has read every other's heartbeat (and so knows
+    each backend's home)."""
+    async with aiohttp.ClientSession() as session:
+        for _ in range(100):
+            live = []
+            for url in urls:
+                async with session.get(url + "/metrics") as resp:
+                    live.append(metric(await resp.text(), "llama_cache_proxy_replicas_live"))
+            if all(n == len(urls) for n in live):
+                return
+            await asyncio.sleep(0.1)
+    raise AssertionError("the replicas never listed each other")
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -24,12 +24,13 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+FORWARDED_BY = "X-Cache-Forwarded-By"  # between replicas only (``proxy.forwarding``)
 _REQUEST_DROP = HOP_BY_HOP | {
     "host",
     "content-length",
     "accept-encoding",
     "x-conversation-id",
-    "x-cache-forwarded-by",  # between replicas only (``proxy.forwarding``)
+    FORWARDED_BY.lower(),
 }
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date"}
 

@@ -7,7 +7,7 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
-from tests.conftest import delta_text, events_to_done, metric
+from tests.conftest import delta_text, events_to_done, metric, until_listed
 from tests.integration.test_routing_fake import SYSTEM
 from tests.real.stack import free_port
 
@@ -19,13 +19,7 @@ async def _metrics(client: Any) -> str:
 
 
 async def _met(*clients: Any) -> None:
-    """Until every replica has read every other's heartbeat."""
-    for _ in range(50):
-        texts = [await _metrics(c) for c in clients]
-        if all(metric(t, "llama_cache_proxy_replicas_live") == len(clients) for t in texts):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("the replicas never listed each other")
+    await until_listed([str(c.make_url("")).rstrip("/") for c in clients])
 
 
 def _turn(session: int, history: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

@@ -9,14 +9,13 @@ import os
 import random
 import subprocess
 import sys
-import time
 import urllib.request
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.conftest import delta_text, events_to_done, metric
+from tests.conftest import delta_text, events_to_done, metric, until_listed
 from tests.real.stack import _wait_http, free_port
 
 SYSTEM = (
@@ -207,7 +206,7 @@ def test_two_proxy_processes_share_redis_and_keep_a_session(
     try:
         for port, proc in zip(ports, procs, strict=True):
             _wait_http(f"http://127.0.0.1:{port}/readyz", 30, proc)
-        _until_listed(ports)
+        asyncio.run(until_listed([f"http://127.0.0.1:{port}" for port in ports]))
         history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(1)}]
         placed, replicas = [], set()
         previous = 0
@@ -243,16 +242,6 @@ def test_two_proxy_processes_share_redis_and_keep_a_session(
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as resp:
         return str(resp.read().decode())
-
-
-def _until_listed(ports: list[int]) -> None:
-    """Until every proxy has read every other's heartbeat."""
-    for _ in range(100):
-        pages = [_get(f"http://127.0.0.1:{port}/metrics") for port in ports]
-        if all(metric(p, "llama_cache_proxy_replicas_live") == len(ports) for p in pages):
-            return
-        time.sleep(0.1)
-    raise AssertionError("the proxies never listed each other")
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:

@@ -6,9 +6,13 @@ load generator. For each concurrency, closed-loop workers send small requests st
 fake and then through the proxy; the table shows latency percentiles of both and the
 difference (the proxy's added latency), time to first byte for streams, and requests/s.
 ``--store redis`` runs the proxy on a fresh redis-server (shared state, as replicas do);
-``--store memory redis`` measures both proxies in the same run.
+``--store memory redis`` measures both proxies in the same run. ``--store forwarded`` runs two
+proxy replicas on one redis-server and sends the load to the one that is not the backend's home,
+so every request takes the forwarded hop (``proxy.forwarding``): its row minus the ``redis``
+row is what that hop adds.
 
-    python -m bench.overhead [--requests 3000] [--concurrency 1 16 64] [--store memory redis]
+    python -m bench.overhead [--requests 3000] [--concurrency 1 16 64] \
+        [--store memory redis forwarded]
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import aiohttp
 
 from bench.results_io import print_markdown
+from tests.conftest import metric, until_listed
 from tests.real.stack import RedisServer, _wait_http, free_port
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -93,25 +98,53 @@ def run(requests: int, concurrencies: list[int], stores: list[str]) -> list[dict
         "--slots",
         str(slots),
     ]
-    redis = RedisServer().start() if "redis" in stores else None
+    redis = RedisServer().start() if {"redis", "forwarded"} & set(stores) else None
     try:
         with _process(fake_args, fake + "/health"):
             for store in stores:
-                proxy_port = free_port()
-                proxy = f"http://127.0.0.1:{proxy_port}"
-                proxy_args = [
-                    *(sys.executable, "-m", "proxy", "serve", "--backend", fake),
-                    *("--listen", f"127.0.0.1:{proxy_port}"),
-                ]
-                if store == "redis":
-                    assert redis is not None
-                    proxy_args += ["--redis-url", redis.url]
-                with _process(proxy_args, proxy + "/readyz"):
+                with ExitStack() as stack:
+                    replicas = 2 if store == "forwarded" else 1
+                    urls = [
+                        _proxy(stack, fake, redis.url if redis and store != "memory" else None)
+                        for _ in range(replicas)
+                    ]
+                    proxy = _forwarder(urls) if replicas > 1 else urls[0]
                     rows += _measure(fake, proxy, store, requests, concurrencies)
     finally:
         if redis is not None:
             redis.stop()
     return rows
+
+
+def _proxy(stack: ExitStack, fake: str, redis_url: str | None) -> str:
+    """A proxy process in front of ``fake`` (on ``redis_url``, if any); returns its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [
+        *(sys.executable, "-m", "proxy", "serve", "--backend", fake),
+        *("--listen", f"127.0.0.1:{port}"),
+        *(("--redis-url", redis_url) if redis_url else ()),
+    ]
+    stack.enter_context(_process(args, url + "/readyz"))
+    return url
+
+
+def _forwarder(urls: list[str]) -> str:
+    """Of two replicas, the one that forwards the backend's requests to the other."""
+
+    async def sent(url: str) -> float:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/chat/completions", json=BODY) as resp:
+                await resp.read()
+            async with session.get(url + "/metrics") as resp:
+                text = await resp.text()
+        return metric(text, "llama_cache_proxy_forwarded_requests_total", outcome="sent")
+
+    asyncio.run(until_listed(urls))
+    chosen = [url for url in urls if asyncio.run(sent(url)) > 0]
+    if len(chosen) != 1:
+        raise SystemExit(f"expected one forwarding replica, found {len(chosen)}")
+    return chosen[0]
 
 
 def _measure(
@@ -192,7 +225,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument(
-        "--store", nargs="+", choices=["memory", "redis"], default=["memory"], help="proxy state"
+        "--store",
+        nargs="+",
+        choices=["memory", "redis", "forwarded"],
+        default=["memory"],
+        help="proxy state (forwarded: two replicas, every request forwarded once)",
     )
     args = parser.parse_args()
     print_table(run(args.requests, args.concurrency, args.store))

@@ -32,7 +32,7 @@ from aiohttp import web
 from proxy.config import Settings
 from proxy.core.fleet import BackendPhase, Fleet
 from proxy.core.headers import FORWARDED_BY, upstream_request_headers
-from proxy.core.homes import home, url_of
+from proxy.core.homes import advertisers, home
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RECORD
 from proxy.shared_state import SharedState
@@ -100,8 +100,10 @@ class Forwarder:
     def _homes(self) -> Callable[[int], str | None] | None:
         """Each backend's home URL (None: this replica), or None when not forwarding."""
         shared = self._shared
-        if not shared.enabled or not shared.up or url_of(shared.owner) is None:
+        if not shared.enabled or not shared.up:
             return None
+        if len(advertisers(shared.peers.live, shared.owner)) < 2:
+            return None  # alone: every backend is this replica's (and no target is needed)
         now = self._clock()
         down = {url for url, until in self._unreachable.items() if now < until}
         return lambda index: home(index, shared.peers.live, shared.owner, down)

@@ -46,15 +46,21 @@ def url_of(replica: str) -> str | None:
     return url if sep else None
 
 
+def advertisers(live: Iterable[str], me: str) -> list[str]:
+    """The replicas homes are split between, sorted: the live ones that advertise a URL,
+    this one included when it does; fewer than two means no replica forwards."""
+    if url_of(me) is None:
+        return []
+    return sorted({r for r in live if url_of(r) is not None} | {me})
+
+
 def home(
     backend: int, live: Iterable[str], me: str, unreachable: Collection[str] = ()
 ) -> str | None:
     """The URL of the replica that schedules ``backend``'s requests, or None to route here:
     the home is this replica, none is known, or it is ``unreachable`` (a URL that just failed
     to connect; the split is kept so other backends keep their homes)."""
-    if url_of(me) is None:
-        return None
-    replicas = sorted({r for r in live if url_of(r) is not None} | {me})
+    replicas = advertisers(live, me)
     if len(replicas) < 2:
         return None
     chosen = replicas[backend % len(replicas)]

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from proxy.config import Settings
 from proxy.core.fleet import NoPlacement, Placement
-from proxy.core.homes import home, replica_id, target, url_of
+from proxy.core.homes import advertisers, home, replica_id, target, url_of
 from proxy.core.routing import Decision, Reason
 from proxy.forwarding import advertised_url
 
@@ -27,6 +27,12 @@ def test_no_forwarding_alone_without_a_url_or_to_an_unreachable_home() -> None:
     assert home(1, [A, B], "ccc") is None  # this replica advertises no URL
     assert home(1, [A, "ccc"], A) is None  # nor does the other: it is no one's home
     assert home(1, [A, B], A, unreachable={url_of(B) or ""}) is None
+
+
+def test_advertisers_are_the_live_replicas_with_a_url_and_this_one() -> None:
+    assert advertisers([B, "ccc"], A) == [A, B]
+    assert advertisers([A], A) == [A]  # alone: the forwarder skips working out a target
+    assert advertisers([A, B], "ccc") == []  # this replica forwards nothing
 
 
 @given(st.sets(st.text("abcdef", min_size=1, max_size=4), min_size=2, max_size=6), st.data())

@@ -59,7 +59,7 @@ def test_prometheus_config_and_alert_rules_check() -> None:
         [promtool, "check", "config", str(config)], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "5 rules found" in done.stdout
+    assert "6 rules found" in done.stdout
 
 
 def _manifests() -> list[dict[str, Any]]:

@@ -22,7 +22,10 @@ heartbeat lapsed (it lost the store, or died); so when a replica vanishes from t
 without having left (a replica that shuts down says so, ``StateStore.leave``), each other
 replica keeps off its part of the split it was last listed in (``Fence``: that list), for
 ``hold`` seconds or until it is live again (it leases its local claims as it reconnects,
-before its next heartbeat). The replica that lost the store claims its part only once its
+before its next heartbeat), or until a live replica advertises the URL it advertised
+(``core.homes``: one address cannot serve two processes, so it was restarted in its place
+and the vanished one is dead — a compose container or a service restarted in place gets its
+address back). The replica that lost the store claims its part only once its
 peers must have read its heartbeat lapse (``Peers.claim_from``: ``HEARTBEAT_TTL`` +
 ``FENCE_MARGIN`` after its last heartbeat); until then it pins only slots whose leases it
 held as the store went away (``Peers.went_down``: they stand in the store, so peers keep off
@@ -40,6 +43,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from proxy.core.homes import url_of
 
 HEARTBEAT_TTL = 1.0  # seconds a replica counts as live after its last heartbeat (beats: 0.5 s)
 # after that, until peers surely read the lapse (a maintenance round, and clock skew)
@@ -85,10 +90,16 @@ def fences(
 ) -> dict[str, Fence]:
     """The fences after a heartbeat read ``live`` (the list before it: ``before``; replicas
     that shut down: ``left``): one per replica of ``before`` gone from ``live`` without
-    leaving, kept until it is live again or ``hold`` seconds have passed."""
-    kept = {r: f for r, f in current.items() if r not in live and now < f.since + hold}
+    leaving, kept until it is live again, another live replica advertises its URL (it was
+    restarted there) or ``hold`` seconds have passed."""
+    taken = {url_of(r) for r in live} - {None}
+
+    def gone(replica: str) -> bool:  # dead or lost the store, not replaced
+        return replica not in live and url_of(replica) not in taken
+
+    kept = {r: f for r, f in current.items() if gone(r) and now < f.since + hold}
     for replica in before:
-        if replica != me and replica not in live and replica not in left and replica not in kept:
+        if replica != me and gone(replica) and replica not in left and replica not in kept:
             kept[replica] = Fence(replica, now, tuple(before))
     return kept
 

@@ -55,13 +55,18 @@ class Link:
         return call
 
 
-def replica(store: Any, now: list[float], registry: CollectorRegistry | None = None) -> SharedState:
+def replica(
+    store: Any,
+    now: list[float],
+    registry: CollectorRegistry | None = None,
+    url: str | None = None,
+) -> SharedState:
     fleet = Fleet(["b0"])
     idle = tuple(SlotProbe(i, False, 0, 1) for i in range(2))
     fleet.apply_probe(0, Probe(BackendPhase.READY, idle), now=0.0)
     metrics = ProxyMetrics(registry or CollectorRegistry())
     clock = lambda: now[0]  # noqa: E731
-    return SharedState(store, fleet, metrics, clock, enabled=True, clock=clock)
+    return SharedState(store, fleet, metrics, clock, enabled=True, clock=clock, url=url)
 
 
 async def test_a_replica_back_first_keeps_off_the_slot_another_pinned_in_the_outage(
@@ -210,6 +215,24 @@ async def test_a_replica_that_shut_down_is_not_fenced() -> None:
     await b.heartbeat()
     assert not b.peers.fences
     assert all([await b.take(Placement(0, (s,), s)) for s in range(2)])
+
+
+async def test_a_replica_restarted_at_its_address_lifts_the_fence_on_its_predecessor() -> None:
+    """A crashed replica's part is kept off, but once a new replica advertises its URL it
+    is known dead: its peers pin the whole fleet again without waiting the lease TTL."""
+    now, store = [100.0], InMemoryStateStore()
+    a, b = (replica(store, now, url=f"http://10.0.0.{i}:8000") for i in (1, 2))
+    for r in (a, b, a):
+        await r.heartbeat()
+    (theirs,) = [s for s in range(2) if b.peers.owns(0, s, [2])]
+    now[0] += HEARTBEAT_TTL + 0.1  # b crashed: no heartbeat, no leave
+    await a.heartbeat()
+    assert not await a.take(Placement(0, (theirs,), theirs))
+    restarted = replica(store, now, url="http://10.0.0.2:8000")
+    await restarted.heartbeat()
+    await a.heartbeat()
+    assert not a.peers.fences
+    assert await a.take(Placement(0, (theirs,), theirs))
 
 
 async def test_a_lease_held_as_the_store_went_down_keeps_its_slot_until_it_expires() -> None:

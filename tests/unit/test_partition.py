@@ -43,6 +43,17 @@ def test_a_replica_whose_heartbeat_lapsed_is_fenced_and_one_that_left_is_not() -
     assert fences(["a"], ["a"], set(), again, "a", now=40.0, hold=30.0) == {}  # held long enough
 
 
+def test_a_replica_restarted_at_the_same_url_lifts_its_predecessors_fence() -> None:
+    a, b, b2 = "a@http://h1:8000", "b@http://h2:8000", "b2@http://h2:8000"
+    found = fences([a, b], [a], set(), {}, a, now=10.0, hold=30.0)
+    assert set(found) == {b}  # b crashed
+    assert fences([a], [a, b2], set(), found, a, now=11.0, hold=30.0) == {}  # back at h2
+    assert fences([a, b], [a, b2], set(), {}, a, now=11.0, hold=30.0) == {}  # seen at once
+    other = "c@http://h3:8000"  # a replica at another address does not vouch for b
+    assert set(fences([a], [a, other], set(), found, a, now=11.0, hold=30.0)) == {b}
+    assert set(fences([a, "b"], [a, "b2"], set(), {}, a, now=11.0, hold=30.0)) == {"b"}  # no URL
+
+
 def test_a_fence_covers_the_vanished_replicas_part_of_the_split_it_was_listed_in() -> None:
     counts, peers = [2, 2], ("r-a", "r-b")
     fence = Fence("r-b", 10.0, peers)

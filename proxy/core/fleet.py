@@ -1,21 +1,7 @@
-"""The proxy's view of every backend and slot, and where the next request may run.
+"""How the proxy's view of every backend and slot changes: claims, releases, probes,
+other replicas' leases and records.
 
-State per backend: a phase (UNKNOWN until probed, READY, LOADING while llama-server loads
-its model, DOWN when unreachable), an ``epoch`` that increases whenever the backend's slot
-contents can no longer be trusted (it came back, restarted, or changed its slot count), and
-its slots. Each slot is in one phase:
-
-- IDLE: nothing of ours or anyone's runs on it; it may be pinned.
-- BUSY: a request of ours runs on it.
-- DRAINING: a request of ours was aborted; llama-server notices a closed connection only by
-  polling (about 1 s), so the slot stays unpinnable until ``/slots`` shows it idle.
-- EXTERNAL: ``/slots`` shows it processing but we sent nothing: someone else uses the server.
-- REMOTE: another proxy replica holds its lease (shared state in Redis). When the store goes
-  away that lease can no longer be seen to end: the slot drains like an aborted one.
-
-The one safety rule, from llama-server's busy-slot pinning bug (a request pinned with
-``id_slot`` to a slot that is generating can overwrite that slot's KV with another
-conversation's): only an IDLE slot is ever placed. Every other phase blocks it.
+The state itself (backend and slot phases, the one safety rule) is in ``core.slots``.
 
 Restart detection from probes: no boot id, so a restart is inferred when a backend returns to
 READY from another phase, its slot count changes, or the highest ``id_task`` it reports goes
@@ -30,107 +16,35 @@ prompt shares a quarter of it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 
 from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.ram_cache import Parked
+from proxy.core.slots import (
+    BackendPhase,
+    BackendState,
+    NoPlacement,
+    Placement,
+    Probe,
+    SlotPhase,
+    SlotProbe,
+    SlotState,
+)
+
+__all__ = [
+    "GHOST_LIMIT",
+    "BackendPhase",
+    "BackendState",
+    "Fleet",
+    "NoPlacement",
+    "Placement",
+    "Probe",
+    "SlotPhase",
+    "SlotProbe",
+    "SlotState",
+]
 
 GHOST_LIMIT = 256
-
-
-class BackendPhase(StrEnum):
-    UNKNOWN = "unknown"
-    READY = "ready"
-    LOADING = "loading"
-    DOWN = "down"
-
-
-class SlotPhase(StrEnum):
-    IDLE = "idle"
-    BUSY = "busy"
-    DRAINING = "draining"
-    EXTERNAL = "external"
-    REMOTE = "remote"
-
-
-@dataclass(frozen=True)
-class SlotProbe:
-    id: int
-    processing: bool
-    n_tokens: int
-    task_id: int
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What one round of ``/health`` + ``/props`` + ``/slots`` said about a backend."""
-
-    phase: BackendPhase
-    slots: tuple[SlotProbe, ...] = ()
-
-
-@dataclass
-class SlotState:
-    id: int
-    phase: SlotPhase = SlotPhase.IDLE
-    last_used: float = 0.0
-    n_tokens: int = 0  # real KV length, from responses and /slots
-    content: Fingerprint | None = None  # what the KV holds, as a prompt fingerprint
-    pending: Fingerprint | None = None  # the prompt in flight on it, while BUSY
-    record_at: float = 0.0  # wall time of the shared record this content matches
-    owner: str | None = None  # tenant whose request wrote the KV (cache isolation)
-
-    @property
-    def expected(self) -> Fingerprint | None:
-        """What the KV will hold when the request in flight (if any) is done."""
-        return self.pending if self.pending is not None else self.content
-
-
-@dataclass
-class BackendState:
-    index: int
-    label: str
-    phase: BackendPhase = BackendPhase.UNKNOWN
-    epoch: int = 0
-    max_task_id: int = -1
-    exact: bool = False  # reuse only as an exact extension (hybrid/recurrent/SWA models)
-    ram: bool = True  # runs llama-server's host-RAM prompt cache (default --cache-ram)
-    ram_tokens: int | None = None  # what that cache holds, in tokens (None: not bounded)
-    prefill_tps: float = 1000.0  # prompt tokens computed per second (timings.prompt_ms, EMA)
-    token_scale: float | None = None  # its tokens per fingerprint estimate (EMA)
-    slots: list[SlotState] = field(default_factory=list)
-    ghosts: list[Parked] = field(default_factory=list)  # oldest first; replaced, not mutated
-
-    def idle_slots(self) -> list[SlotState]:
-        return [s for s in self.slots if s.phase is SlotPhase.IDLE]
-
-    def busy_count(self) -> int:
-        return sum(1 for s in self.slots if s.phase is not SlotPhase.IDLE)
-
-    def from_estimate(self, tokens: int) -> int:  # in this server's tokens (learned scale)
-        return round(tokens * (self.token_scale or 1.0))
-
-    def kv_tokens(self, content: Fingerprint, n_tokens: int = 0) -> int:
-        return n_tokens if n_tokens > 0 else self.from_estimate(content.total)  # known, or est.
-
-    def parked(self, content: Fingerprint, at: float, n_tokens: int = 0) -> Parked:
-        return Parked(content, at, self.kv_tokens(content, n_tokens))
-
-
-@dataclass(frozen=True)
-class Placement:
-    backend: int
-    slots: tuple[int, ...]
-    pin: int | None  # the id_slot to send; None when the server must choose
-    loads: Parked | None = None  # the RAM-cache entry the server is predicted to load
-
-
-class NoPlacement(StrEnum):
-    BUSY = "busy"  # a READY backend exists; wait for a slot
-    LOADING = "loading"  # none READY, some LOADING or not yet probed; wait for the model
-    DOWN = "down"  # nothing is up: fail now
 
 
 class Fleet:
@@ -175,10 +89,7 @@ class Fleet:
                 self._park(backend, entry, content)
                 backend.ghosts = ram_cache.without(backend.ghosts, placement.loads)
             slot.last_used = now
-        if backend.ram:  # --cache-idle-slots: every task saves each idle slot's content
-            for idle in backend.idle_slots():
-                if idle.content is not None:
-                    self._park(backend, backend.parked(idle.content, idle.last_used, idle.n_tokens))
+        self._save_idle(backend)
 
     def release(
         self,
@@ -218,6 +129,12 @@ class Fleet:
                 self._park(backend, entry, slot.content)
             slot.n_tokens = n_tokens or 0  # a length the response did not report is unknown
 
+    def _save_idle(self, backend: BackendState) -> None:
+        """A task started: with ``--cache-idle-slots`` the server saves each idle slot."""
+        for idle in backend.idle_slots() if backend.ram else ():
+            if idle.content is not None:
+                self._park(backend, backend.parked(idle.content, idle.last_used, idle.n_tokens))
+
     def _park(
         self, backend: BackendState, before: Parked | None, after: Fingerprint | None = None
     ) -> None:
@@ -245,17 +162,28 @@ class Fleet:
         wall: float,
     ) -> None:
         """Fold other replicas' leases (a leased EXTERNAL slot is theirs; an ended lease: just
-        used) and newer slot records in; a newer record dates the last use (both clocks, now)."""
-        for slot in self.backends[index].slots:
+        used) and newer slot records in; a newer record dates the last use (both clocks, now).
+        Their tasks change the backend's RAM cache as ours do (``claim``): a task they
+        started saves every idle slot, and content their request replaced is parked when
+        the server's hook ran (so a replica that forwards by its own view of a backend it
+        does not schedule still finds the sessions parked there)."""
+        backend = self.backends[index]
+        started = False
+        for slot in backend.slots:
             if slot.phase in (SlotPhase.IDLE, SlotPhase.EXTERNAL) and slot.id in leased:
-                slot.phase = SlotPhase.REMOTE
+                slot.phase, started = SlotPhase.REMOTE, True
             elif slot.phase is SlotPhase.REMOTE and slot.id not in leased:
                 slot.phase, slot.last_used = SlotPhase.IDLE, max(slot.last_used, now)
             found = records.get(slot.id)
             if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
+                old, old_tokens, used = slot.content, slot.n_tokens, slot.last_used
                 slot.content, slot.n_tokens, slot.record_at = found
                 slot.last_used = max(slot.last_used, now - max(0.0, wall - found[2]))
                 slot.owner = None  # written through another replica: tenant unknown
+                if backend.ram and old is not None and ram_cache.hook_runs(old, found[0]):
+                    self._park(backend, backend.parked(old, used, old_tokens), found[0])
+        if started:
+            self._save_idle(backend)
 
     def mark_down(self, index: int) -> None:
         self.apply_probe(index, Probe(BackendPhase.DOWN), now=0.0)

@@ -396,3 +396,29 @@ async def test_a_replica_reads_each_slot_record_once() -> None:
     await two.refresh()
     assert store.sent[-1] == 1
     assert fleet.backends[0].slots[0].content == Fingerprint((1, 2, 4), (10, 20, 30))
+
+
+async def test_a_replica_models_the_ram_cache_of_slots_another_replica_replaced(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Replica B's request replaces session X's content on the one slot; llama-server parks
+    X in its RAM cache. Replica A learns of it only from B's slot record, and must model the
+    park as if it had placed the request itself: X's next turn through A is predicted to load
+    it (before, A forgot X and predicted a cold prompt, so it could route X elsewhere)."""
+    backend = await fakes(n_slots=1)
+    a = await proxy([backend], redis_url=redis_server.url, replica_url="off")
+    b = await proxy([backend], redis_url=redis_server.url, replica_url="off")
+    x = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x " * 200}]
+    y = [{"role": "system", "content": "other " * 150}, {"role": "user", "content": "y " * 200}]
+    first = await (await a.post("/v1/chat/completions", json=chat_of(x))).json()
+    assert (await b.post("/v1/chat/completions", json=chat_of(y))).status == 200
+    x += [first["choices"][0]["message"], {"role": "user", "content": "more " * 20}]
+    resp = await a.post("/v1/chat/completions", json=chat_of(x))
+    body = await resp.json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 300  # loaded from RAM
+    predicted = int(resp.headers["X-Cache-Predicted-Tokens"])
+    assert predicted > 300, (resp.headers["X-Cache-Route"], predicted)
+
+
+def chat_of(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"messages": messages, "max_tokens": 4}

@@ -231,6 +231,27 @@ def test_another_replicas_newer_record_dates_the_slots_last_use() -> None:
     assert slot.last_used == 49.5  # an older record changes nothing
 
 
+def test_another_replicas_tasks_change_the_ram_cache_as_ours_do() -> None:
+    """Another replica starts a task on slot 1: the server saves idle slot 0 to RAM. Its
+    record then shows slot 1 holding an unrelated prompt: what slot 1 held was parked."""
+    x, y, z = (
+        fingerprint_chat({"messages": [{"role": "user", "content": w * 60}]}, len)
+        for w in ("x ", "y ", "z ")
+    )
+    fleet = ready_fleet(2)
+    backend = fleet.backends[0]
+    for slot, content in zip(backend.slots, (x, y), strict=True):
+        slot.content, slot.record_at = content, 900.0
+    fleet.fold_shared(0, {1}, {}, now=5.0, wall=1000.0)
+    assert [g.content for g in backend.ghosts] == [x]  # the idle slot, saved as the task began
+    fleet.fold_shared(0, set(), {1: (z, 60, 1000.5)}, now=6.0, wall=1000.6)
+    assert [g.content for g in backend.ghosts] == [x, y]
+    assert backend.slots[1].content == z
+    backend.ram = False  # no RAM cache: nothing is parked
+    fleet.fold_shared(0, set(), {1: (x, 60, 1001.0)}, now=7.0, wall=1001.1)
+    assert [g.content for g in backend.ghosts] == [x, y]
+
+
 def test_a_slot_someone_else_just_used_counts_as_just_used() -> None:
     """/slots shows a slot we did not pin processing, then idle: someone's request (another
     replica's, whose record brings the content next) left it at the probe, not when we last

@@ -120,15 +120,26 @@ class Forwarder:
             return frozenset()
         return foreign
 
-    def home(self, request: web.Request, backend: Callable[[], int | None]) -> str | None:
+    def home(
+        self, request: web.Request, backend: Callable[[frozenset[int]], int | None]
+    ) -> str | None:
         """The URL to forward this request to, or None to route it here; ``backend``: where
-        it would go (only asked when forwarding is possible)."""
+        it would go, given the backends other replicas schedule (which lose ties: no hop for
+        an equal choice; only asked when forwarding is possible)."""
         if FORWARDED_BY in request.headers:
             self._metrics.forwards.labels("received").inc()
             return None
         homes = self._homes()
-        index = backend() if homes is not None else None
+        index = backend(self.foreign()) if homes is not None else None
         return None if homes is None or index is None else homes(index)
+
+    async def forward(
+        self, request: web.Request, body: bytes, backend: Callable[[frozenset[int]], int | None]
+    ) -> web.StreamResponse | None:
+        """The response of the home replica this request was relayed to, or None to route
+        it here (``home``, ``send``)."""
+        url = self.home(request, backend)
+        return None if url is None else await self.send(request, body, url)
 
     async def send(self, request: web.Request, body: bytes, url: str) -> web.StreamResponse | None:
         """Relay the request through the replica at ``url``; None when it cannot be reached."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -123,11 +124,10 @@ class ProxyHandlers:
         plan = None
         if self._settings.routing.prefix_aware and not need.exclusive and need.slot is None:
             plan = await self._router.plan(request, parsed.data)
-            home = self._forwarder.home(request, lambda: self._router.target(plan))
-            if home is not None:
-                forwarded = await self._forwarder.send(request, raw, home)
-                if forwarded is not None:
-                    return forwarded
+            target = partial(self._router.target, plan)
+            forwarded = await self._forwarder.forward(request, raw, target)
+            if forwarded is not None:  # (its backend's home replica scheduled it)
+                return forwarded
             await self._router.prepare(plan, parsed.data, parsed.prefix_cache)
         for attempt in (1, 2):
             placement = await self._leased(plan, need)

@@ -162,9 +162,10 @@ class Router:
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
         return Plan(fp, chat, key, hint, wait_until, tenant=tenant, segments=segments)
 
-    def target(self, plan: Plan) -> int | None:
-        """The backend the request would be placed on, or wait for, now (disk offers aside)."""
-        return target(self._route(plan, self._clock()))
+    def target(self, plan: Plan, remote: frozenset[int]) -> int | None:
+        """The backend the request would be placed on, or wait for, now (disk offers aside;
+        ``remote``: backends another replica schedules, which lose ties)."""
+        return target(self._route(plan, self._clock(), remote=remote))
 
     def _route(
         self,
@@ -173,6 +174,7 @@ class Router:
         allow_wait: bool = True,
         avoid: frozenset[int] = frozenset(),
         disk: DiskPlan | None = None,
+        remote: frozenset[int] = frozenset(),
     ) -> Decision | NoPlacement:
         hold = self.returns.hold(now)
         self._metrics.slot_hold.set(hold)
@@ -188,6 +190,7 @@ class Router:
             queued=self.queued(),
             hold=hold,
             views=plan.views,
+            remote=remote,
         )
 
     async def prepare(self, plan: Plan, body: dict[str, Any], scope: Scope | None) -> None:

@@ -46,7 +46,7 @@ Only IDLE slots are placed (property-tested); ties break by backend index and sl
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -99,9 +99,19 @@ def _imbalanced(loads: Sequence[int], params: RoutingParams) -> bool:
     return high - low > params.balance_abs and high > params.balance_rel * low
 
 
-def _rank(candidate: Candidate) -> tuple[float, int, int, float, int]:
-    c = candidate
-    return (c.score, -c.load, -c.backend.index, -c.slot.last_used, -c.slot.id)
+Rank = tuple[float, int, bool, int, float, int]
+
+
+def _ranking(remote: frozenset[int]) -> Callable[[Candidate], Rank]:
+    """Order candidates by score, then the less loaded backend, then one this replica
+    schedules itself (``remote``: backends another replica schedules; no forwarding hop for
+    an equal choice), then the lower backend index, the least recently used slot."""
+
+    def rank(c: Candidate) -> Rank:
+        own = c.backend.index not in remote
+        return (c.score, -c.load, own, -c.backend.index, -c.slot.last_used, -c.slot.id)
+
+    return rank
 
 
 def _cold(
@@ -109,13 +119,14 @@ def _cold(
     ready: Sequence[BackendState],
     params: RoutingParams,
     reason: Reason,
+    rank: Callable[[Candidate], Rank],
 ) -> Decision:
     """``options``: every idle slot not held, already scored by ``route``; ``ready``: the
     backends with an idle slot (held or not), whose least load sets the balance limit."""
     least = min(b.busy_count() for b in ready)
     limit = least if reason is Reason.BALANCE else least + params.balance_abs
     balanced = [c for c in options if c.load <= limit]
-    return _place(max(balanced or options, key=_rank), reason)
+    return _place(max(balanced or options, key=rank), reason)
 
 
 def _place(candidate: Candidate, reason: Reason, key: str | None = None) -> Decision:
@@ -161,10 +172,12 @@ def route(
     queued: int = 0,
     hold: float = 0.0,
     views: dict[int, RamView] | None = None,
+    remote: frozenset[int] = frozenset(),
 ) -> Decision | NoPlacement:
     """The decision for ``fp``; ``disk``: per backend, the best snapshot it could restore;
     ``queued``: requests waiting for a slot (this one included, if it waits); ``hold``: seconds
-    a freed slot is held for its session; ``views``: the request's RAM views, memo updated."""
+    a freed slot is held for its session; ``views``: the request's RAM views, memo updated;
+    ``remote``: backends another replica schedules (ties go to the others)."""
     disk = disk or {}
     usable = [b for b in backends if b.index not in avoid]
     ready = [b for b in usable if b.phase is BackendPhase.READY and b.idle_slots()]
@@ -193,7 +206,8 @@ def route(
         until = min(held_until(c.backend, c.slot, hold) for c in idle)
         return Decision(None, Reason.WAIT, 0, _slot(idle[0]), key, until=until)
     idle = [c for c in idle if _slot(c) not in spared]
-    best = max(idle, key=_rank, default=None)
+    rank = _ranking(remote)
+    best = max(idle, key=rank, default=None)
     pressed = idle_count(up) < queued  # idle slots go to waiters anyway
     waiting = worth_waiting(fp, up, best, params, ram, pressed, spared, now) if allow_wait else None
     if waiting is None and allow_wait and best is not None:
@@ -206,10 +220,10 @@ def route(
     kept = best.extends or best.reuse >= significant(fp, params)
     overloaded = best.load > min(loads) + params.balance_abs and not kept
     if _imbalanced(loads, params) and overloaded:
-        return _with_key(_cold(idle, ready, params, Reason.BALANCE), key)
+        return _with_key(_cold(idle, ready, params, Reason.BALANCE, rank), key)
     if best.reuse >= hit_floor(fp, params) and best.score > 0:
         return _place(best, Reason.PREFIX, key)
-    cold = _cold(idle, ready, params, Reason.COLD)
+    cold = _cold(idle, ready, params, Reason.COLD, rank)
     if cold.predicted >= hit_floor(fp, params):  # none scores; the least bad holds the prefix
         cold = replace(cold, reason=Reason.DISK if cold.restore else Reason.PREFIX)
     return _with_key(cold, key)

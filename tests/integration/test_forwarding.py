@@ -138,3 +138,29 @@ async def test_a_replica_whose_own_backends_are_down_places_on_the_others(
     resp = await pair[0].post("/v1/chat/completions", json=_turn(1, []), headers=mark)
     assert resp.status == 200, await resp.text()
     assert resp.headers["X-Cache-Backend"] != own
+
+
+async def test_a_burst_of_new_sessions_is_spread_over_every_replicas_backends(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Four new sessions at once, two through each replica: each replica works out its
+    requests' targets from one read of the shared view, in which every slot is empty, so the
+    choices tie. A tie goes to a backend this replica schedules (no hop): each replica keeps
+    its two. Before, every target was the lowest backend index: one replica's backend took
+    all four, two of them waiting for its slots while the other backend sat idle."""
+    backends = [await fakes(n_slots=2, gen_s_per_token=0.05) for _ in range(2)]
+    pair = [await proxy(backends, redis_url=redis_server.url) for _ in range(2)]
+    await _met(*pair)
+
+    async def send(session: int) -> Any:
+        body = _turn(session, [], max_tokens=4)
+        resp = await pair[session % 2].post("/v1/chat/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        return resp.headers
+
+    found = await asyncio.gather(*(send(s) for s in range(4)))
+    per_backend = defaultdict(int)
+    for headers in found:
+        per_backend[headers["X-Cache-Backend"]] += 1
+        assert "wait" not in headers["X-Cache-Route"], headers["X-Cache-Route"]
+    assert sorted(per_backend.values()) == [2, 2], dict(per_backend)

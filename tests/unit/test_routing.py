@@ -71,6 +71,21 @@ def test_cold_request_prefers_an_empty_slot_within_load_tolerance() -> None:
     assert d.placement == Placement(0, (1,), 1)
 
 
+def test_a_tie_goes_to_a_backend_this_replica_schedules() -> None:
+    """Equal choices on backends another replica schedules (``remote``) lose the tie: no
+    forwarding hop. A better score or a lighter load still wins wherever it is."""
+    f = fleet(2, 2, 2)
+    cold = decided(route(fp(42), f.backends, PARAMS, now=100.0, remote=frozenset({0})))
+    assert cold.placement == Placement(1, (0,), 0)
+    assert decided(route(fp(42), f.backends, PARAMS, now=100.0)).placement == Placement(0, (0,), 0)
+    hold(f, 0, 1, fp(1, 2, 3))
+    prefix = decided(route(fp(1, 2, 3, 4), f.backends, PARAMS, now=100.0, remote=frozenset({0})))
+    assert prefix.placement == Placement(0, (1,), 1)  # the prefix is only there
+    f.claim(Placement(1, (0,), 0), now=1.0)
+    lighter = decided(route(fp(42), f.backends, PARAMS, now=100.0, remote=frozenset({0, 2})))
+    assert lighter.placement == Placement(0, (0,), 0)  # load before the tie
+
+
 def test_cold_request_evicts_the_least_valuable_slot() -> None:
     f = fleet(2)
     hold(f, 0, 0, fp(7, 8, 9), at=99.0)

@@ -6,11 +6,12 @@
   ``off`` (or no address peers could use: a loopback listen with a remote Redis) advertises
   none, and this replica then neither forwards nor is forwarded to.
 - *When*: a prefix-routed request that did not come from another replica, while the store is
-  up, whose target backend (``Router.target``, before it waits) is homed at another live
-  replica. The request goes there with ``X-Cache-Forwarded-By`` (so it is not forwarded
-  again), the bytes the client sent, and the same request id; the home's response, headers
-  included, is relayed byte for byte. Its usage is counted by the home only, so hit-rate
-  metrics summed over replicas count every request once.
+  up, whose target backend (``Router.target``, before it waits; an equal choice goes to a
+  backend this replica schedules) is homed at another live replica. The request goes there
+  with ``X-Cache-Forwarded-By`` (so it is not forwarded again), the bytes the client sent,
+  and the same request id; the home's response, headers included, is relayed byte for byte.
+  Its usage is counted by the home only, so hit-rate metrics summed over replicas count every
+  request once.
 - *Where a replica places*: only on the backends it is home to (``foreign``: the others are
   avoided while it routes and re-decides a queued request), unless none of them is up.
 - *Failure*: a home that cannot be connected to is skipped for ``RETRY_SECONDS`` and the

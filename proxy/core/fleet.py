@@ -80,13 +80,8 @@ class Fleet:
             slot.phase = SlotPhase.BUSY
             slot.pending = content if slot_id == placement.pin else None
             if backend.ram and slot_id == placement.pin and content is not None:
-                # The server parks what the slot held in RAM as the task starts when the prompt
-                # keeps less than half of it (else its hook does not run), and moves the entry
-                # it loads into the slot: the evicted session finds its content there now.
-                old, entry = slot.content, None
-                if old is not None and ram_cache.hook_runs(old, content):
-                    entry = backend.parked(old, slot.last_used, slot.n_tokens)
-                self._park(backend, entry, content)
+                parked = _parked_by(backend, slot, content)
+                self._park(backend, parked, content)  # (entries the slot now holds go)
                 backend.ghosts = ram_cache.without(backend.ghosts, placement.loads)
             slot.last_used = now
         self._save_idle(backend)
@@ -176,12 +171,12 @@ class Fleet:
                 slot.phase, slot.last_used = SlotPhase.IDLE, max(slot.last_used, now)
             found = records.get(slot.id)
             if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
-                old, old_tokens, used = slot.content, slot.n_tokens, slot.last_used
+                parked = _parked_by(backend, slot, found[0]) if backend.ram else None
+                if parked is not None:
+                    self._park(backend, parked, found[0])
                 slot.content, slot.n_tokens, slot.record_at = found
                 slot.last_used = max(slot.last_used, now - max(0.0, wall - found[2]))
                 slot.owner = None  # written through another replica: tenant unknown
-                if backend.ram and old is not None and ram_cache.hook_runs(old, found[0]):
-                    self._park(backend, backend.parked(old, used, old_tokens), found[0])
         if started:
             self._save_idle(backend)
 
@@ -233,6 +228,17 @@ class Fleet:
         slot.phase = SlotPhase.IDLE
         _reconcile(slot, seen.n_tokens)
         slot.n_tokens = seen.n_tokens
+
+
+def _parked_by(backend: BackendState, slot: SlotState, prompt: Fingerprint) -> Parked | None:
+    """What the server parks in RAM as a task with ``prompt`` starts on ``slot``: the slot's
+    content, when the prompt keeps less than half of it (else its hook does not run); it
+    also moves the entry it loads into the slot, so an evicted session finds its content
+    in RAM now."""
+    old = slot.content
+    if old is None or not ram_cache.hook_runs(old, prompt):
+        return None
+    return backend.parked(old, slot.last_used, slot.n_tokens)
 
 
 def _reconcile(slot: SlotState, seen_tokens: int) -> None:

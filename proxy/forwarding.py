@@ -112,7 +112,9 @@ class Forwarder:
     def foreign(self) -> frozenset[int]:
         """Backends another replica schedules: this one does not place requests on them (it
         forwards those to their home), unless none of its own is up."""
-        homes = self._homes()
+        return self._foreign(self._homes())
+
+    def _foreign(self, homes: Callable[[int], str | None] | None) -> frozenset[int]:
         if homes is None:
             return frozenset()
         foreign = frozenset(b.index for b in self._backends if homes(b.index) is not None)
@@ -131,7 +133,7 @@ class Forwarder:
             self._metrics.forwards.labels("received").inc()
             return None
         homes = self._homes()
-        index = backend(self.foreign()) if homes is not None else None
+        index = backend(self._foreign(homes)) if homes is not None else None
         return None if homes is None or index is None else homes(index)
 
     async def forward(

@@ -30,14 +30,14 @@ class SharedReleases:
     ) -> tuple[int | None, float] | None:
         """The release ``hashes`` continue, claimed: (its id if it is this replica's, the
         seconds since it); None when there is none or the store is down."""
-        shared, now = self._shared, self._shared.wall()
+        shared = self._shared
         found = await shared.call(
-            "claim_release", shared.store.claim_release(hashes, ttl, now), None
+            "claim_release", shared.store.claim_release(hashes, ttl, shared.wall()), None
         )
         if found is None:
             return None
         owner, _, release = found[0].rpartition(":")
-        return (int(release) if owner == shared.owner else None), max(0.0, now - found[1])
+        return (int(release) if owner == shared.owner else None), max(0.0, found[1])
 
     async def claimed(self, releases: Sequence[int]) -> set[int] | None:
         """Which of this replica's releases some replica claimed; None when the store is down."""

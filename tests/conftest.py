@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -56,12 +57,16 @@ def proxy(aiohttp_client: Any) -> ProxyFactory:
     """``await proxy([fake, ...], **settings_overrides)`` -> a client of a running proxy."""
 
     async def start(
-        backends: list[Any], *, probe_loop: bool = True, **over: Any
+        backends: list[Any],
+        *,
+        probe_loop: bool = True,
+        wall: Callable[[], float] = time.time,
+        **over: Any,
     ) -> TestClient[Any, Any]:
         urls = [b if isinstance(b, str | dict) else b.url for b in backends]
         port = free_port()  # listen names it: replicas advertise it to their peers
         settings = make_settings(urls, listen=f"127.0.0.1:{port}", **over)
-        app = create_app(settings, registry=CollectorRegistry(), probe_loop=probe_loop)
+        app = create_app(settings, registry=CollectorRegistry(), probe_loop=probe_loop, wall=wall)
         client: TestClient[Any, Any] = await aiohttp_client(
             app, server_kwargs={"handler_cancellation": True, "port": port}
         )

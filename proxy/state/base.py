@@ -27,7 +27,13 @@ later registration of a hash replaces an earlier one) and marks it claimed, so i
 returned once, whichever replica asks; ``view`` leaves out a slot's record when it is not
 newer than the one the caller says it has (``known``: its ``updated_at``, compared in whole
 milliseconds, ``stamp_ms``), so a replica reads each record once rather than before every
-request. Times are wall-clock seconds from the caller.
+request. Times are wall-clock seconds from the caller, except where replicas compare times
+one another wrote — heartbeats (who is live), leaves and releases (how soon a session came
+back): a shared store judges those by its own clock, so replicas on machines whose clocks
+differ agree. (The proxy beats every 0.5 s with a 1 s TTL: judged by the callers' clocks, a
+replica whose clock ran more than 0.5 s ahead of a peer's dropped that peer from its live
+list on some beats, and from 1 s ahead on every beat; ``tests/contract`` has the 2 s case.)
+``claim_release`` therefore returns the seconds since the release was registered, not when.
 Every method may raise ``StateStoreUnavailable``; the proxy then routes on local state.
 """
 

@@ -109,7 +109,7 @@ class InMemoryStateStore:
             found: tuple[str, float] | None = self._get(("ret", key), now)
             if found is not None and self._get(("retd", found[0]), now) is None:
                 self._set(("retd", found[0]), True, ttl, now)
-                return found
+                return found[0], now - found[1]
         return None
 
     async def claimed(self, releases: Sequence[str], now: float) -> set[str]:

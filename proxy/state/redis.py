@@ -75,6 +75,50 @@ _RENEW = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then "
     "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 )
+# Times replicas compare are the server's (``redis.call('TIME')``, seconds as a double), not
+# the callers': their machines' clocks may differ (see ``proxy.state.base``).
+# (``replicate_commands``: writes after TIME are allowed before Redis 7 too; a no-op since.)
+_NOW = (
+    "redis.replicate_commands() "
+    "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1000000 "
+)
+# The replicas' set lives as long as its longest-lived entry (a shorter TTL never cuts it).
+_KEEP = (
+    "if redis.call('pttl', KEYS[1]) < tonumber(ARGV[3]) then "
+    "redis.call('pexpire', KEYS[1], ARGV[3]) end "
+)
+# KEYS[1]: the replicas' sorted set; ARGV: id, TTL (s), key TTL (ms). Returns the live ids.
+_BEAT = _NOW + (
+    "redis.call('zadd', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) "
+    "redis.call('zremrangebyscore', KEYS[1], '-inf', now) "
+    + _KEEP
+    + "return redis.call('zrangebyscore', KEYS[1], '(' .. string.format('%.6f', now), '+inf')"
+)
+# KEYS[1]: the replicas' sorted set; ARGV: the left mark's id, TTL (s), key TTL (ms), id.
+_LEAVE = _NOW + (
+    "redis.call('zrem', KEYS[1], ARGV[4]) "
+    "redis.call('zadd', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) " + _KEEP + "return 1"
+)
+# KEYS: the release keys of its hashes; ARGV: release id, TTL (ms). Value: "id|when".
+_PUT_RELEASE = _NOW + (
+    "local v = ARGV[1] .. '|' .. string.format('%.6f', now) "
+    "for i = 1, #KEYS do redis.call('set', KEYS[i], v, 'PX', ARGV[2]) end return #KEYS"
+)
+# KEYS: the release keys of a prompt's hashes, oldest first; ARGV: the claimed marks' key
+# prefix, their TTL (ms). Claims the newest unclaimed release: {id, seconds since it was put}
+# (a string: a Lua number returned to Redis is cut to an integer), or nil.
+_CLAIM = _NOW + (
+    "for i = #KEYS, 1, -1 do "
+    "  local v = redis.call('get', KEYS[i]) "
+    "  if v then "
+    "    local id, at = string.match(v, '^(.*)|([^|]*)$') "
+    "    if redis.call('set', ARGV[1] .. id, 1, 'NX', 'PX', ARGV[2]) then "
+    "      return {id, string.format('%.6f', now - tonumber(at))} "
+    "    end "
+    "  end "
+    "end "
+    "return false"
+)
 T = TypeVar("T")
 
 
@@ -106,6 +150,10 @@ class RedisStateStore:
         self._release = self._redis.register_script(_RELEASE)
         self._renew = self._redis.register_script(_RENEW)
         self._view = self._redis.register_script(_VIEW)
+        self._beat = self._redis.register_script(_BEAT)
+        self._leave = self._redis.register_script(_LEAVE)
+        self._put_release = self._redis.register_script(_PUT_RELEASE)
+        self._claim = self._redis.register_script(_CLAIM)
 
     async def get_affinity(self, key: str, now: float) -> SlotRef | None:
         raw = await _call(self._redis.get(keys.affinity(key)))
@@ -164,22 +212,12 @@ class RedisStateStore:
             raise StateStoreUnavailable(str(exc)) from None
 
     async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]:
-        def build(pipe: Pipeline) -> None:
-            pipe.zadd(keys.REPLICAS, {owner: now + ttl})
-            pipe.zremrangebyscore(keys.REPLICAS, "-inf", now)
-            pipe.pexpire(keys.REPLICAS, _ms(ttl))
-            pipe.zrangebyscore(keys.REPLICAS, f"({now!r}", "+inf")
-
-        found = (await self._pipeline(build))[-1]
+        found = await _call(self._beat(keys=[keys.REPLICAS], args=[owner, ttl, _ms(ttl)]))
         return sorted(_bytes(v).decode() for v in found if isinstance(v, bytes | str))
 
     async def leave(self, owner: str, ttl: float, now: float) -> None:
-        def build(pipe: Pipeline) -> None:
-            pipe.zrem(keys.REPLICAS, owner)
-            pipe.zadd(keys.REPLICAS, {owner + LEFT: now + ttl})
-            pipe.pexpire(keys.REPLICAS, _ms(ttl))
-
-        await self._pipeline(build)
+        args: list[str | float] = [owner + LEFT, ttl, _ms(ttl), owner]
+        await _call(self._leave(keys=[keys.REPLICAS], args=args))
 
     async def push_window(
         self, name: str, entry: bytes, limit: int, ttl: float, now: float
@@ -200,29 +238,21 @@ class RedisStateStore:
     async def put_release(
         self, release: str, hashes: Sequence[int], ttl: float, now: float
     ) -> None:
-        if not hashes:
-            return
-        value = f"{release}|{now!r}"
-
-        def build(pipe: Pipeline) -> None:
-            for key in hashes:
-                pipe.set(keys.release(key), value, px=_ms(ttl))
-
-        await self._pipeline(build, atomic=False)
+        if hashes:
+            names = [keys.release(k) for k in hashes]
+            await _call(self._put_release(keys=names, args=[release, _ms(ttl)]))
 
     async def claim_release(
         self, hashes: Sequence[int], ttl: float, now: float
     ) -> tuple[str, float] | None:
         if not hashes:
             return None
-        values = await _call(self._redis.mget([keys.release(k) for k in hashes]))
-        for value in reversed(values):
-            if value is None:
-                continue
-            release, _, at = _bytes(value).decode().rpartition("|")
-            if await _call(self._redis.set(keys.claimed(release), 1, nx=True, px=_ms(ttl))):
-                return release, float(at)
-        return None
+        names = [keys.release(k) for k in hashes]
+        found = await _call(self._claim(keys=names, args=[keys.claimed(""), _ms(ttl)]))
+        if not found:
+            return None
+        release, age = (_bytes(v).decode() for v in found)
+        return release, float(age)
 
     async def claimed(self, releases: Sequence[str], now: float) -> set[str]:
         if not releases:

@@ -136,22 +136,49 @@ async def test_window_is_bounded_newest_first(store: StateStore) -> None:
 
 
 async def test_replicas_are_the_live_heartbeats(store: StateStore) -> None:
-    t = now()
-    assert await store.heartbeat("b", 2.0, t) == ["b"]
-    assert await store.heartbeat("a", 0.5, t) == ["a", "b"]
-    assert await store.heartbeat("c", 0.1, t + 1.0) == ["b", "c"]  # a's heartbeat expired
-    assert await store.heartbeat("a", 2.0, t + 1.5) == ["a", "b"]  # and c's
+    assert await store.heartbeat("b", 5.0, now()) == ["b"]
+    assert await store.heartbeat("a", 0.3, now()) == ["a", "b"]
+    await asyncio.sleep(0.4)
+    assert await store.heartbeat("c", 0.3, now()) == ["b", "c"]  # a's heartbeat expired
+    await asyncio.sleep(0.4)
+    assert await store.heartbeat("a", 5.0, now()) == ["a", "b"]  # and c's
 
 
 async def test_a_replica_that_leaves_stops_being_live_and_is_listed_as_left(
     store: StateStore,
 ) -> None:
-    t = now()
-    await store.heartbeat("a", 2.0, t)
-    await store.heartbeat("b", 2.0, t)
-    await store.leave("a", 2.0, t + 0.5)
-    assert await store.heartbeat("b", 2.0, t + 1.0) == ["a" + LEFT, "b"]
-    assert await store.heartbeat("b", 2.0, t + 3.0) == ["b"]  # the mark expires too
+    await store.heartbeat("a", 5.0, now())
+    await store.heartbeat("b", 5.0, now())
+    await store.leave("a", 0.3, now())
+    assert await store.heartbeat("b", 5.0, now()) == ["a" + LEFT, "b"]
+    await asyncio.sleep(0.4)
+    assert await store.heartbeat("b", 5.0, now()) == ["b"]  # the mark expires too
+
+
+async def test_a_redis_store_judges_liveness_and_returns_by_its_own_clock(
+    redis_url: str,
+) -> None:
+    """Replicas on machines whose clocks differ: one 2 s ahead of another must still list
+    it as live (a 1 s heartbeat TTL, as the proxy uses), and a release registered by a
+    replica whose clock is 30 s behind is claimed as just made."""
+    ahead, behind = RedisStateStore(redis_url), RedisStateStore(redis_url)
+    await ahead._redis.flushdb()
+    try:
+        for _ in range(3):
+            await behind.heartbeat("behind", 1.0, now() - 1.0)
+            assert await ahead.heartbeat("ahead", 1.0, now() + 1.0) == ["ahead", "behind"]
+            assert await behind.heartbeat("behind", 1.0, now() - 1.0) == ["ahead", "behind"]
+            await asyncio.sleep(0.2)
+        await behind.leave("behind", 1.0, now() - 1.0)
+        assert await ahead.heartbeat("ahead", 1.0, now() + 1.0) == ["ahead", "behind" + LEFT]
+        await behind.put_release("behind:1", [50], ttl=60, now=now() - 30)
+        found = await ahead.claim_release([50], ttl=60, now=now() + 1.0)
+        assert found is not None
+        assert found[0] == "behind:1"
+        assert 0.0 <= found[1] < 1.0
+    finally:
+        await ahead.close()
+        await behind.close()
 
 
 async def test_ping(store: StateStore) -> None:
@@ -197,17 +224,26 @@ async def test_snapshot_index_put_get_delete_list(store: StateStore) -> None:
 
 async def test_a_release_is_claimed_once_by_its_latest_hash(store: StateStore) -> None:
     """The release under the last hash that has one names what a prompt continues; once
-    claimed (by any replica) it is never returned again, and older releases still are."""
-    t = now()
-    await store.put_release("r1:1", [10, 11], ttl=5, now=t)
-    await store.put_release("r2:7", [20, 21, 22], ttl=5, now=t + 0.5)
-    assert await store.claim_release([1, 10, 11, 2], ttl=5, now=t + 1) == ("r1:1", t)
-    assert await store.claim_release([10, 11], ttl=5, now=t + 1) is None
-    assert await store.claim_release([10, 21, 3], ttl=5, now=t + 1) == ("r2:7", t + 0.5)
-    assert await store.claimed(["r1:1", "r2:7", "r3:1"], now=t + 1) == {"r1:1", "r2:7"}
-    await store.put_release("r3:1", [10, 30], ttl=5, now=t + 2)  # a later release of key 10
-    assert await store.claim_release([10], ttl=5, now=t + 2) == ("r3:1", t + 2)
-    assert await store.claim_release([], ttl=5, now=t + 2) is None
+    claimed (by any replica) it is never returned again, and older releases still are; a
+    claim says how many seconds ago its release was registered."""
+    await store.put_release("r1:1", [10, 11], ttl=5, now=now())
+    await asyncio.sleep(0.2)
+    await store.put_release("r2:7", [20, 21, 22], ttl=5, now=now())
+    first = await store.claim_release([1, 10, 11, 2], ttl=5, now=now())
+    assert first is not None
+    assert first[0] == "r1:1"
+    assert 0.2 <= first[1] < 2.0
+    assert await store.claim_release([10, 11], ttl=5, now=now()) is None
+    second = await store.claim_release([10, 21, 3], ttl=5, now=now())
+    assert second is not None
+    assert second[0] == "r2:7"
+    assert 0.0 <= second[1] < first[1]
+    assert await store.claimed(["r1:1", "r2:7", "r3:1"], now=now()) == {"r1:1", "r2:7"}
+    await store.put_release("r3:1", [10, 30], ttl=5, now=now())  # a later release of key 10
+    third = await store.claim_release([10], ttl=5, now=now())
+    assert third is not None
+    assert third[0] == "r3:1"
+    assert await store.claim_release([], ttl=5, now=now()) is None
 
 
 async def test_releases_and_their_claims_expire(store: StateStore) -> None:

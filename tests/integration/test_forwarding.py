@@ -4,8 +4,11 @@ two replicas sharing one real Redis in front of fake llama-servers."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 from typing import Any
+
+import pytest
 
 from tests.conftest import delta_text, events_to_done, metric, until_listed
 from tests.integration.test_routing_fake import SYSTEM
@@ -29,14 +32,17 @@ def _turn(session: int, history: list[dict[str, Any]], **extra: Any) -> dict[str
     return {"messages": list(history), "max_tokens": 6, **extra}
 
 
+@pytest.mark.parametrize("skew", [0.0, 2.0])
 async def test_each_backends_requests_are_scheduled_by_one_replica(
-    fakes: Any, proxy: Any, redis_server: Any
+    fakes: Any, proxy: Any, redis_server: Any, skew: float
 ) -> None:
     """Four sessions on 2 backends x 2 slots, each turn through the other replica (half of
     them streamed): every response of a backend comes from the same replica, its home;
-    requests that arrived elsewhere were forwarded there, and each session keeps its slot."""
+    requests that arrived elsewhere were forwarded there, and each session keeps its slot.
+    Also when one replica's clock runs ``skew`` seconds ahead: Redis judges liveness."""
     backends = [await fakes(n_slots=2) for _ in range(2)]
-    pair = [await proxy(backends, redis_url=redis_server.url) for _ in range(2)]
+    walls = [time.time, lambda: time.time() + skew]
+    pair = [await proxy(backends, redis_url=redis_server.url, wall=w) for w in walls]
     await _met(*pair)
     histories: dict[int, list[dict[str, Any]]] = defaultdict(list)
     scheduled: dict[str, set[str]] = defaultdict(set)
@@ -72,6 +78,7 @@ async def test_each_backends_requests_are_scheduled_by_one_replica(
     assert sent == received[::-1], (sent, received)
     # usage is counted once, by the replica that scheduled the request
     assert sum(metric(t, "llama_cache_proxy_prompt_tokens_total") for t in texts) == prompts
+    assert [metric(t, "llama_cache_proxy_replicas_live") for t in texts] == [2, 2]
 
 
 async def test_a_home_that_cannot_be_reached_is_skipped_and_the_request_routed_here(

@@ -6,10 +6,10 @@ one policy (or one version of the proxy) loses tokens to another.
     python -m bench.per_request diff /tmp/a.json:ours /tmp/a.json:sglang-router
 
 ``run`` replays the workload as ``bench.replay`` does (same fakes, fleet and policies;
-peers when installed; ``--chat``, ``--no-ram-cache``, ``--ram-tokens``, ``--replicas``,
-``--shard`` and ``--routing`` as there) and keeps, per run and request, (session, position,
-prompt tokens, cached tokens, X-Cache-Route, X-Cache-Backend, X-Cache-Slot,
-X-Cache-Predicted-Tokens).
+peers when installed; ``--chat``, ``--no-ram-cache``, ``--ram-tokens``,
+``--no-cache-idle-slots``, ``--replicas``, ``--shard`` and ``--routing`` as there) and
+keeps, per run and request, (session, position, prompt tokens, cached tokens,
+X-Cache-Route, X-Cache-Backend, X-Cache-Slot, X-Cache-Predicted-Tokens).
 ``diff A B`` averages each request's cached tokens over the runs of each side and prints
 B - A in total, by prompt size, by A's route, and the requests where B gains most.
 
@@ -109,6 +109,7 @@ def main() -> None:
     r.add_argument("--chat", action="store_true", help="as bench.replay --chat")
     r.add_argument("--no-ram-cache", action="store_true", help="as bench.replay")
     r.add_argument("--ram-tokens", type=int, help="as bench.replay")
+    r.add_argument("--no-cache-idle-slots", action="store_true", help="as bench.replay")
     r.add_argument("--replicas", type=int, default=1, help="as bench.replay")
     r.add_argument("--shard", action="store_true", help="as bench.replay")
     r.add_argument("--routing", type=json.loads, default={}, help="as bench.replay")
@@ -120,6 +121,7 @@ def main() -> None:
     if args.command == "run":
         replay.CHAT, replay.RAM_CACHE = args.chat, not args.no_ram_cache
         replay.RAM_TOKENS, replay.REPLICAS = args.ram_tokens, args.replicas
+        replay.IDLE_SAVES = not args.no_cache_idle_slots
         replay.SHARD = args.shard
         replay.ROUTING.update(args.routing)
         found = asyncio.run(run(args.policies, args.runs, args.only, args.backends, args.slots))

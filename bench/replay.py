@@ -103,6 +103,7 @@ async def _run_sessions(workload: Workload, send: Send) -> None:
 CHAT = False  # --chat
 RAM_CACHE = True  # --no-ram-cache: backends run with --cache-ram 0
 RAM_TOKENS: int | None = None  # --ram-tokens: what each backend's RAM cache holds
+IDLE_SAVES = True  # --no-cache-idle-slots: backends do not save idle slots to the RAM cache
 REPLICAS = 1  # --replicas: ours as that many proxies on one Redis, requests round-robin
 SHARD = False  # --shard: the replicas split the backends, sessions sticky (a diagnostic)
 STREAM = False  # --stream: requests stream their replies (as OpenClaw's do)
@@ -152,6 +153,7 @@ async def _fleet(backends: int, slots: int, save_dir: Path | None) -> list[FakeL
             save_dir=save_dir,
             ram_cache=RAM_CACHE,
             ram_tokens=RAM_TOKENS,
+            cache_idle_slots=IDLE_SAVES,
         )
         await fake.start()
         fakes.append(fake)
@@ -206,7 +208,12 @@ async def run_policy(
             settings = Settings.model_validate(
                 {
                     "backends": [
-                        {"url": u, "ram_cache": RAM_CACHE, "ram_cache_tokens": RAM_TOKENS}
+                        {
+                            "url": u,
+                            "ram_cache": RAM_CACHE,
+                            "ram_cache_tokens": RAM_TOKENS,
+                            "cache_idle_slots": IDLE_SAVES,
+                        }
                         for u in urls
                     ],
                     "routing": routing,
@@ -274,7 +281,8 @@ def _replicas_label() -> str:
 def _ram_label() -> str:
     if not RAM_CACHE:
         return ", RAM off"
-    return f", RAM {RAM_TOKENS // 1000}k" if RAM_TOKENS else ""
+    label = f", RAM {RAM_TOKENS // 1000}k" if RAM_TOKENS else ""
+    return label if IDLE_SAVES else label + ", no idle saves"
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -373,6 +381,11 @@ def main() -> None:
         "--ram-tokens", type=int, help="bound each fake's RAM cache (and tell the proxy)"
     )
     parser.add_argument(
+        "--no-cache-idle-slots",
+        action="store_true",
+        help="fakes run as llama-server --no-cache-idle-slots (and the proxy is told)",
+    )
+    parser.add_argument(
         "--replicas", type=int, default=1, help="ours as N proxies on one Redis, round-robin"
     )
     parser.add_argument(
@@ -384,8 +397,9 @@ def main() -> None:
     )
     parser.add_argument("--process", action="store_true", help="ours as its own process")
     args = parser.parse_args()
-    global CHAT, RAM_CACHE, RAM_TOKENS, REPLICAS, SHARD, STREAM, PROCESS
+    global CHAT, RAM_CACHE, RAM_TOKENS, IDLE_SAVES, REPLICAS, SHARD, STREAM, PROCESS
     CHAT, RAM_CACHE, RAM_TOKENS = args.chat, not args.no_ram_cache, args.ram_tokens
+    IDLE_SAVES = not args.no_cache_idle_slots
     REPLICAS, SHARD, STREAM = args.replicas, args.shard, args.stream
     ROUTING.update(args.routing)
     PROCESS = args.process
@@ -396,6 +410,8 @@ def main() -> None:
         stem += "-noram"
     elif args.ram_tokens:
         stem += f"-ram{args.ram_tokens // 1000}k"
+    if args.no_cache_idle_slots:
+        stem += "-noidle"
     if args.replicas > 1:
         stem += f"-replicas{args.replicas}" + ("-shard" if args.shard else "")
     if args.stream:

@@ -56,6 +56,7 @@ def create_app(
         [b.kv_reuse == "exact" for b in settings.backends],
         [b.ram_cache for b in settings.backends],
         ram_tokens=[b.ram_cache_tokens for b in settings.backends],
+        idle_saves=[b.cache_idle_slots for b in settings.backends],
     )
     scheduler = Scheduler(fleet, settings.queue, metrics, clock)
     if store is None:

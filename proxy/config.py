@@ -56,6 +56,10 @@ class BackendSettings(_Frozen):
     ram_cache_tokens: int | None = Field(
         None, ge=1, description="tokens it holds: --cache-ram MiB / KV bytes per token"
     )
+    cache_idle_slots: bool = Field(
+        True,
+        description="started with --cache-idle-slots (its default); false: --no-cache-idle-slots",
+    )
     slot_save_dir: str | None = Field(
         default=None,
         description="its --slot-save-path as the proxy sees it (default: disk.slot_save_dir)",

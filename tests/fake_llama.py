@@ -13,8 +13,9 @@ them, at the level the proxy depends on:
 - ``n`` > slots is a 400; a prompt of ``n_ctx`` tokens or more is a 400;
 - the host-RAM prompt cache (``--cache-ram``, on by default, with ``--cache-idle-slots``):
   when a task starts, every idle slot's tokens are saved there (an entry that is a prefix of
-  another is dropped); a slot chosen by LRU, or pinned while it would lose more than half
-  its tokens (``f_keep < 0.5``), first saves its tokens and then scans the entries oldest
+  another is dropped; not with ``cache_idle_slots=False``, ``--no-cache-idle-slots``); a
+  slot chosen by LRU, or pinned while it would lose more than half its tokens
+  (``f_keep < 0.5``), first saves its tokens and then scans the entries oldest
   first, taking each that keeps at least a quarter of itself and beats the best so far (from
   the slot's own tokens) in both kept share and similarity; the last taken moves into the
   slot; a pinned *empty* slot skips this (upstream #28139); ``ram_tokens`` bounds it like
@@ -121,6 +122,7 @@ class FakeLlamaServer:
         ram_tokens: int | None = None,
         save_dir: Path | None = None,
         unified: bool = False,
+        cache_idle_slots: bool = True,
     ) -> None:
         self.save_dir = save_dir
         self.unified = unified
@@ -129,6 +131,7 @@ class FakeLlamaServer:
         self.save_s = 0.0  # seconds a slot save takes
         self.ram_cache = ram_cache
         self.ram_tokens = ram_tokens  # None: unlimited (--cache-ram -1)
+        self.cache_idle_slots = cache_idle_slots  # False: --no-cache-idle-slots
         self.ram: list[list[str]] = []
         self.slots = [FakeSlot(i) for i in range(n_slots)]
         self.n_ctx = n_ctx
@@ -436,8 +439,8 @@ class FakeLlamaServer:
                     for s in [slot, *others]:
                         s.busy, s.task_id = True, self._task
                         s.holder = f"{''.join(prompt)[-40:]!r} via {self._via} at {time.time():.4f}"
-                    for idle in self.slots:  # --cache-idle-slots: save every idle slot
-                        if not idle.busy:
+                    for idle in self.slots if self.cache_idle_slots else ():
+                        if not idle.busy:  # --cache-idle-slots: save every idle slot
                             self._ram_save(idle.tokens)
                     return [slot, *others]
                 await self._changed.wait()

@@ -57,6 +57,7 @@ class Fleet:
         ram: Sequence[bool] = (),
         ghost_limit: int = GHOST_LIMIT,
         ram_tokens: Sequence[int | None] = (),
+        idle_saves: Sequence[bool] = (),
     ) -> None:
         self.backends = [
             BackendState(
@@ -65,6 +66,7 @@ class Fleet:
                 exact=bool(exact[i]) if i < len(exact) else False,
                 ram=bool(ram[i]) if i < len(ram) else True,
                 ram_tokens=ram_tokens[i] if i < len(ram_tokens) else None,
+                idle_saves=bool(idle_saves[i]) if i < len(idle_saves) else True,
             )
             for i, label in enumerate(labels)
         ]
@@ -126,7 +128,7 @@ class Fleet:
 
     def _save_idle(self, backend: BackendState) -> None:
         """A task started: with ``--cache-idle-slots`` the server saves each idle slot."""
-        for idle in backend.idle_slots() if backend.ram else ():
+        for idle in backend.idle_slots() if backend.ram and backend.idle_saves else ():
             if idle.content is not None:
                 self._park(backend, backend.parked(idle.content, idle.last_used, idle.n_tokens))
 

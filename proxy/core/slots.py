@@ -86,6 +86,7 @@ class BackendState:
     exact: bool = False  # reuse only as an exact extension (hybrid/recurrent/SWA models)
     ram: bool = True  # runs llama-server's host-RAM prompt cache (default --cache-ram)
     ram_tokens: int | None = None  # what that cache holds, in tokens (None: not bounded)
+    idle_saves: bool = True  # --cache-idle-slots: every idle slot is saved as a task starts
     prefill_tps: float = 1000.0  # prompt tokens computed per second (timings.prompt_ms, EMA)
     token_scale: float | None = None  # its tokens per fingerprint estimate (EMA)
     slots: list[SlotState] = field(default_factory=list)

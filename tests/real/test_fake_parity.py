@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.fake_llama import FakeLlamaServer
 
@@ -152,6 +153,36 @@ async def test_fake_ram_budget_matches_real_server(llama_servers: Any) -> None:
         "one_parked_prompt_comes_back": True,
         "second_parked_prompt_evicts_the_first": True,
     }
+
+
+async def _idle_save_observations(url: str) -> dict[str, bool]:
+    """Room for two parked prompts (``--cache-ram 2``): slot 0 holds X while slot 1 runs
+    alpha, beta, gamma, then beta again. Each take of slot 1 parks what it held; with
+    ``--cache-idle-slots`` every task also saves idle slot 0's X, which pushes the parked
+    prompts out (beta is gone by its return); without, the cache holds only what slots
+    gave up, and beta comes back."""
+
+    def text(word: str) -> str:
+        return f"Budget {word} words about orchards and their tall trees. " * 3
+
+    def body(word: str, slot: int) -> dict[str, Any]:
+        return {"prompt": text(word), "n_predict": 2, "temperature": 0, "id_slot": slot}
+
+    await _post(url + "/completion", body("xi", 0))
+    for word in ("alpha", "beta", "gamma"):
+        await _post(url + "/completion", body(word, 1))
+    _, back = await _post(url + "/completion", body("beta", 1))
+    _, tokens = await _post(url + "/tokenize", {"content": text("beta")})
+    return {"parked_prompt_comes_back": back["timings"]["cache_n"] > len(tokens["tokens"]) / 2}
+
+
+@pytest.mark.parametrize("idle_saves", [True, False])
+async def test_fake_idle_slot_saves_match_real_server(llama_servers: Any, idle_saves: bool) -> None:
+    flags = ("--cache-ram", "2") + (() if idle_saves else ("--no-cache-idle-slots",))
+    real = llama_servers(slots=2, extra=flags)
+    fake = FakeLlamaServer(n_slots=2, ram_tokens=80, cache_idle_slots=idle_saves)
+    expected = await _same_on_both(_idle_save_observations, real.url, fake)
+    assert expected == {"parked_prompt_comes_back": not idle_saves}
 
 
 async def _slot_file_observations(url: str, other_layout_url: str) -> dict[str, Any]:

@@ -308,3 +308,25 @@ def test_losing_the_store_drains_other_replicas_slots() -> None:
     idle = (SlotProbe(0, False, 0, 4), SlotProbe(1, False, 0, 4))
     fleet.apply_probe(0, Probe(BackendPhase.READY, idle), now=2.0)
     assert fleet.backends[0].idle_slots() == fleet.backends[0].slots
+
+
+@pytest.mark.parametrize("idle_saves", [True, False])
+def test_idle_slot_saves_fill_a_bounded_ram_cache(idle_saves: bool) -> None:
+    """The sequence of ``tests/real/test_fake_parity.py`` (room for two parked prompts; slot
+    0 holds X while slot 1 runs alpha, beta, gamma): with ``--cache-idle-slots`` each task
+    also saves idle slot 0's X, which leaves beta the oldest entry, the one the next save
+    pushes out; without, the cache holds only what slot 1 gave up, and alpha goes first."""
+    xi, alpha, beta, gamma = (
+        fingerprint_chat({"messages": [{"role": "user", "content": w * 30}]}, len)
+        for w in ("xixi ", "alfa ", "beta ", "gama ")  # one size
+    )
+    fleet = Fleet(["b0"], ram_tokens=[2 * beta.total + 1], idle_saves=[idle_saves])
+    slots = tuple(SlotProbe(i, False, 0, -1) for i in range(2))
+    fleet.apply_probe(0, Probe(BackendPhase.READY, slots), now=0.0)
+    backend = fleet.backends[0]
+    for now, (slot, content) in enumerate(((0, xi), (1, alpha), (1, beta), (1, gamma)), 1):
+        fleet.claim(Placement(0, (slot,), slot), now=float(now), content=content)
+        fleet.release(Placement(0, (slot,), slot), now + 0.5, clean=True, content=content)
+    # beta's return saves gamma first, which pushes out the oldest entry
+    parked = [g.content for g in backend.ghosts]
+    assert parked == ([beta, xi] if idle_saves else [alpha, beta])

@@ -13,6 +13,7 @@ wherever it came from: ``ConfigError`` carries one line naming the field.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -221,6 +222,12 @@ class Settings(_Frozen):
     @field_validator("backends", mode="before")
     @classmethod
     def _urls_to_backends(cls, value: Any) -> Any:
+        """Comma-separated URLs, or (from the environment) a JSON list of backend objects."""
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"backends: not a JSON list ({exc.msg})") from None
         if isinstance(value, str):
             value = [part for part in value.split(",") if part.strip()]
         if isinstance(value, list | tuple):

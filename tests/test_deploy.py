@@ -50,6 +50,15 @@ def test_compose_file_validates(profiles: list[str]) -> None:
         command = command if isinstance(command, str) else " ".join(command)
         assert "--slot-save-path /slots" in command
         assert "-np 4" in command  # explicit slots: non-unified KV, as pinning needs
+        assert "--no-cache-idle-slots" in command  # and the proxy is told so:
+    from proxy.config import Settings
+
+    raw = services["proxy"]["environment"]["LLAMA_CACHE_PROXY_BACKENDS"]
+    proxied = Settings.model_validate({"backends": raw}).backends
+    assert [(b.base_url, b.cache_idle_slots) for b in proxied] == [
+        ("http://llama-0:8080", False),
+        ("http://llama-1:8080", False),
+    ]
 
 
 def test_prometheus_config_and_alert_rules_check() -> None:
@@ -98,10 +107,12 @@ def test_kubernetes_manifests_are_well_formed() -> None:
     from proxy.config import Settings
 
     settings = Settings.model_validate(yaml.safe_load(config))  # the proxy accepts it
-    assert [b.base_url for b in settings.backends] == [
-        "http://llama-0.llama:8080",
-        "http://llama-1.llama:8080",
+    assert [(b.base_url, b.cache_idle_slots) for b in settings.backends] == [
+        ("http://llama-0.llama:8080", False),
+        ("http://llama-1.llama:8080", False),
     ]
+    llama = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "llama")
+    assert "--no-cache-idle-slots" in llama["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_grafana_provisioning_parses() -> None:

@@ -59,6 +59,18 @@ def test_env_backends_comma_separated_and_config_path_from_env(tmp_path: Path) -
     assert settings.log_level == "DEBUG"
 
 
+def test_env_backends_as_a_json_list_carry_per_backend_fields() -> None:
+    """How a compose file or a container sets per-backend fields without a config file."""
+    raw = '[{"url": "http://a:1", "cache_idle_slots": false}, {"url": "http://b:2"}]'
+    settings = load_settings(cli={}, environ={"LLAMA_CACHE_PROXY_BACKENDS": raw})
+    assert [(b.label, b.cache_idle_slots) for b in settings.backends] == [
+        ("a:1", False),
+        ("b:2", True),
+    ]
+    with pytest.raises(ConfigError, match="not a JSON list"):
+        load_settings(cli={}, environ={"LLAMA_CACHE_PROXY_BACKENDS": '[{"url": '})
+
+
 def test_settings_are_immutable() -> None:
     settings = load_settings(cli={"backends": ["http://a:1"]}, environ={})
     with pytest.raises(ValueError, match="frozen"):

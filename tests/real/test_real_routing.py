@@ -339,3 +339,35 @@ async def test_new_sessions_sharing_a_system_prompt_start_at_once_on_empty_slots
     third = await client.post("/v1/chat/completions", json=new_session("Why is the sky blue?"))
     assert third.headers["X-Cache-Route"] == "prefix"
     assert (await third.json())["timings"]["cache_n"] >= 250
+
+
+@pytest.mark.parametrize("idle_saves", [True, False])
+async def test_the_ram_cache_model_follows_idle_slot_saves(
+    llama_servers: Any, proxy: Any, idle_saves: bool
+) -> None:
+    """Room for two short parked prompts or one long one (``--cache-ram 2``): a long prompt
+    X stays in slot 0 while alpha, beta, gamma take turns in slot 1, then beta returns. With
+    ``--cache-idle-slots`` (the default) each task saves X's idle slot too, which pushes
+    beta out; with ``--no-cache-idle-slots`` beta is still parked. Told how the server runs
+    (``cache_idle_slots``), the proxy predicts either outcome."""
+    flags = ("--cache-ram", "2") + (() if idle_saves else ("--no-cache-idle-slots",))
+    server = llama_servers(slots=2, extra=flags)
+    backend = {"url": server.url, "ram_cache_tokens": 91, "cache_idle_slots": idle_saves}
+    client = await proxy(
+        [backend], routing={"hold_max_seconds": 0}, disk={"prefix_cache": "off", "park": "off"}
+    )
+
+    def text(word: str) -> str:
+        return f"Budget {word} words about orchards and their tall trees. " * 3
+
+    for word in ("xi", "alpha", "beta", "gamma", "beta"):
+        prompt = text(word) * (2 if word == "xi" else 1)
+        resp = await client.post("/completion", json={"prompt": prompt, "n_predict": 2})
+        assert resp.status == 200, await resp.text()
+        cached = (await resp.json())["timings"]["cache_n"]
+        predicted = int(resp.headers["X-Cache-Predicted-Tokens"])
+        slot = resp.headers["X-Cache-Slot"]
+        assert slot == ("0" if word == "xi" else "1"), (word, slot)  # X's slot is kept
+    # beta's return: parked (most of it reused, and predicted) only without idle saves
+    assert (cached > 20) is not idle_saves, cached
+    assert abs(predicted - cached) <= 4, (predicted, cached)

@@ -77,9 +77,10 @@ _RENEW = (
 )
 # Times replicas compare are the server's (``redis.call('TIME')``, seconds as a double), not
 # the callers': their machines' clocks may differ (see ``proxy.state.base``).
-# (``replicate_commands``: writes after TIME are allowed before Redis 7 too; a no-op since.)
+# (``replicate_commands``: writes after TIME are allowed before Redis 7 too; a no-op since,
+# and called only where it exists.)
 _NOW = (
-    "redis.replicate_commands() "
+    "if redis.replicate_commands then redis.replicate_commands() end "
     "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1000000 "
 )
 # The replicas' set lives as long as its longest-lived entry (a shorter TTL never cuts it).

@@ -43,7 +43,7 @@ from typing import TypeVar
 
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import Fleet, Placement, SlotPhase
-from proxy.core.homes import replica_id
+from proxy.core.homes import clashes, replica_id
 from proxy.core.partition import FENCE_MARGIN, HEARTBEAT_TTL, Peers
 from proxy.metrics import ProxyMetrics
 from proxy.shared_releases import SharedReleases
@@ -82,6 +82,7 @@ class SharedState:
         self._held: set[SlotRef] = set()
         self._local: set[SlotRef] = set()  # pinned while the store was down: no lease yet
         self.peers = Peers(self.owner, lease_ttl)  # live and vanished replicas (``clock``)
+        self._clashes: dict[str, list[str]] = {}  # URLs several live replicas advertise
         self.releases = SharedReleases(self)
         self._refreshing: asyncio.Future[None] | None = None  # the view read in flight
         self.stopped = False  # set at shutdown: maintain() ends after its current round
@@ -266,6 +267,15 @@ class SharedState:
             )
         self._metrics.replicas_fenced.set(len(self.peers.reported))
         self._metrics.replicas_live.set(len(live))
+        clashing = clashes(live)
+        for url, ids in clashing.items() if clashing != self._clashes else ():
+            log.warning(
+                "replicas %s all advertise %s: none forwards or is forwarded to "
+                "(give each its own replica_url)",
+                ", ".join(ids),
+                url,
+            )
+        self._clashes = clashing
 
     async def leave(self) -> None:
         """At shutdown: stop counting as live, so peers do not fence this replica's part."""

@@ -22,7 +22,11 @@ sorted by id, backend ``i`` is homed at replica ``i mod n`` — with as many bac
 replicas, one each. Every replica computes the same split from the same list; two lists that
 differ for a heartbeat period only send a request to a replica that routes it again. With
 fewer than two such replicas, or when this replica does not advertise, every request is routed
-where it arrives.
+where it arrives. A URL that two live replicas advertise (a misconfigured ``replica_url``,
+such as every replica set to the load balancer's address) reaches neither for sure: those
+replicas do not count as advertisers, so none is a home and none forwards (each routes what
+reaches it, as without a URL), rather than send requests to a replica that does not schedule
+their backend.
 """
 
 from __future__ import annotations
@@ -46,12 +50,27 @@ def url_of(replica: str) -> str | None:
     return url if sep else None
 
 
+def clashes(live: Iterable[str]) -> dict[str, list[str]]:
+    """URLs more than one of the ``live`` replicas advertise, with those replicas (sorted)."""
+    by_url: dict[str, list[str]] = {}
+    for replica in sorted(set(live)):
+        url = url_of(replica)
+        if url is not None:
+            by_url.setdefault(url, []).append(replica)
+    return {url: ids for url, ids in by_url.items() if len(ids) > 1}
+
+
 def advertisers(live: Iterable[str], me: str) -> list[str]:
-    """The replicas homes are split between, sorted: the live ones that advertise a URL,
-    this one included when it does; fewer than two means no replica forwards."""
+    """The replicas homes are split between, sorted: the live ones that advertise a URL no
+    other live replica advertises, this one included when it does; fewer than two means no
+    replica forwards."""
     if url_of(me) is None:
         return []
-    return sorted({r for r in live if url_of(r) is not None} | {me})
+    ids = {r for r in live if url_of(r) is not None} | {me}
+    shared = clashes(ids)
+    if url_of(me) in shared:
+        return []
+    return sorted(r for r in ids if url_of(r) not in shared)
 
 
 def home(

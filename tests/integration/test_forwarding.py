@@ -102,6 +102,34 @@ async def test_a_home_that_cannot_be_reached_is_skipped_and_the_request_routed_h
     assert metric(text, FORWARDS, outcome="sent") == 0
 
 
+async def test_replicas_advertising_one_url_do_not_forward(
+    fakes: Any, proxy: Any, redis_server: Any, caplog: Any
+) -> None:
+    """Both replicas configured with one ``replica_url`` (as if every replica were given the
+    load balancer's address): neither is anyone's home, so neither forwards; each routes what
+    reaches it over every backend, and says why. Before, each forwarded half its requests to
+    that address (here nothing listens there: counted unreachable)."""
+    backends = [await fakes(n_slots=2) for _ in range(2)]
+    shared = f"http://127.0.0.1:{free_port()}"
+    pair = [await proxy(backends, redis_url=redis_server.url, replica_url=shared) for _ in "ab"]
+    await _met(*pair)
+    histories: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    seen = set()
+    for turn in range(2):  # each session's second turn reaches the other replica
+        for session in range(4):
+            body = _turn(session, histories[session])
+            resp = await pair[(session + turn) % 2].post("/v1/chat/completions", json=body)
+            assert resp.status == 200, await resp.text()
+            seen.add(resp.headers["X-Cache-Backend"])
+            reply = (await resp.json())["choices"][0]["message"]["content"]
+            histories[session].append({"role": "assistant", "content": reply})
+    assert len(seen) == 2
+    for text in [await _metrics(c) for c in pair]:
+        assert metric(text, FORWARDS, outcome="unreachable") == 0
+        assert metric(text, FORWARDS, outcome="sent") == 0
+    assert f"all advertise {shared}" in caplog.text
+
+
 async def test_a_forwarded_request_is_routed_where_it_lands(
     fakes: Any, proxy: Any, redis_server: Any
 ) -> None:

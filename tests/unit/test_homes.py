@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from proxy.config import Settings
 from proxy.core.fleet import NoPlacement, Placement
-from proxy.core.homes import advertisers, home, replica_id, target, url_of
+from proxy.core.homes import advertisers, clashes, home, replica_id, target, url_of
 from proxy.core.routing import Decision, Reason
 from proxy.forwarding import advertised_url
 
@@ -33,6 +33,18 @@ def test_advertisers_are_the_live_replicas_with_a_url_and_this_one() -> None:
     assert advertisers([B, "ccc"], A) == [A, B]
     assert advertisers([A], A) == [A]  # alone: the forwarder skips working out a target
     assert advertisers([A, B], "ccc") == []  # this replica forwards nothing
+
+
+def test_replicas_advertising_one_url_are_no_ones_home() -> None:
+    """Two live replicas give one URL (every one configured with the load balancer's, say):
+    a request forwarded there could land on either, so neither counts; the rest still split
+    the backends, and a replica whose own URL clashes forwards nothing."""
+    c, d = replica_id("ccc", "http://lb:8000"), replica_id("ddd", "http://lb:8000")
+    assert clashes([A, c, d]) == {"http://lb:8000": [c, d]}
+    assert advertisers([A, B, c, d], A) == [A, B]
+    assert advertisers([A, B, c, d], c) == []
+    assert [home(b, [A, B, c, d], c) for b in range(2)] == [None, None]
+    assert advertisers([A, c, d], A) == [A]  # alone among advertisers: no forwarding
 
 
 @given(st.sets(st.text("abcdef", min_size=1, max_size=4), min_size=2, max_size=6), st.data())

@@ -33,7 +33,7 @@ from aiohttp import web
 from proxy.config import Settings
 from proxy.core.fleet import BackendPhase, Fleet
 from proxy.core.headers import FORWARDED_BY, upstream_request_headers
-from proxy.core.homes import advertisers, home
+from proxy.core.homes import advertisers, home_among
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RECORD
 from proxy.shared_state import SharedState
@@ -103,11 +103,12 @@ class Forwarder:
         shared = self._shared
         if not shared.enabled or not shared.up:
             return None
-        if len(advertisers(shared.peers.live, shared.owner)) < 2:
+        replicas = advertisers(shared.peers.live, shared.owner)
+        if len(replicas) < 2:
             return None  # alone: every backend is this replica's (and no target is needed)
         now = self._clock()
         down = {url for url, until in self._unreachable.items() if now < until}
-        return lambda index: home(index, shared.peers.live, shared.owner, down)
+        return lambda index: home_among(index, replicas, shared.owner, down)
 
     def foreign(self) -> frozenset[int]:
         """Backends another replica schedules: this one does not place requests on them (it

@@ -31,7 +31,7 @@ their backend.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 from proxy.core.fleet import NoPlacement
 from proxy.core.routing import Decision
@@ -79,7 +79,14 @@ def home(
     """The URL of the replica that schedules ``backend``'s requests, or None to route here:
     the home is this replica, none is known, or it is ``unreachable`` (a URL that just failed
     to connect; the split is kept so other backends keep their homes)."""
-    replicas = advertisers(live, me)
+    return home_among(backend, advertisers(live, me), me, unreachable)
+
+
+def home_among(
+    backend: int, replicas: Sequence[str], me: str, unreachable: Collection[str] = ()
+) -> str | None:
+    """``home``, given the split already worked out (``replicas``: ``advertisers``), so a
+    request that asks for every backend's home works it out once."""
     if len(replicas) < 2:
         return None
     chosen = replicas[backend % len(replicas)]

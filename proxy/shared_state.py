@@ -48,7 +48,7 @@ from proxy.core.partition import FENCE_MARGIN, HEARTBEAT_TTL, Peers
 from proxy.metrics import ProxyMetrics
 from proxy.shared_releases import SharedReleases
 from proxy.state import SlotRecord, SlotRef, StateStore, StateStoreUnavailable
-from proxy.state.base import LEFT, stamp_ms
+from proxy.state.base import LEFT
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -184,11 +184,12 @@ class SharedState:
     async def publish(self, backend: int, slot: int, content: Fingerprint, n_tokens: int) -> None:
         if not self.enabled:
             return
-        now = stamp_ms(self.wall()) / 1000  # as stored: a view then leaves it out
-        self._fleet.backends[backend].slots[slot].record_at = now
-        record = SlotRecord(content.hashes, content.tokens, content.anchor, n_tokens, now)
-        put = self.store.put_slot(self._ref(backend, slot), record, self._record_ttl, now)
-        await self.call("put_slot", put, None)
+        record = SlotRecord(content.hashes, content.tokens, content.anchor, n_tokens, 0.0)
+        put = self.store.put_slot(self._ref(backend, slot), record, self._record_ttl, self.wall())
+        stamp = await self.call("put_slot", put, None)  # the store's: a view then leaves it out
+        state = self._fleet.backends[backend].slots[slot]
+        if stamp is not None and stamp > state.record_at:
+            state.record_at = stamp
 
     async def refresh(self) -> None:
         """Read the shared view (one round trip) and fold it into the fleet. Requests that
@@ -213,7 +214,7 @@ class SharedState:
         view = await self.call("view", self.store.view(refs, self.wall(), known), None)
         if view is None:  # the store is down: its leases and records are unknown, not gone
             return
-        now, wall = self._clock(), self.wall()
+        now, wall = self._clock(), self.wall() if view.now is None else view.now
         for backend in self._fleet.backends:
             leased = {
                 s

@@ -159,7 +159,8 @@ class Fleet:
         wall: float,
     ) -> None:
         """Fold other replicas' leases (a leased EXTERNAL slot is theirs; an ended lease: just
-        used) and newer slot records in; a newer record dates the last use (both clocks, now).
+        used) and newer slot records in; a newer record dates the last use (``wall``: the
+        store's clock when it was read, which the records' stamps are in; ``now``: ours).
         Their tasks change the backend's RAM cache as ours do (``claim``): a task they
         started saves every idle slot, and content their request replaced is parked when
         the server's hook ran (so a replica that forwards by its own view of a backend it
@@ -176,9 +177,10 @@ class Fleet:
                 parked = _parked_by(backend, slot, found[0]) if backend.ram else None
                 if parked is not None:
                     self._park(backend, parked, found[0])
+                if slot.content is None or slot.content.hashes != found[0].hashes:
+                    slot.owner = None  # written through another replica: tenant unknown
                 slot.content, slot.n_tokens, slot.record_at = found
                 slot.last_used = max(slot.last_used, now - max(0.0, wall - found[2]))
-                slot.owner = None  # written through another replica: tenant unknown
         if started:
             self._save_idle(backend)
 

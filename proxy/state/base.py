@@ -29,11 +29,17 @@ newer than the one the caller says it has (``known``: its ``updated_at``, compar
 milliseconds, ``stamp_ms``), so a replica reads each record once rather than before every
 request. Times are wall-clock seconds from the caller, except where replicas compare times
 one another wrote — heartbeats (who is live), leaves and releases (how soon a session came
-back): a shared store judges those by its own clock, so replicas on machines whose clocks
-differ agree. (The proxy beats every 0.5 s with a 1 s TTL: judged by the callers' clocks, a
-replica whose clock ran more than 0.5 s ahead of a peer's dropped that peer from its live
-list on some beats, and from 1 s ahead on every beat; ``tests/contract`` has the 2 s case.)
-``claim_release`` therefore returns the seconds since the release was registered, not when.
+back), and slot records (which is newer, and how long ago a slot was last used): a shared
+store judges those by its own clock, so replicas on machines whose clocks differ agree. (The
+proxy beats every 0.5 s with a 1 s TTL: judged by the callers' clocks, a replica whose clock
+ran more than 0.5 s ahead of a peer's dropped that peer from its live list on some beats, and
+from 1 s ahead on every beat; ``tests/contract`` has the 2 s case.) ``claim_release``
+therefore returns the seconds since the release was registered, not when. ``put_slot``
+stamps a record itself (the ``updated_at`` given is ignored), later than the slot's previous
+record even within one millisecond, and returns the stamp; ``view`` says what its clock read
+(``SlotView.now``), so a record's age is ``now - updated_at``. (Stamped by its writer, a
+record written by a replica whose clock ran behind the previous writer's read as older than
+the record it replaced, and every replica that held that one skipped it.)
 Every method may raise ``StateStoreUnavailable``; the proxy then routes on local state.
 """
 
@@ -43,7 +49,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 SlotRef = tuple[str, int]
@@ -64,6 +70,8 @@ class SlotRecord:
     updated_at: float
 
     def pack(self) -> bytes:
+        """Little-endian: counts, hashes, token counts, then ``n_tokens`` and the stamp; the
+        last ``STAMP_BYTES`` are the stamp, so a store can read or set it alone."""
         head = struct.pack("<II", len(self.hashes), self.anchor)
         hashes, tokens = array("Q", self.hashes), array("I", self.tokens)
         if sys.byteorder != "little":
@@ -88,6 +96,9 @@ class SlotRecord:
         return cls(tuple(hashes), tuple(tokens), anchor, n_tokens, updated / 1000)
 
 
+STAMP_BYTES = 8  # a packed record ends with its stamp: little-endian milliseconds
+
+
 def stamp_ms(updated_at: float) -> int:
     """A record's time as stored: whole milliseconds (``round``: a time read back from a
     stamp, ``ms / 1000``, gives the same stamp again)."""
@@ -107,6 +118,8 @@ class SlotView:
 
     owners: dict[SlotRef, str]
     records: dict[SlotRef, SlotRecord]
+    # the store's clock when it was read, which records' stamps are in (None: the caller's)
+    now: float | None = field(default=None, compare=False)
 
 
 class StateStore(Protocol):
@@ -124,7 +137,7 @@ class StateStore(Protocol):
         self, refs: Sequence[SlotRef], now: float, known: Known | None = None
     ) -> SlotView: ...
 
-    async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None: ...
+    async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> float: ...
 
     async def clear_slots(self, refs: Sequence[SlotRef]) -> None: ...
 

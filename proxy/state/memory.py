@@ -8,9 +8,10 @@ and no method awaits between reading and writing.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from proxy.state.base import LEFT, Known, SlotRecord, SlotRef, SlotView, newer
+from proxy.state.base import LEFT, Known, SlotRecord, SlotRef, SlotView, newer, stamp_ms
 
 
 class InMemoryStateStore:
@@ -69,10 +70,16 @@ class InMemoryStateStore:
                 for ref, record in records.items()
                 if record is not None and newer(record, ref, known)
             },
+            now,
         )
 
-    async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None:
-        self._set(("slot", ref), record, ttl, now)
+    async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> float:
+        previous = self._get(("slot", ref), now)
+        stamp = stamp_ms(now)
+        if previous is not None:
+            stamp = max(stamp, stamp_ms(previous.updated_at) + 1)
+        self._set(("slot", ref), replace(record, updated_at=stamp / 1000), ttl, now)
+        return stamp / 1000
 
     async def clear_slots(self, refs: Sequence[SlotRef]) -> None:
         for ref in refs:

@@ -2,7 +2,8 @@
 
 Leases are ``SET key owner NX PX ttl`` (atomic take), renewed by the same owner with a Lua
 compare-and-set and released with a Lua compare-and-delete, so one replica can never free
-another's lease. Slot records are packed binary values; windows are capped lists (``LPUSH``
+another's lease. Slot records are packed binary values, stamped by a script with the
+server's clock (``_PUT_SLOT``); windows are capped lists (``LPUSH``
 + ``LTRIM``); live replicas are one sorted set scored by when each heartbeat expires;
 a release is claimed with ``SET NX``; the snapshot index is one hash
 (``HMGET``/``HSET``/``HDEL``). The view a replica reads before routing (leases and slot
@@ -33,6 +34,7 @@ from redis.exceptions import RedisError
 from proxy.state import keys
 from proxy.state.base import (
     LEFT,
+    STAMP_BYTES,
     Known,
     SlotRecord,
     SlotRef,
@@ -51,26 +53,36 @@ _TAKE = (
 )
 
 
+# A record's stamp is its last 8 bytes, little-endian milliseconds (exact in Lua's doubles),
+# read alone (``GETRANGE``: a ``GET`` copies the whole record into Lua); -1: no record.
+_STAMP = """
+local function stamp(key)
+  local s = redis.call('getrange', key, -8, -1)
+  if s == '' then return -1 end
+  local t = 0
+  for j = 8, 1, -1 do t = t * 256 + string.byte(s, j) end
+  return t
+end
+"""
 # KEYS: n leases, then the n slots' records; ARGV[i]: the stamp of record i the caller holds
-# (-1: none). A record's stamp is its last 8 bytes, little-endian milliseconds (exact in Lua's
-# doubles), read alone (``GETRANGE``: a ``GET`` copies the whole record into Lua); a record
-# not newer is returned as nil.
-_VIEW = """
+# (-1: none). Returns the n owners, the n records (nil when not newer than the caller's), then
+# the server's time ("seconds.micros"), which the stamps are in.
+_VIEW = (
+    _STAMP
+    + """
 local n = #KEYS / 2
 local out = {}
 for i = 1, n do out[i] = redis.call('get', KEYS[i]) end
 for i = 1, n do
   local v = false
-  local stamp = redis.call('getrange', KEYS[n + i], -8, -1)
-  if stamp ~= '' then
-    local t = 0
-    for j = 8, 1, -1 do t = t * 256 + string.byte(stamp, j) end
-    if t > tonumber(ARGV[i]) then v = redis.call('get', KEYS[n + i]) end
-  end
+  if stamp(KEYS[n + i]) > tonumber(ARGV[i]) then v = redis.call('get', KEYS[n + i]) end
   out[n + i] = v
 end
+local t = redis.call('TIME')
+out[2 * n + 1] = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
 return out
 """
+)
 _RENEW = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then "
     "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
@@ -120,6 +132,21 @@ _CLAIM = _NOW + (
     "end "
     "return false"
 )
+# KEYS[1]: a slot's record; ARGV: the packed record without its stamp, TTL (ms). Stamps it
+# with the server's time in ms, later than the record it replaces; returns the stamp.
+_PUT_SLOT = (
+    _NOW
+    + _STAMP
+    + """
+local ms = math.floor(now * 1000 + 0.5)
+local before = stamp(KEYS[1])
+if before >= ms then ms = before + 1 end
+local b, x = {}, ms
+for j = 1, 8 do b[j] = x % 256; x = math.floor(x / 256) end
+redis.call('set', KEYS[1], ARGV[1] .. string.char(unpack(b)), 'PX', ARGV[2])
+return ms
+"""
+)
 T = TypeVar("T")
 
 
@@ -155,6 +182,7 @@ class RedisStateStore:
         self._leave = self._redis.register_script(_LEAVE)
         self._put_release = self._redis.register_script(_PUT_RELEASE)
         self._claim = self._redis.register_script(_CLAIM)
+        self._put_slot = self._redis.register_script(_PUT_SLOT)
 
     async def get_affinity(self, key: str, now: float) -> SlotRef | None:
         raw = await _call(self._redis.get(keys.affinity(key)))
@@ -184,7 +212,7 @@ class RedisStateStore:
         have = known or {}
         stamps = [stamp_ms(have[ref]) if ref in have else -1 for ref in refs]
         values = await _call(self._view(keys=names, args=stamps))
-        owners, records = values[: len(refs)], values[len(refs) :]
+        owners, records = values[: len(refs)], values[len(refs) : 2 * len(refs)]
         return SlotView(
             {ref: _bytes(v).decode() for ref, v in zip(refs, owners, strict=True) if v is not None},
             {
@@ -192,10 +220,13 @@ class RedisStateStore:
                 for ref, v in zip(refs, records, strict=True)
                 if v is not None
             },
+            float(_bytes(values[-1])),
         )
 
-    async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> None:
-        await _call(self._redis.set(keys.slot(*ref), record.pack(), px=_ms(ttl)))
+    async def put_slot(self, ref: SlotRef, record: SlotRecord, ttl: float, now: float) -> float:
+        body = record.pack()[:-STAMP_BYTES]
+        stamp = await _call(self._put_slot(keys=[keys.slot(*ref)], args=[body, _ms(ttl)]))
+        return int(stamp) / 1000
 
     async def clear_slots(self, refs: Sequence[SlotRef]) -> None:
         if not refs:

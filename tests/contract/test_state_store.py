@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from proxy.state import (
     StateStore,
     StateStoreUnavailable,
 )
-from proxy.state.base import LEFT
+from proxy.state.base import LEFT, SlotRef
 from proxy.state.redis import RedisStateStore
 from tests.real.stack import RedisServer
 from tests.relay import Relay
@@ -93,40 +94,60 @@ async def test_concurrent_takers_get_one_lease(store: StateStore) -> None:
     assert sum(results) == 1
 
 
+async def put(store: StateStore, ref: SlotRef, record: SlotRecord, at: float) -> SlotRecord:
+    """Write ``record``; it is stored as the store stamped it."""
+    return replace(record, updated_at=await store.put_slot(ref, record, ttl=5, now=at))
+
+
 async def test_slot_records(store: StateStore) -> None:
-    record = SlotRecord((1, 2**63 + 5), (10, 20), 2, 19, 1234.5)
-    await store.put_slot(("b0", 0), record, ttl=5, now=now())
+    record = SlotRecord((1, 2**63 + 5), (10, 20), 2, 19, 0.0)
+    before = now()
+    stored = await put(store, ("b0", 0), record, before)
+    assert before - 0.001 <= stored.updated_at <= now() + 0.001  # stamped when written
     got = await store.view([("b0", 0), ("b0", 1)], now())
-    assert got.records == {("b0", 0): record}
+    assert got.records == {("b0", 0): stored}
+    assert got.now is not None
+    assert got.now >= stored.updated_at - 0.001  # (stamps are whole milliseconds)
     await store.clear_slots([("b0", 0)])
     assert (await store.view([("b0", 0)], now())).records == {}
 
 
 async def test_the_view_holds_leases_and_records_of_the_same_slots(store: StateStore) -> None:
-    record = SlotRecord((7,), (3,), 1, 3, 1.0)
-    await store.put_slot(("b0", 1), record, ttl=5, now=now())
+    stored = await put(store, ("b0", 1), SlotRecord((7,), (3,), 1, 3, 0.0), now())
     assert await store.acquire_lease(("b1", 0), "r1", ttl=5, now=now())
     refs = [("b0", 0), ("b0", 1), ("b1", 0)]
-    assert await store.view(refs, now()) == SlotView({("b1", 0): "r1"}, {("b0", 1): record})
+    assert await store.view(refs, now()) == SlotView({("b1", 0): "r1"}, {("b0", 1): stored})
     assert await store.view([], now()) == SlotView({}, {})
 
 
 async def test_the_view_leaves_out_records_not_newer_than_the_callers(store: StateStore) -> None:
     """A replica reads each record once: a record no newer than the one it holds (same stamp,
     to the millisecond) is not sent again; a newer one, or one it does not hold, is."""
-    first = SlotRecord((7,) * 300, tuple(range(1, 301)), 1, 300, 1732611234.567)
-    newer = SlotRecord((8,), (3,), 1, 3, 1732611234.568)
-    await store.put_slot(("b0", 0), first, ttl=5, now=now())
-    await store.put_slot(("b0", 1), newer, ttl=5, now=now())
+    first = await put(
+        store, ("b0", 0), SlotRecord((7,) * 300, tuple(range(1, 301)), 1, 300, 0), now()
+    )
+    other = await put(store, ("b0", 1), SlotRecord((8,), (3,), 1, 3, 0.0), now())
     assert await store.acquire_lease(("b0", 0), "r1", ttl=5, now=now())
     refs = [("b0", 0), ("b0", 1), ("b0", 2)]
-    held = {("b0", 0): first.updated_at, ("b0", 1): 1732611234.567, ("b0", 2): 1.0}
+    held = {("b0", 0): first.updated_at, ("b0", 1): other.updated_at - 0.001, ("b0", 2): 1.0}
     got = await store.view(refs, now(), held)
-    assert got == SlotView({("b0", 0): "r1"}, {("b0", 1): newer})
-    assert (await store.view(refs, now(), {("b0", 1): 1732611234.5684})).records == {
-        ("b0", 0): first
-    }
-    assert (await store.view(refs, now(), {})).records == {("b0", 0): first, ("b0", 1): newer}
+    assert got == SlotView({("b0", 0): "r1"}, {("b0", 1): other})
+    later = {("b0", 1): other.updated_at + 0.0004}  # the same millisecond
+    assert (await store.view(refs, now(), later)).records == {("b0", 0): first}
+    assert (await store.view(refs, now(), {})).records == {("b0", 0): first, ("b0", 1): other}
+
+
+async def test_a_record_is_newer_than_the_one_it_replaces(store: StateStore) -> None:
+    """Writes to one slot within one millisecond still stamp each later than the last, so a
+    replica holding one record reads the next."""
+    ref = ("b0", 0)
+    stamps = [
+        (await put(store, ref, SlotRecord((i,), (3,), 1, 3, 0.0), now())).updated_at
+        for i in range(20)
+    ]
+    assert stamps == sorted(set(stamps))
+    got = await store.view([ref], now(), {ref: stamps[-2]})
+    assert [r.hashes for r in got.records.values()] == [(19,)]
 
 
 async def test_window_is_bounded_newest_first(store: StateStore) -> None:
@@ -155,12 +176,13 @@ async def test_a_replica_that_leaves_stops_being_live_and_is_listed_as_left(
     assert await store.heartbeat("b", 5.0, now()) == ["b"]  # the mark expires too
 
 
-async def test_a_redis_store_judges_liveness_and_returns_by_its_own_clock(
+async def test_a_redis_store_judges_liveness_returns_and_records_by_its_own_clock(
     redis_url: str,
 ) -> None:
     """Replicas on machines whose clocks differ: one 2 s ahead of another must still list
-    it as live (a 1 s heartbeat TTL, as the proxy uses), and a release registered by a
-    replica whose clock is 30 s behind is claimed as just made."""
+    it as live (a 1 s heartbeat TTL, as the proxy uses), a release registered by a replica
+    whose clock is 30 s behind is claimed as just made, and its slot record is read as the
+    newest."""
     ahead, behind = RedisStateStore(redis_url), RedisStateStore(redis_url)
     await ahead._redis.flushdb()
     try:
@@ -176,6 +198,15 @@ async def test_a_redis_store_judges_liveness_and_returns_by_its_own_clock(
         assert found is not None
         assert found[0] == "behind:1"
         assert 0.0 <= found[1] < 1.0
+        # a slot record written by the replica 30 s behind, after one written by the replica
+        # ahead, is the newer one, and was written just now
+        ref = ("b0", 0)
+        first = await put(ahead, ref, SlotRecord((1,), (3,), 1, 3, 0.0), now() + 30)
+        second = await put(behind, ref, SlotRecord((2,), (3,), 1, 3, 0.0), now() - 30)
+        got = await ahead.view([ref], now() + 30, {ref: first.updated_at})
+        assert got.records == {ref: second}
+        assert got.now is not None
+        assert -0.01 < got.now - second.updated_at < 1.0  # (a stamp may be 1 ms ahead)
     finally:
         await ahead.close()
         await behind.close()

@@ -398,6 +398,42 @@ async def test_a_replica_reads_each_slot_record_once() -> None:
     assert fleet.backends[0].slots[0].content == Fingerprint((1, 2, 4), (10, 20, 30))
 
 
+async def test_replicas_whose_clocks_differ_read_each_others_records(redis_server: Any) -> None:
+    """Slot records are stamped by Redis's clock. Stamped by each writer's, a record written
+    by a replica whose clock runs 30 s behind, after one written by a replica 30 s ahead,
+    read as older than the one it replaced: the replica ahead skipped it (the slot's new
+    content) until its own clock caught up, and aged the slot's last use by 60 s."""
+    from prometheus_client import CollectorRegistry
+
+    from proxy.core.fingerprint import Fingerprint
+    from proxy.core.fleet import Fleet, SlotState
+    from proxy.metrics import ProxyMetrics
+    from proxy.shared_state import SharedState
+    from proxy.state.redis import RedisStateStore
+
+    replicas = []
+    for skew in (30.0, -30.0):
+        fleet = Fleet(["b"])
+        fleet.backends[0].slots = [SlotState(0)]
+        store = RedisStateStore(redis_server.url)
+        wall = lambda skew=skew: time.time() + skew  # noqa: E731
+        shared = SharedState(store, fleet, ProxyMetrics(CollectorRegistry()), wall, enabled=True)
+        replicas.append((fleet, shared, store))
+    (ahead_fleet, ahead, _), (behind_fleet, behind, _) = replicas
+    try:
+        await ahead.publish(0, 0, Fingerprint((1, 2), (10, 20)), 20)
+        await behind.refresh()
+        assert behind_fleet.backends[0].slots[0].content == Fingerprint((1, 2), (10, 20))
+        await behind.publish(0, 0, Fingerprint((3,), (5,)), 5)
+        await ahead.refresh()
+        slot = ahead_fleet.backends[0].slots[0]
+        assert slot.content == Fingerprint((3,), (5,))
+        assert slot.last_used > time.monotonic() - 1.0
+    finally:
+        for _, _, store in replicas:
+            await store.close()
+
+
 async def test_a_replica_models_the_ram_cache_of_slots_another_replica_replaced(
     fakes: Any, proxy: Any, redis_server: Any
 ) -> None:

@@ -18,15 +18,17 @@ backends, 0.455 against 0.441.)
 
 Homes: each replica that can be forwarded to advertises its URL in its replica id
 (``<token>@<url>``, listed by the store's heartbeats). Among the live advertising replicas,
-sorted by id, backend ``i`` is homed at replica ``i mod n`` — with as many backends as
-replicas, one each. Every replica computes the same split from the same list; two lists that
-differ for a heartbeat period only send a request to a replica that routes it again. With
-fewer than two such replicas, or when this replica does not advertise, every request is routed
-where it arrives. A URL that two live replicas advertise (a misconfigured ``replica_url``,
-such as every replica set to the load balancer's address) reaches neither for sure: those
-replicas do not count as advertisers, so none is a home and none forwards (each routes what
-reaches it, as without a URL), rather than send requests to a replica that does not schedule
-their backend.
+sorted by URL, backend ``i`` is homed at replica ``i mod n`` — with as many backends as
+replicas, one each. A replica that restarts gets a new token but, at the same address, its
+backends back, and the others keep theirs (sorted by id, a restarted replica could take
+another place in the order and move every other replica's homes too). Every replica computes
+the same split from the same list; two lists that differ for a heartbeat period only send a
+request to a replica that routes it again. With fewer than two such replicas, or when this
+replica does not advertise, every request is routed where it arrives. A URL that two live
+replicas advertise (a misconfigured ``replica_url``, such as every replica set to the load
+balancer's address) reaches neither for sure: those replicas do not count as advertisers, so
+none is a home and none forwards (each routes what reaches it, as without a URL), rather
+than send requests to a replica that does not schedule their backend.
 """
 
 from __future__ import annotations
@@ -61,16 +63,16 @@ def clashes(live: Iterable[str]) -> dict[str, list[str]]:
 
 
 def advertisers(live: Iterable[str], me: str) -> list[str]:
-    """The replicas homes are split between, sorted: the live ones that advertise a URL no
-    other live replica advertises, this one included when it does; fewer than two means no
-    replica forwards."""
+    """The replicas homes are split between, sorted by URL: the live ones that advertise a
+    URL no other live replica advertises, this one included when it does; fewer than two
+    means no replica forwards."""
     if url_of(me) is None:
         return []
     ids = {r for r in live if url_of(r) is not None} | {me}
     shared = clashes(ids)
     if url_of(me) in shared:
         return []
-    return sorted(r for r in ids if url_of(r) not in shared)
+    return sorted((r for r in ids if url_of(r) not in shared), key=lambda r: url_of(r) or "")
 
 
 def home(

@@ -47,6 +47,15 @@ def test_replicas_advertising_one_url_are_no_ones_home() -> None:
     assert advertisers([A, c, d], A) == [A]  # alone among advertisers: no forwarding
 
 
+def test_a_replica_that_restarts_at_its_address_keeps_every_home() -> None:
+    """A restart gives a replica a new token; at the same URL the split is the same."""
+    c = replica_id("ccc", "http://10.0.0.3:8000")
+    before = [home(b, [A, B, c], A) for b in range(6)]
+    restarted = replica_id("000", url_of(B))  # a token that sorts first
+    assert [home(b, [A, restarted, c], A) for b in range(6)] == before
+    assert advertisers([A, restarted, c], A) == [A, restarted, c]
+
+
 @given(st.sets(st.text("abcdef", min_size=1, max_size=4), min_size=2, max_size=6), st.data())
 def test_property_every_replica_agrees_on_each_backends_home(
     tokens: set[str], data: st.DataObject

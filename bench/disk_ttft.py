@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 
 from bench.inproc import serve
-from bench.results_io import load, print_markdown, save
+from bench.results_io import measured, print_markdown
 from proxy.config import Settings
 from tests.real.stack import LlamaServer, require_real_stack
 
@@ -162,12 +162,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--from-json", action="store_true")
     args = parser.parse_args()
-    if args.from_json:
-        result = load("disk_ttft")
-    else:
-        result = asyncio.run(run(args.reps))
-        save("disk_ttft", result)
-    print_table(result)
+    print_table(measured("disk_ttft", args.from_json, lambda: run(args.reps)))
 
 
 if __name__ == "__main__":

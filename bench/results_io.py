@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,15 @@ def save(name: str, data: Any) -> Path:
 
 def load(name: str) -> Any:
     return json.loads(path_of(name).read_text())
+
+
+def measured(name: str, from_json: bool, run: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """The saved result (``--from-json``: reprint it), or a new run of ``run``, saved."""
+    if from_json:
+        return load(name)
+    result: Any = asyncio.run(run())
+    save(name, result)
+    return result
 
 
 def print_markdown(header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:

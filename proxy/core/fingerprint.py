@@ -12,9 +12,16 @@ Segments follow the boundaries at which one request's prompt stops matching the 
 - raw prompts (``/completion``, ``/v1/completions``, ``/infill``): fixed blocks of
   ``block_tokens`` tokens of the prompt (token arrays are used as given). Text is cut into
   ``CHUNK_CHARS``-character chunks first, by position only (prompts sharing a prefix share
-  its whole chunks), each tokenized and blocked alone (its last block may be short): the
-  caller memoizes a chunk's blocks by (chain hash before it, its text), so a 128k-token
-  prompt whose prefix was seen encodes and hashes only its new tail (26 ms -> under 1 ms).
+  its whole chunks), and a chunk before each paragraph (a run of blank lines, ``paragraphs``);
+  each piece is tokenized and blocked alone (its last block may be short): the caller
+  memoizes a chunk's blocks by (chain hash before it, its text), so a 128k-token prompt
+  whose prefix was seen encodes and hashes only its new tail (26 ms -> under 1 ms). Agents
+  that send raw prompts append a turn after a blank line, so a prompt continuing an earlier
+  one shares all of it, not only its whole blocks (the RAM model needs that exact length).
+
+A raw prompt's slot keeps the reply after it, which the next prompt does not repeat: the
+slot's content is then ``sealed`` (``Router.content_after``), so the RAM model does not take
+it to be part of a longer prompt's (``core.ram_cache.contains``).
 
 The *anchor* is the number of segments through the first non-system message: a request
 that shares at least that much with a slot continues the slot's conversation (routing uses
@@ -40,7 +47,7 @@ from __future__ import annotations
 import json
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +72,9 @@ class Fingerprint:
     hashes: tuple[int, ...]
     tokens: tuple[int, ...]  # cumulative estimated tokens after each segment
     anchor: int = 0  # segments up to and including the first non-system message
+    # the KV holds more after the chain that no later prompt is known to repeat (a raw
+    # prompt's reply): no other chain contains this content but its own
+    sealed: bool = False
 
     @property
     def total(self) -> int:
@@ -214,6 +224,38 @@ def token_blocks(ids: Sequence[int], block_tokens: int, previous: int) -> Blocks
         hashes.append(previous)
     ends = range(block_tokens, len(ids) + block_tokens, block_tokens)
     return tuple(hashes), tuple(min(end, len(ids)) for end in ends)
+
+
+def paragraphs(text: str) -> Iterator[str]:
+    """``text`` cut before each run of blank lines (``\n\n``, kept with the text after it)."""
+    parts = text.split("\n\n")
+    pending, run = parts[0], "\n\n"
+    for part in parts[1:]:
+        if part:
+            if pending:
+                yield pending
+            pending, run = run + part, "\n\n"
+        else:
+            run += "\n\n"
+    if pending:
+        yield pending
+    if len(run) > 2:
+        yield run[2:]  # blank lines the text ends with
+
+
+def text_blocks(chunk: str, encode: Encoder, block_tokens: int, previous: int) -> Blocks:
+    """A raw text chunk's blocks: each paragraph (``paragraphs``) in blocks of
+    ``block_tokens``, chained from ``previous``."""
+    hashes: list[int] = []
+    ends: list[int] = []
+    total = 0
+    for piece in paragraphs(chunk):
+        piece_hashes, piece_ends = token_blocks(encode(piece), block_tokens, previous)
+        if piece_hashes:
+            hashes += piece_hashes
+            ends.extend(map(total.__add__, piece_ends))
+            previous, total = piece_hashes[-1], total + piece_ends[-1]
+    return tuple(hashes), tuple(ends)
 
 
 def fingerprint_text(text: str, blocks: Callable[[int, str], Blocks], seed: int = 0) -> Fingerprint:

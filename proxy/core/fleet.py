@@ -240,7 +240,7 @@ def _parked_by(backend: BackendState, slot: SlotState, prompt: Fingerprint) -> P
     also moves the entry it loads into the slot, so an evicted session finds its content
     in RAM now."""
     old = slot.content
-    if old is None or not ram_cache.hook_runs(old, prompt):
+    if old is None or not ram_cache.hook_runs(old, prompt, backend.kv_estimate(old, slot.n_tokens)):
         return None
     return backend.parked(old, slot.last_used, slot.n_tokens)
 

@@ -9,20 +9,24 @@ fingerprint's estimates can be several times off on code).
 *Save* (``save``): the server saves a slot's content when a task takes the slot through the
 RAM hook, and every idle slot after each task (``--cache-idle-slots``). A save is skipped
 when an entry already contains the content, or when it is larger than the whole cache;
-entries the content contains are dropped; the oldest go until it fits the byte budget
+entries the content contains are dropped (a raw prompt's content, saved with its reply, is
+contained by no other: ``Fingerprint.sealed``); the oldest go until it fits the byte budget
 (``--cache-ram``, 8 GiB by default: configured here in tokens, ``ram_cache_tokens``); the
 new entry is the newest.
 
 *Load* (``pick``): the hook runs for a pinned slot that is not empty and would keep less
 than half its content (``f_keep < 0.5``; an empty pinned slot skips it, upstream #28139).
 The server scans the entries oldest first and takes one that keeps at least a quarter of
-itself (``f_keep >= 0.25``) and beats the best so far in both kept share and similarity to
-the prompt, starting from the slot's own content; the last taken wins (so an older entry can
-shadow a newer, longer one). The entry taken is *moved* into the slot: it leaves the cache,
-and whatever the prompt does not share with it is overwritten. So a request of another
-conversation that shares only a header with a parked session destroys that session's copy
-unless the pinned slot's own content keeps at least as large a share — the router scores
-that as eviction damage (``core.scoring``) and ``Fleet.claim`` removes the entry taken.
+itself (``f_keep >= 0.25``; shares of the real KV length, a raw prompt's reply included:
+``BackendState.kv_estimate``; by the prompt alone, a 16-token prompt saved with a 64-token
+reply was predicted to load for a prompt continuing it) and beats the best so far in both
+kept share and similarity to the prompt, starting from the slot's own content; the last
+taken wins (so an older entry can shadow a newer, longer one). The entry taken is *moved*
+into the slot: it leaves the cache, and whatever the prompt does not share with it is
+overwritten. So a request of another conversation that shares only a header with a parked
+session destroys that session's copy unless the pinned slot's own content keeps at least as
+large a share — the router scores that as eviction damage (``core.scoring``) and
+``Fleet.claim`` removes the entry taken.
 """
 
 from __future__ import annotations
@@ -94,8 +98,16 @@ def pick(
 
 
 def contains(entry: Fingerprint, content: Fingerprint) -> bool:
-    """``content`` is a prefix of ``entry``: each chain hash covers the whole prefix up to
-    its segment, so comparing ``entry``'s hash at ``content``'s last segment decides it."""
+    """``content``, with the unseen tail it may be sealed with, is a prefix of ``entry``."""
+    if content.sealed and len(content.hashes) != len(entry.hashes):
+        return False  # its tail (a raw prompt's reply) continues no other chain
+    return covers(entry, content)
+
+
+def covers(entry: Fingerprint, content: Fingerprint) -> bool:
+    """``content``'s chain is a prefix of ``entry``'s: each chain hash covers the whole
+    prefix up to its segment, so comparing ``entry``'s hash at ``content``'s last segment
+    decides it."""
     n = len(content.hashes)
     return n == 0 or (n <= len(entry.hashes) and entry.hashes[n - 1] == content.hashes[-1])
 
@@ -148,11 +160,12 @@ def without(entries: Sequence[Parked], gone: Parked | None) -> list[Parked]:
     return [e for e in entries if e is not gone]
 
 
-def hook_runs(content: Fingerprint, prompt: Fingerprint) -> bool:
-    """Whether ``prompt``, pinned to a slot holding ``content``, makes the server save the
-    slot and load from its RAM cache: it keeps less than half of the content."""
+def hook_runs(content: Fingerprint, prompt: Fingerprint, length: int | None = None) -> bool:
+    """Whether ``prompt``, pinned to a slot holding ``content`` (``length``: its KV length in
+    estimate units, a raw prompt's reply included), makes the server save the slot and load
+    from its RAM cache: it keeps less than half of the content."""
     kept = prompt.tokens_at(common_segments(prompt.hashes, content.hashes))
-    return consulted(kept, content.total)
+    return consulted(kept, content.total if length is None else length)
 
 
 def park(

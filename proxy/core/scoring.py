@@ -93,7 +93,7 @@ class RamView:
         entry = self.entries[index]
         # a copy of what a slot holds loses nothing when it leaves the cache
         resident = (s.expected for s in backend.slots if s.expected is not None)
-        if any(ram_cache.contains(r, entry.content) for r in resident):
+        if any(ram_cache.covers(r, entry.content) for r in resident):
             return 0.0
         lost = _lost(fp, entry.content, self.shared[index], self.served[index][0])
         return lost * _recency(entry.at, now, params)
@@ -157,10 +157,14 @@ def ram_view(fp: Fingerprint, backend: BackendState, before: RamView | None = No
             for entry, n in zip(backend.ghosts, shared, strict=True)
         )
     else:  # _reuse without the exact rule, inlined: this runs for every entry of the cache
-        tokens, cap = fp.tokens, fp.total - 1
+        tokens, cap, scale = fp.tokens, fp.total - 1, backend.token_scale or 1.0
         served = tuple(
-            (min(tokens[n - 1], cap) if n else 0, entry.content.total)
-            for entry, n in zip(backend.ghosts, shared, strict=True)
+            (
+                min(tokens[n - 1], cap) if n else 0,
+                # the entry's KV length in estimate units (BackendState.kv_estimate, inlined)
+                max(e.content.total, round(e.size / scale)) if e.size else e.content.total,
+            )
+            for e, n in zip(backend.ghosts, shared, strict=True)
         )
     return RamView(fp.total, backend.ghosts, served, shared)
 
@@ -180,11 +184,12 @@ def candidate(
     if content is not None and fp.hashes:
         shared = _shared(fp, content)
         live = direct = _reuse(fp, content, backend.exact, shared)
-        consulted = backend.ram and ram_cache.consulted(live, content.total)
+        length = backend.kv_estimate(content, slot.n_tokens)
+        consulted = backend.ram and ram_cache.consulted(live, length)
         if ram is not None and consulted:
             saved = backend.parked(content, now, slot.n_tokens)
             skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
-            found = ram_cache.pick(ram.served[skip:], live, content.total, fp.total)
+            found = ram_cache.pick(ram.served[skip:], live, length, fp.total)
             if found is not None:
                 i = found + skip
                 live, loads = ram.served[i][0], ram.entries[i]

@@ -104,6 +104,13 @@ class BackendState:
     def kv_tokens(self, content: Fingerprint, n_tokens: int = 0) -> int:
         return n_tokens if n_tokens > 0 else self.from_estimate(content.total)  # known, or est.
 
+    def kv_estimate(self, content: Fingerprint, n_tokens: int = 0) -> int:
+        """What ``content`` takes in the KV, in estimate units: its real length (``n_tokens``,
+        a raw prompt's reply included) when known, else the fingerprint's estimate."""
+        if n_tokens <= 0:
+            return content.total
+        return max(content.total, round(n_tokens / (self.token_scale or 1.0)))
+
     def parked(self, content: Fingerprint, at: float, n_tokens: int = 0) -> Parked:
         return Parked(content, at, self.kv_tokens(content, n_tokens))
 

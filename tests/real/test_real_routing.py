@@ -371,3 +371,31 @@ async def test_the_ram_cache_model_follows_idle_slot_saves(
     # beta's return: parked (most of it reused, and predicted) only without idle saves
     assert (cached > 20) is not idle_saves, cached
     assert abs(predicted - cached) <= 4, (predicted, cached)
+
+
+@pytest.mark.parametrize("reply", [1, 48])
+async def test_a_raw_prompts_ram_copy_counts_its_reply(
+    llama_servers: Any, proxy: Any, reply: int
+) -> None:
+    """llama-server saves a raw prompt's slot with the reply it generated, and loads a RAM
+    entry only for a prompt that keeps at least a quarter of it. A short prompt P, parked by
+    another conversation, is loaded for P's continuation (a new paragraph after it) when
+    its reply was one token, and not when it was 48 (P keeps under a quarter of P + reply).
+    The proxy predicts both: it counts the slot's real length, reply included, and sees P
+    shared whole (raw prompts are fingerprinted by paragraph); before, it predicted the
+    load either way."""
+    server = llama_servers(slots=1)
+    client = await proxy(
+        [server.url], routing={"hold_max_seconds": 0}, disk={"prefix_cache": "off", "park": "off"}
+    )
+    first = "Tell me about the orchards and the tall trees in spring."
+    other = "A different conversation about rivers, bridges and the boats upon them. " * 3
+    then = first + "\n\n" + "And which apples grow best in the cold northern valleys? " * 3
+    for prompt, n_predict in ((first, reply), (other, 4), (then, 2)):
+        body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True}
+        resp = await client.post("/completion", json=body)
+        assert resp.status == 200, await resp.text()
+    cached = (await resp.json())["timings"]["cache_n"]
+    predicted = int(resp.headers["X-Cache-Predicted-Tokens"])
+    assert (cached >= 10) is (reply == 1), cached  # loaded only without the long reply
+    assert abs(predicted - cached) <= 3, (predicted, cached)

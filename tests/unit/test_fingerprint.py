@@ -9,13 +9,16 @@ from proxy.core.fingerprint import (
     CHUNK_CHARS,
     MESSAGE_OVERHEAD,
     Blocks,
+    Fingerprint,
     common_segments,
     fingerprint_chat,
     fingerprint_text,
     fingerprint_tokens,
+    paragraphs,
     reply_segment,
     token_blocks,
 )
+from proxy.tokenizer import TokenCounter
 
 
 def words(text: str) -> int:
@@ -162,3 +165,32 @@ def test_raw_text_is_blocked_per_chunk_and_a_seen_prefix_is_not_encoded_again() 
     assert len(encoded) == 4  # only the last chunk again
     assert fingerprint_text(text, blocks, seed=5).hashes[0] != fp.hashes[0]
     assert fingerprint_text("", blocks).hashes == ()
+
+
+def test_raw_text_is_cut_at_paragraphs_so_a_prompt_continuing_another_shares_all_of_it() -> None:
+    """Agents that send raw prompts append a turn after a blank line. Cut only into blocks
+    of 16 tokens, the earlier prompt's short last block never matched the later prompt's
+    full one: taubench's 7-word opener was invisible in every prompt that continued it, and
+    the shared length the RAM model needs was short by up to 15 tokens. Cut before each
+    paragraph too, the earlier prompt is shared whole."""
+    counter = TokenCounter()
+
+    def fingerprint(text: str) -> Fingerprint:
+        return fingerprint_text(text, lambda at, part: counter.blocks(at, part, 16))
+
+    opener = "Hi! How can I help you today?"
+    later = fingerprint(opener + "\n\nWhat changes would you like to make to your reservation?")
+    first = fingerprint(opener)
+    assert common_segments(first.hashes, later.hashes) == len(first.hashes)
+    assert later.tokens_at(len(first.hashes)) == first.total
+
+
+@given(st.text("ab\n ", max_size=40), st.text("ab\n ", min_size=1, max_size=40))
+def test_property_paragraphs_cover_the_text_and_a_continuation_keeps_them(
+    head: str, tail: str
+) -> None:
+    cut = list(paragraphs(head))
+    assert "".join(cut) == head
+    assert all(cut)
+    if head and not head.endswith("\n") and not tail.startswith("\n"):
+        assert list(paragraphs(head + "\n\n" + tail))[: len(cut)] == cut

@@ -500,3 +500,26 @@ def test_ram_cache_takes_entries_oldest_first_when_they_beat_the_best_so_far() -
     assert ghost_reuse(fp(1, 2, 3, 4, 5), f.backends[0]) == 300
     f.backends[0].ghosts = [newer]
     assert ghost_reuse(fp(1, 2, 3, 4, 5), f.backends[0]) == 400
+
+
+def test_a_parked_raw_prompt_is_loadable_only_by_its_real_length_with_the_reply() -> None:
+    """llama-server saves a raw prompt's slot with the reply it generated, and loads an entry
+    only for a prompt that keeps at least a quarter of it: a 16-token prompt saved with its
+    64-token reply is not loaded for a prompt extending the 16 (16 / 80 < 0.25)."""
+    request = Fingerprint((1, 2, 3), (16, 32, 49))  # extends the parked prompt fp(1)
+    for size, predicted in ((16, 16), (80, 0)):  # saved without a reply, and with one
+        f = fleet(1)
+        hold(f, 0, 0, fp(9))  # another conversation: pinning the slot consults the cache
+        f.backends[0].ghosts = [Parked(fp(1, size=16), 50.0, size=size)]
+        assert decided(route(request, f.backends, PARAMS, now=100.0)).predicted == predicted
+
+
+def test_a_slot_whose_reply_the_prompt_does_not_keep_is_parked_by_its_real_length() -> None:
+    """The server parks a pinned slot's content when the prompt keeps less than half of the
+    slot's KV, reply included: a 16-token prompt with a 64-token reply, then a prompt that
+    extends the 16, keeps 16 of 80."""
+    f = fleet(1)
+    hold(f, 0, 0, replace(fp(1, size=16), sealed=True))  # as a raw prompt's reply leaves it
+    f.backends[0].slots[0].n_tokens = 80
+    f.claim(Placement(0, (0,), 0), now=101.0, content=Fingerprint((1, 2, 3), (16, 32, 49)))
+    assert [p.content.hashes for p in f.backends[0].ghosts] == [(1,)]

@@ -250,10 +250,8 @@ class Router:
     def content_after(self, plan: Plan, reply: Reply | None) -> Fingerprint:
         """What the slot holds after a complete response: prompt, then the reply (counted once
         per response: the disk tier and the release both ask)."""
-        if reply is None:
-            return plan.fp
-        if not plan.chat:  # the server keeps the reply after the prompt: sealed
-            return replace(plan.fp, sealed=True) if reply.content else plan.fp
+        if reply is None or not plan.chat:  # a raw prompt's reply, kept after it: sealed
+            return replace(plan.fp, sealed=True) if reply and reply.content else plan.fp
         if plan.after is None:
             segment = reply_segment(reply.content, reply.tool_calls or None)
             plan.after = plan.fp.extend([segment], self._counter.count)

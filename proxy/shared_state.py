@@ -181,10 +181,10 @@ class SharedState:
     async def set_affinity(self, key: str, ref: SlotRef, ttl: float) -> None:
         await self.call("set_affinity", self.store.set_affinity(key, ref, ttl, self.wall()), None)
 
-    async def publish(self, backend: int, slot: int, content: Fingerprint, n_tokens: int) -> None:
+    async def publish(self, backend: int, slot: int, fp: Fingerprint, n_tokens: int) -> None:
         if not self.enabled:
             return
-        record = SlotRecord(content.hashes, content.tokens, content.anchor, n_tokens, 0.0)
+        record = SlotRecord(fp.hashes, fp.tokens, fp.anchor, n_tokens, 0.0, fp.sealed)
         put = self.store.put_slot(self._ref(backend, slot), record, self._record_ttl, self.wall())
         stamp = await self.call("put_slot", put, None)  # the store's: a view then leaves it out
         state = self._fleet.backends[backend].slots[slot]
@@ -222,7 +222,7 @@ class SharedState:
                 if label == backend.label and o != self.owner
             }
             mine = {
-                s: (Fingerprint(r.hashes, r.tokens, r.anchor), r.n_tokens, r.updated_at)
+                s: (Fingerprint(r.hashes, r.tokens, r.anchor, r.sealed), r.n_tokens, r.updated_at)
                 for (label, s), r in view.records.items()
                 if label == backend.label
             }

@@ -68,11 +68,12 @@ class SlotRecord:
     anchor: int
     n_tokens: int
     updated_at: float
+    sealed: bool = False  # ``Fingerprint.sealed``: packed as the anchor's top bit
 
     def pack(self) -> bytes:
         """Little-endian: counts, hashes, token counts, then ``n_tokens`` and the stamp; the
         last ``STAMP_BYTES`` are the stamp, so a store can read or set it alone."""
-        head = struct.pack("<II", len(self.hashes), self.anchor)
+        head = struct.pack("<II", len(self.hashes), self.anchor | self.sealed << 31)
         hashes, tokens = array("Q", self.hashes), array("I", self.tokens)
         if sys.byteorder != "little":
             hashes.byteswap()
@@ -93,7 +94,8 @@ class SlotRecord:
         if sys.byteorder != "little":
             hashes.byteswap()
             tokens.byteswap()
-        return cls(tuple(hashes), tuple(tokens), anchor, n_tokens, updated / 1000)
+        sealed, anchor = bool(anchor >> 31), anchor & 0x7FFFFFFF
+        return cls(tuple(hashes), tuple(tokens), anchor, n_tokens, updated / 1000, sealed)
 
 
 STAMP_BYTES = 8  # a packed record ends with its stamp: little-endian milliseconds

@@ -112,6 +112,15 @@ async def test_slot_records(store: StateStore) -> None:
     assert (await store.view([("b0", 0)], now())).records == {}
 
 
+async def test_a_sealed_record_stays_sealed(store: StateStore) -> None:
+    """A raw prompt's slot content, kept with its reply (``Fingerprint.sealed``), reads back
+    sealed on every replica."""
+    stored = await put(store, ("b0", 0), SlotRecord((7,), (3,), 5, 9, 0.0, sealed=True), now())
+    assert (await store.view([("b0", 0)], now())).records == {("b0", 0): stored}
+    assert stored.sealed
+    assert stored.anchor == 5
+
+
 async def test_the_view_holds_leases_and_records_of_the_same_slots(store: StateStore) -> None:
     stored = await put(store, ("b0", 1), SlotRecord((7,), (3,), 1, 3, 0.0), now())
     assert await store.acquire_lease(("b1", 0), "r1", ttl=5, now=now())

@@ -162,7 +162,9 @@ def ram_view(fp: Fingerprint, backend: BackendState, before: RamView | None = No
             (
                 min(tokens[n - 1], cap) if n else 0,
                 # the entry's KV length in estimate units (BackendState.kv_estimate, inlined)
-                max(e.content.total, round(e.size / scale)) if e.size else e.content.total,
+                max(e.content.total, round(e.size / scale))
+                if e.size and e.content.sealed
+                else e.content.total,
             )
             for e, n in zip(backend.ghosts, shared, strict=True)
         )

@@ -105,9 +105,11 @@ class BackendState:
         return n_tokens if n_tokens > 0 else self.from_estimate(content.total)  # known, or est.
 
     def kv_estimate(self, content: Fingerprint, n_tokens: int = 0) -> int:
-        """What ``content`` takes in the KV, in estimate units: its real length (``n_tokens``,
-        a raw prompt's reply included) when known, else the fingerprint's estimate."""
-        if n_tokens <= 0:
+        """What ``content`` takes in the KV, in estimate units: for a raw prompt kept with its
+        reply (``sealed``), its real length (``n_tokens``) when known; else the fingerprint's
+        estimate (a chat content's holds the reply; one scale for every content would be
+        several times off on code)."""
+        if n_tokens <= 0 or not content.sealed:
             return content.total
         return max(content.total, round(n_tokens / (self.token_scale or 1.0)))
 

@@ -510,7 +510,8 @@ def test_a_parked_raw_prompt_is_loadable_only_by_its_real_length_with_the_reply(
     for size, predicted in ((16, 16), (80, 0)):  # saved without a reply, and with one
         f = fleet(1)
         hold(f, 0, 0, fp(9))  # another conversation: pinning the slot consults the cache
-        f.backends[0].ghosts = [Parked(fp(1, size=16), 50.0, size=size)]
+        parked = replace(fp(1, size=16), sealed=True)  # a raw prompt, kept with its reply
+        f.backends[0].ghosts = [Parked(parked, 50.0, size=size)]
         assert decided(route(request, f.backends, PARAMS, now=100.0)).predicted == predicted
 
 

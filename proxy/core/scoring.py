@@ -40,6 +40,7 @@ from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint, common_segments
 from proxy.core.fleet import BackendState, SlotPhase, SlotState
 from proxy.core.ram_cache import Parked
+from proxy.core.slots import kv_length
 from proxy.core.snapshots import Offer
 
 
@@ -159,13 +160,7 @@ def ram_view(fp: Fingerprint, backend: BackendState, before: RamView | None = No
     else:  # _reuse without the exact rule, inlined: this runs for every entry of the cache
         tokens, cap, scale = fp.tokens, fp.total - 1, backend.token_scale or 1.0
         served = tuple(
-            (
-                min(tokens[n - 1], cap) if n else 0,
-                # the entry's KV length in estimate units (BackendState.kv_estimate, inlined)
-                max(e.content.total, round(e.size / scale))
-                if e.size and e.content.sealed
-                else e.content.total,
-            )
+            (min(tokens[n - 1], cap) if n else 0, kv_length(e.content, e.size, scale))
             for e, n in zip(backend.ghosts, shared, strict=True)
         )
     return RamView(fp.total, backend.ghosts, served, shared)

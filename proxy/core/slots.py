@@ -109,12 +109,17 @@ class BackendState:
         reply (``sealed``), its real length (``n_tokens``) when known; else the fingerprint's
         estimate (a chat content's holds the reply; one scale for every content would be
         several times off on code)."""
-        if n_tokens <= 0 or not content.sealed:
-            return content.total
-        return max(content.total, round(n_tokens / (self.token_scale or 1.0)))
+        return kv_length(content, n_tokens, self.token_scale or 1.0)
 
     def parked(self, content: Fingerprint, at: float, n_tokens: int = 0) -> Parked:
         return Parked(content, at, self.kv_tokens(content, n_tokens))
+
+
+def kv_length(content: Fingerprint, n_tokens: int | None, scale: float) -> int:
+    """``BackendState.kv_estimate`` with the backend's scale given (per RAM entry, in a loop)."""
+    if not n_tokens or n_tokens <= 0 or not content.sealed:
+        return content.total
+    return max(content.total, round(n_tokens / scale))
 
 
 @dataclass(frozen=True)

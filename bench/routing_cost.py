@@ -5,7 +5,9 @@ routed against a 4 x 4 fleet whose slots hold other sessions. "seen" means the s
 prompt's prefix was fingerprinted before (token counts come from the per-text cache), which
 is the steady state of an agent session; "cold" clears that cache first. "RAM model full":
 seen, with each backend's model of the RAM prompt cache at its entry limit, every entry a
-2k-token session sharing the prompt's system prompt (the worst case: each one is checked).
+2k-token session sharing the prompt's system prompt (the worst case: each one is checked);
+"of strangers": the same, every entry another system prompt's session (the usual case: one
+hash compare per entry).
 "raw": the same conversation flattened into one text, as a ``/completion`` prompt (blocks
 memoized per 2048-character chunk: "seen" is the earlier turn's text fingerprinted before).
 
@@ -31,8 +33,10 @@ WORDS = [
 ]  # fmt: skip
 
 
-def conversation(tokens: int, turn_tokens: int = 400, session: str = "") -> dict[str, object]:
-    messages: list[dict[str, str]] = [{"role": "system", "content": " ".join(WORDS * 60)}]
+def conversation(
+    tokens: int, turn_tokens: int = 400, session: str = "", system: str = ""
+) -> dict[str, object]:
+    messages: list[dict[str, str]] = [{"role": "system", "content": system + " ".join(WORDS * 60)}]
     if session:
         messages.append({"role": "user", "content": session})
     i = 0
@@ -44,7 +48,7 @@ def conversation(tokens: int, turn_tokens: int = 400, session: str = "") -> dict
     return {"messages": messages}
 
 
-def fleet_with_sessions(counter: TokenCounter, parked: int = 0) -> Fleet:
+def fleet_with_sessions(counter: TokenCounter, parked: int = 0, strangers: bool = False) -> Fleet:
     fleet = Fleet([f"b{i}" for i in range(4)])
     for index in range(4):
         probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(4)))
@@ -52,17 +56,29 @@ def fleet_with_sessions(counter: TokenCounter, parked: int = 0) -> Fleet:
         for slot in fleet.backends[index].slots:
             slot.content = fingerprint_chat(conversation(2000 + 100 * slot.id), counter.count)
         fleet.backends[index].ghosts = [
-            Parked(fingerprint_chat(conversation(2000, session=f"{index}/{k}"), counter.count), 0)
+            Parked(fingerprint_chat(entry(f"{index}/{k}", strangers), counter.count), 0)
             for k in range(parked)
         ]
     return fleet
 
 
+def entry(name: str, stranger: bool) -> dict[str, object]:
+    """A parked 2k-token session: another system prompt's when ``stranger``."""
+    if stranger:
+        return conversation(2000, system=f"agent {name}: ")
+    return conversation(2000, session=name)
+
+
 def measure(
-    tokens: int, seen: bool, repeats: int = 30, parked: int = 0, raw: bool = False
+    tokens: int,
+    seen: bool,
+    repeats: int = 30,
+    parked: int = 0,
+    raw: bool = False,
+    strangers: bool = False,
 ) -> float:
     counter = TokenCounter()
-    fleet = fleet_with_sessions(counter, parked)
+    fleet = fleet_with_sessions(counter, parked, strangers)
     body = conversation(tokens)
     texts = [str(m["content"]) for m in body["messages"]]  # type: ignore[attr-defined]
     params = RoutingParams()
@@ -93,14 +109,15 @@ def main() -> None:
     )
     print(
         f"| prompt tokens | prefix seen (ms) | cold (ms) | RAM model full ({LIMIT}) (ms) "
-        "| raw, prefix seen (ms) | raw, cold (ms) |"
+        "| of strangers (ms) | raw, prefix seen (ms) | raw, cold (ms) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for tokens in (8_000, 32_000, 128_000):
         print(
             f"| {tokens // 1000}k | {measure(tokens, True):.2f} | "
             f"{measure(tokens, False, repeats=5):.1f} | "
             f"{measure(tokens, True, parked=LIMIT):.2f} | "
+            f"{measure(tokens, True, parked=LIMIT, strangers=True):.2f} | "
             f"{measure(tokens, True, raw=True):.2f} | "
             f"{measure(tokens, False, repeats=5, raw=True):.1f} |"
         )

@@ -91,6 +91,8 @@ def pick(
     sim_best = kept / prompt_tokens
     chosen = None
     for index, (reuse, length) in enumerate(entries):
+        if reuse <= 0:
+            continue  # keeps nothing: never loaded (most entries, for most prompts)
         keep, sim = (reuse / length if length else 0.0), reuse / prompt_tokens
         if keep >= 0.25 and keep > keep_best and sim > sim_best:
             chosen, keep_best, sim_best = index, keep, sim

@@ -78,6 +78,7 @@ class RamView:
     entries: Sequence[Parked] = ()  # the backend's list itself: compared by identity
     served: tuple[tuple[int, int], ...] = ()  # (tokens it serves the prompt, its length)
     shared: tuple[int, ...] = ()  # segments each entry shares with the request
+    scale: float = 1.0  # the backend's tokens per estimate when ``served`` was measured
 
     @cached_property
     def best(self) -> int:
@@ -98,6 +99,9 @@ class RamView:
             return 0.0
         lost = _lost(fp, entry.content, self.shared[index], self.served[index][0])
         return lost * _recency(entry.at, now, params)
+
+
+UNSHARED = (0, 0)  # a RAM entry the request shares less than a quarter of (never loaded)
 
 
 def _shared(fp: Fingerprint, content: Fingerprint | None) -> int:
@@ -145,25 +149,29 @@ def _lost(fp: Fingerprint, content: Fingerprint, shared: int, reuse: int) -> int
 
 def ram_view(fp: Fingerprint, backend: BackendState, before: RamView | None = None) -> RamView:
     """``before``: this request's last view of the backend, reused while its cache is the
-    same list (``BackendState.ghosts`` is replaced, never changed in place): a request that
-    waits is decided again on every release, and the cache rarely changed in between."""
+    same list (``BackendState.ghosts`` is replaced, never changed in place) and its token
+    scale the same (a sealed entry's length is measured through it): a request that waits is
+    decided again on every release, and the cache rarely changed in between."""
     if not backend.ram or not fp.total or not backend.ghosts:
         return RamView(fp.total)
-    if before is not None and before.entries is backend.ghosts:
+    scale = backend.token_scale or 1.0
+    if before is not None and before.entries is backend.ghosts and before.scale == scale:
         return before
     shared = ram_cache.shared_segments(fp, backend.ghosts)
+    # most entries share under a quarter with the request (``shared`` 0): never loaded, so
+    # their length is not worked out (``UNSHARED``)
     if backend.exact:
         served = tuple(
-            (_reuse(fp, entry.content, True, n) if n else 0, entry.content.total)
+            (_reuse(fp, entry.content, True, n), entry.content.total) if n else UNSHARED
             for entry, n in zip(backend.ghosts, shared, strict=True)
         )
     else:  # _reuse without the exact rule, inlined: this runs for every entry of the cache
-        tokens, cap, scale = fp.tokens, fp.total - 1, backend.token_scale or 1.0
+        tokens, cap = fp.tokens, fp.total - 1
         served = tuple(
-            (min(tokens[n - 1], cap) if n else 0, kv_length(e.content, e.size, scale))
+            (min(tokens[n - 1], cap), kv_length(e.content, e.size, scale)) if n else UNSHARED
             for e, n in zip(backend.ghosts, shared, strict=True)
         )
-    return RamView(fp.total, backend.ghosts, served, shared)
+    return RamView(fp.total, backend.ghosts, served, shared, scale)
 
 
 def candidate(

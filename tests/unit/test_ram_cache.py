@@ -133,3 +133,23 @@ def test_a_park_that_changes_nothing_keeps_the_list_so_views_of_it_stay_valid() 
     assert ram_view(prompt, backend, view) is view
     backend.ghosts = changed
     assert ram_view(prompt, backend, view) is not view
+
+
+def test_a_views_memo_ends_when_the_backends_token_scale_moves() -> None:
+    """A sealed entry's length goes through the backend's learned token scale, which moves
+    with every response while the cache list may stay the same object."""
+    from dataclasses import replace
+
+    from proxy.core.fleet import BackendState
+    from proxy.core.scoring import ram_view
+
+    sealed = replace(fp(1, 2), sealed=True)  # 200 estimated tokens, 800 real ones
+    backend = BackendState(0, "b", ghosts=[Parked(sealed, 0.0, 800)], token_scale=2.0)
+    prompt = fp(1, 2, 9)
+    view = ram_view(prompt, backend)
+    assert view.served[0][1] == 400
+    assert ram_view(prompt, backend, view) is view
+    backend.token_scale = 4.0
+    fresh = ram_view(prompt, backend, view)
+    assert fresh is not view
+    assert fresh.served[0][1] == 200

@@ -159,11 +159,12 @@ def ram_view(fp: Fingerprint, backend: BackendState, before: RamView | None = No
         return before
     shared = ram_cache.shared_segments(fp, backend.ghosts)
     # most entries share under a quarter with the request (``shared`` 0): never loaded, so
-    # their length is not worked out (``UNSHARED``)
+    # their length is not worked out (``UNSHARED``); the length is the real KV's, as for a
+    # slot's own content (``candidate``), whatever the model
     if backend.exact:
         served = tuple(
-            (_reuse(fp, entry.content, True, n), entry.content.total) if n else UNSHARED
-            for entry, n in zip(backend.ghosts, shared, strict=True)
+            (_reuse(fp, e.content, True, n), kv_length(e.content, e.size, scale)) if n else UNSHARED
+            for e, n in zip(backend.ghosts, shared, strict=True)
         )
     else:  # _reuse without the exact rule, inlined: this runs for every entry of the cache
         tokens, cap = fp.tokens, fp.total - 1

@@ -153,3 +153,21 @@ def test_a_views_memo_ends_when_the_backends_token_scale_moves() -> None:
     fresh = ram_view(prompt, backend, view)
     assert fresh is not view
     assert fresh.served[0][1] == 200
+
+
+def test_an_exact_backends_entry_is_judged_on_its_real_length_too() -> None:
+    """The server's quarter rule counts a raw prompt's whole KV, its reply included, on
+    hybrid/recurrent/SWA backends (``exact``) as on the others."""
+    from dataclasses import replace
+
+    from proxy.core.fleet import BackendState
+    from proxy.core.scoring import ram_view
+
+    sealed = replace(fp(1, 2), sealed=True)  # 200 estimated tokens, 1000 with its reply
+    entry = Parked(sealed, 0.0, 1000)
+    prompt = fp(1, 2, 9)  # extends the prompt exactly: 200 of 1000 kept, under a quarter
+    for exact in (False, True):
+        assert ram_view(prompt, BackendState(0, "b", exact=exact, ghosts=[entry])).best == 0
+    short = Parked(sealed, 0.0, 400)  # 200 of 400 kept: loaded
+    for exact in (False, True):
+        assert ram_view(prompt, BackendState(0, "b", exact=exact, ghosts=[short])).best == 200

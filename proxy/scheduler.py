@@ -128,7 +128,12 @@ class Scheduler:
             future.set_exception(self._unavailable("no backend is available", "no_backend"))
 
     def wake(self) -> None:
-        """Place waiting requests in FIFO order wherever they now fit."""
+        """Place waiting requests in FIFO order wherever they now fit. Once every slot of the
+        ready backends is taken, the rest wait as they are: deciding again would only say so
+        (on Mooncake's replay, four re-decisions in five; a backend's outage still fails
+        its waiters at their next recheck)."""
         for decide, content, future in list(self._waiters):
+            if self.fleet.full():
+                return
             if not future.done():
                 self._grant(decide, content, future)

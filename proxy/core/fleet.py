@@ -72,6 +72,12 @@ class Fleet:
         ]
         self._ghost_limit = ghost_limit
 
+    def full(self) -> bool:
+        """Some backend is READY and none of those has an IDLE slot: nothing can be placed
+        (only IDLE slots are), whatever a request would choose."""
+        ready = [b for b in self.backends if b.phase is BackendPhase.READY]
+        return bool(ready) and not any(b.idle_slots() for b in ready)
+
     def claim(self, placement: Placement, now: float, content: Fingerprint | None = None) -> None:
         """Mark the slots busy; the pinned slot will hold ``content`` (the prompt) after."""
         backend = self.backends[placement.backend]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -34,3 +35,30 @@ async def test_waiting_counts_the_requests_queued_for_a_slot() -> None:
         task.cancel()
     await asyncio.gather(*queued, return_exceptions=True)
     assert scheduler.waiting() == 0
+
+
+async def test_a_release_re_decides_waiters_only_while_a_slot_is_free() -> None:
+    fleet = Fleet(["b0"])
+    fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 0, -1),)), now=0.0)
+    scheduler = Scheduler(fleet, QueueSettings(), ProxyMetrics(CollectorRegistry()), time.monotonic)
+    decided: list[int] = []
+
+    def decider(n: int) -> Callable[[], Placement | NoPlacement]:
+        def decide() -> Placement | NoPlacement:
+            decided.append(n)
+            return place(fleet.backends, Need())
+
+        return decide
+
+    first = await scheduler.acquire(decider(0))
+    queued = [asyncio.create_task(scheduler.acquire(decider(n))) for n in (1, 2, 3)]
+    await asyncio.sleep(0.01)
+    decided.clear()
+    scheduler.release(first, clean=True)
+    # The first waiter takes the freed slot; the fleet is full again, so the others are not
+    # asked (they would only answer "busy").
+    assert decided == [1]
+    assert scheduler.waiting() == 2
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)

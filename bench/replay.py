@@ -40,6 +40,7 @@ import asyncio
 import contextvars
 import itertools
 import json
+import logging
 import platform
 import shutil
 import statistics
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import BadHttpMessage
 
 from bench.inproc import serve
 from bench.outproc import serve_process
@@ -142,7 +144,20 @@ async def _post(
             OBSERVE(WHERE.get(), await resp.json(), resp.headers)
 
 
+class _Http2Probes(logging.Filter):
+    """Peer routers' HTTP clients open some connections to the fakes with HTTP/2's
+    prior-knowledge preface (``PRI * HTTP/2.0``); aiohttp answers 400 and logs a traceback for
+    each, and the client goes on over HTTP/1.1. Only those records are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, BadHttpMessage) and "PRI" in str(error))
+
+
 async def _fleet(backends: int, slots: int, save_dir: Path | None) -> list[FakeLlamaServer]:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _Http2Probes) for f in server_log.filters):
+        server_log.addFilter(_Http2Probes())
     fakes = []
     for _ in range(backends):
         fake = FakeLlamaServer(

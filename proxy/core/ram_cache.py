@@ -37,6 +37,15 @@ from dataclasses import dataclass, field
 
 from proxy.core.fingerprint import Fingerprint, common_segments
 
+# A load is counted on only when the prompt keeps under this share of the pinned slot's
+# content. The server's bar is half, in its own tokens; the shares here are estimates (a raw
+# prompt's in tiktoken units, through one tokens-per-estimate scale per backend), and a share
+# estimated just under half is often half: Mooncake conversation's two-block prompts, whose
+# shared first block is 64 of 144 estimated tokens (0.44; 0.41 by their real KV length) and
+# 16 of 32 real ones, so the server did not consult its cache and the prompt was served 16
+# tokens where 200-900 were predicted, a few times per run.
+SURE_CONSULT = 0.4
+
 
 @dataclass(frozen=True)
 class Parked:
@@ -73,10 +82,11 @@ def shared_segments(fp: Fingerprint, entries: Sequence[Parked]) -> tuple[int, ..
     return tuple(out)
 
 
-def consulted(kept: int, content_tokens: int) -> bool:
+def consulted(kept: int, content_tokens: int, share: float = 0.5) -> bool:
     """Whether pinning to a slot holding ``content_tokens`` of which the prompt keeps
-    ``kept`` makes the server consult its RAM cache (``f_keep < 0.5``; NaN when empty)."""
-    return content_tokens > 0 and kept < 0.5 * content_tokens
+    ``kept`` makes the server consult its RAM cache (``f_keep < 0.5``; NaN when empty).
+    ``share``: a lower bar (``SURE_CONSULT``), for a consult counted on beyond doubt."""
+    return content_tokens > 0 and kept < share * content_tokens
 
 
 def pick(

@@ -9,7 +9,8 @@
    contents its slots held that were overwritten; ``core.ram_cache``): pinning to a
    non-empty slot that would lose more than half its content makes the server load the
    entry that beats the slot's own content, so a session parked there is predicted to come
-   back whole (``RamView``, ``candidate``).
+   back whole (``RamView``, ``candidate``); the load is counted on only when the slot keeps
+   under 0.4 of its content (``ram_cache.SURE_CONSULT``: the shares are estimates).
 2. *Disk*: a snapshot of a prefix of the request restorable on the backend (``Offer`` from
    ``core.snapshots``) serves its tokens in any idle slot, at the restore's cost in
    prefill-token equivalents; the candidate restores when that nets more than the slot's
@@ -192,7 +193,7 @@ def candidate(
         live = direct = _reuse(fp, content, backend.exact, shared)
         length = backend.kv_estimate(content, slot.n_tokens)
         consulted = backend.ram and ram_cache.consulted(live, length)
-        if ram is not None and consulted:
+        if ram is not None and ram_cache.consulted(live, length, ram_cache.SURE_CONSULT):
             saved = backend.parked(content, now, slot.n_tokens)
             skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
             found = ram_cache.pick(ram.served[skip:], live, length, fp.total)

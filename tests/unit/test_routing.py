@@ -524,3 +524,38 @@ def test_a_slot_whose_reply_the_prompt_does_not_keep_is_parked_by_its_real_lengt
     f.backends[0].slots[0].n_tokens = 80
     f.claim(Placement(0, (0,), 0), now=101.0, content=Fingerprint((1, 2, 3), (16, 32, 49)))
     assert [p.content.hashes for p in f.backends[0].ghosts] == [(1,)]
+
+
+def test_a_load_is_counted_on_only_when_the_slot_keeps_well_under_half() -> None:
+    """The server consults its RAM cache when the pinned slot keeps under half of its content,
+    in its own tokens; the router's shares are estimates, so it counts on a load only under
+    ``SURE_CONSULT`` (Mooncake's two-block prompts: 64 of 144 estimated tokens, 16 of 32
+    real ones, and no load)."""
+    prompt = Fingerprint((1, 2, 3, 4, 5, 6), (64, 128, 192, 256, 320, 384))
+    for content, predicted in (
+        (Fingerprint((1, 91), (64, 144)), 64),  # keeps 0.44: the slot's own 64 only
+        (Fingerprint((1, 91, 92), (64, 144, 224)), 320),  # keeps 0.29: the parked copy loads
+    ):
+        f = fleet(1)
+        hold(f, 0, 0, content)
+        f.backends[0].ghosts = [Parked(Fingerprint((1, 2, 3, 4, 5), prompt.tokens[:5]), 50.0)]
+        d = decided(route(prompt, f.backends, PARAMS, now=100.0))
+        assert (d.reason, d.placement is not None, d.predicted) == (Reason.PREFIX, True, predicted)
+
+
+def test_a_backend_whose_free_slots_cannot_load_its_ram_copy_is_waited_for() -> None:
+    """b0's RAM cache holds most of the prompt, but its one free slot keeps half of what it
+    holds (the server would not consult the cache): the request waits for b0's busy slot,
+    which will load the copy once done, rather than take the free slot or an empty one."""
+    f = fleet(2, 1)
+    hold(f, 0, 0, fp(1, 2, 3, 4, 5, 6, size=40))
+    f.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 90, size=40))  # parks fp(1..6)
+    f.release(Placement(0, (0,), 0), now=100.0, clean=True, content=fp(1, 90, size=40))
+    f.claim(Placement(0, (1,), 1), now=100.0, content=fp(70, 71, 72, size=40))
+    prompt = fp(1, 2, 3, 4, 5, 6, 7, 8, size=40)
+    d = decided(route(prompt, f.backends, PARAMS, now=100.0))
+    assert (d.reason, d.wait_for, d.predicted) == (Reason.WAIT, (0, -1), 240)
+    f.release(Placement(0, (1,), 1), now=101.0, clean=True, content=fp(70, 71, 72, size=40))
+    d = decided(route(prompt, f.backends, PARAMS, now=101.0))
+    assert d.placement is not None and d.placement.loads is not None
+    assert (d.placement.backend, d.placement.pin, d.predicted) == (0, 1, 240)

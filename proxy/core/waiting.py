@@ -13,9 +13,9 @@ frees, bounds the wait, and then decides again without waiting.
 - *A backend whose free slots cannot load it*: a backend whose RAM cache holds the
   request's prefix but none of whose free slots would load it (the prompt keeps half of
   their content, or they are empty: the server skips its cache), while a busy one would once
-  done, counts as a full one (Mooncake conversation, ten alternating runs each: 0.1639 ->
-  0.1653 with ``ram_cache.SURE_CONSULT``, the same latency; without that bar 0.1645: the
-  free slot was predicted to load what it did not).
+  done, counts as a full one (Mooncake conversation, twenty alternating runs each: 0.1649 ->
+  0.1656 together with ``ram_cache.SURE_CONSULT``, the same latency; the wait alone gained
+  less, 0.1639 -> 0.1645 over ten: the free slot was predicted to load what it did not).
 - *Only a slot it would take*: while the best idle choice is an empty slot (and the fleet is
   not saturated, below), a busy slot counts only if the request would take it once free
   (scored as ``scoring.once_done``, the score positive). A burst of new sessions sharing a

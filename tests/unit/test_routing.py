@@ -557,5 +557,6 @@ def test_a_backend_whose_free_slots_cannot_load_its_ram_copy_is_waited_for() -> 
     assert (d.reason, d.wait_for, d.predicted) == (Reason.WAIT, (0, -1), 240)
     f.release(Placement(0, (1,), 1), now=101.0, clean=True, content=fp(70, 71, 72, size=40))
     d = decided(route(prompt, f.backends, PARAMS, now=101.0))
-    assert d.placement is not None and d.placement.loads is not None
+    assert d.placement is not None
+    assert d.placement.loads is not None
     assert (d.placement.backend, d.placement.pin, d.predicted) == (0, 1, 240)

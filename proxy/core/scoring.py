@@ -193,7 +193,8 @@ def candidate(
         live = direct = _reuse(fp, content, backend.exact, shared)
         length = backend.kv_estimate(content, slot.n_tokens)
         consulted = backend.ram and ram_cache.consulted(live, length)
-        if ram is not None and ram_cache.consulted(live, length, ram_cache.SURE_CONSULT):
+        surely = consulted and ram_cache.consulted(live, length, ram_cache.SURE_CONSULT)
+        if ram is not None and surely:
             saved = backend.parked(content, now, slot.n_tokens)
             skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
             found = ram_cache.pick(ram.served[skip:], live, length, fp.total)

@@ -137,8 +137,7 @@ def worth_waiting(
         free = [s for s in backend.idle_slots() if (backend.index, s.id) not in spared]
         view = ram[backend.index]
         full = bool(backend.slots) and not free  # or its idle slots held for their sessions
-        worth = view.best >= floor_ram
-        if full or (worth and _loads_once_freed(fp, backend, free, view, params, now)):
+        if full or _loads_once_freed(fp, backend, free, view, floor_ram, params, now):
             options.append(((backend.index, -1), view.best))
         for where, reuse in options:
             least = floor_ram if where[1] < 0 else floor
@@ -152,19 +151,22 @@ def _loads_once_freed(
     backend: BackendState,
     free: Sequence[SlotState],
     view: RamView,
+    floor: float,
     params: RoutingParams,
     now: float,
 ) -> bool:
-    """Whether the backend's RAM cache gives the request its best entry only in a slot that
-    is busy now: none of its free slots would load it (a slot the prompt keeps half of, or an
-    empty one, skips the cache), and some busy one would, once done."""
+    """Whether the backend's RAM cache gives the request its best entry, worth ``floor``,
+    only in a slot that is busy now: none of its free slots would load it (a slot the prompt
+    keeps half of, or an empty one, skips the cache), and some busy one would, once done."""
+    busy = [s for s in backend.slots if s.phase is not SlotPhase.IDLE]
+    # cheapest first: the best entry scans the whole cache, scoring slots costs more still
+    if not busy or view.best < floor:
+        return False
 
     def serves(slot: SlotState) -> bool:
         return candidate(fp, backend, slot, now, params, view).reuse >= view.best
 
-    if any(serves(s) for s in free):
-        return False
-    return any(serves(once_done(s, now)) for s in backend.slots if s.phase is not SlotPhase.IDLE)
+    return not any(serves(s) for s in free) and any(serves(once_done(s, now)) for s in busy)
 
 
 def _taken(

@@ -31,6 +31,7 @@ from proxy.scheduler import Scheduler
 from proxy.shared_state import SharedState
 from proxy.state import InMemoryStateStore, StateStore
 from proxy.state.redis import RedisStateStore
+from proxy.status import StatusHandlers
 from proxy.tokenizer import TokenCounter
 from proxy.upstream import ROUTES, LlamaServerClient
 
@@ -88,9 +89,10 @@ def create_app(
         client_max_size=settings.max_body_bytes, middlewares=[make_middleware(metrics, clock)]
     )
     app[HANDLERS], app[METRICS], app[SCHEDULER] = handlers, metrics, scheduler
-    app.router.add_get("/healthz", handlers.healthz)
-    app.router.add_get("/readyz", handlers.readyz)
-    app.router.add_get("/metrics", handlers.metrics)
+    status = StatusHandlers(fleet, metrics)
+    app.router.add_get("/healthz", status.healthz)
+    app.router.add_get("/readyz", status.readyz)
+    app.router.add_get("/metrics", status.metrics)
     admin = AdminHandlers(settings, fleet, clock, disk, churn)
     app.router.add_get("/admin/slots", admin.slots)
     app.router.add_get("/admin/disk", admin.disk)

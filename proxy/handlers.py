@@ -14,11 +14,10 @@ from dataclasses import replace
 from functools import partial
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.config import Settings
 from proxy.core.fingerprint import Fingerprint
-from proxy.core.fleet import BackendPhase, NoPlacement, Placement
+from proxy.core.fleet import NoPlacement, Placement
 from proxy.core.headers import upstream_request_headers
 from proxy.core.isolation import may_reuse
 from proxy.core.placement import Need, pick_backend, place
@@ -67,20 +66,6 @@ class ProxyHandlers:
         self.client: LlamaServerClient | None = None  # attached at startup (app.py)
         self.prober: Prober | None = None
 
-    # -- the proxy's own endpoints -------------------------------------------------------
-    async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def readyz(self, request: web.Request) -> web.Response:
-        ready = [b.label for b in self._fleet.backends if b.phase is BackendPhase.READY]
-        if not ready:
-            raise ServiceUnavailable("no backend is ready", code="not_ready")
-        return web.json_response({"status": "ready", "backends": ready})
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self._metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
     # -- proxied endpoints ---------------------------------------------------------------
     async def forward(self, request: web.Request) -> web.StreamResponse:
         route = ROUTES[request.path]
@@ -121,7 +106,7 @@ class ProxyHandlers:
     async def _pinned(
         self, request: web.Request, raw: bytes, parsed: ParsedBody, need: Need
     ) -> web.StreamResponse:
-        plan = None
+        plan, record = None, request[RECORD]
         if self._settings.routing.prefix_aware and not need.exclusive and need.slot is None:
             plan = await self._router.plan(request, parsed.data)
             target = partial(self._router.target, plan)
@@ -129,8 +114,12 @@ class ProxyHandlers:
             if forwarded is not None:  # (its backend's home replica scheduled it)
                 return forwarded
             await self._router.prepare(plan, parsed.data, parsed.prefix_cache)
+            record.route_s = self._clock() - record.started
         for attempt in (1, 2):
+            asked = self._clock()
             placement = await self._leased(plan, need)
+            record.queue_s = (record.queue_s or 0.0) + self._clock() - asked
+            self._metrics.slot_wait.labels(request.path).observe(record.queue_s)
             pin = placement.pin if self._settings.routing.pin_slots or plan is None else None
             try:
                 await self._prepare(plan, placement, parsed)
@@ -300,8 +289,11 @@ class ProxyHandlers:
     def _route_headers(
         self, request: web.Request, placement: Placement | None, label: str, plan: Plan | None
     ) -> dict[str, str]:
-        headers = {"X-Request-Id": request[RECORD].request_id}
+        record = request[RECORD]
+        headers = {"X-Request-Id": record.request_id}
         if self._settings.routing.route_headers:
+            if timing := record.server_timing():
+                headers["Server-Timing"] = timing
             if plan is not None:
                 headers.update(self._router.headers(plan))
             headers["X-Cache-Backend"] = label

@@ -70,6 +70,11 @@ class ProxyMetrics:
             "half the prompt served from KV), miss, unknown (no usage reported)",
             ("endpoint", "cache"),
         )
+        self.slot_wait = histogram(
+            "slot_wait_seconds",
+            "Time from asking for a slot to holding one: the routing decision, and the wait "
+            "when every slot is busy or the router waits for the one holding the prefix",
+        )
         self.upstream_errors = counter(
             "upstream_errors", "Backend failures by kind", ["backend", "kind"]
         )

@@ -39,6 +39,15 @@ class RequestRecord:
     slot: int | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    route_s: float | None = None  # fingerprinting and planning, before asking for a slot
+    queue_s: float | None = None  # from asking for a slot to holding one (decisions included)
+
+    def server_timing(self) -> str:
+        """The ``Server-Timing`` header (W3C; browsers' developer tools show it): ``route``,
+        from the request's arrival to asking for a slot (reading it, fingerprinting,
+        planning), and ``queue``, from asking for a slot to holding one, in milliseconds."""
+        parts = (("route", self.route_s), ("queue", self.queue_s))
+        return ", ".join(f"{name};dur={s * 1000:.1f}" for name, s in parts if s is not None)
 
     def counted(self, usage: Usage | None) -> None:
         """The response's usage, for the log line."""
@@ -116,7 +125,7 @@ async def _respond(
 def _log(request: web.Request, record: RequestRecord, status: int, elapsed: float) -> None:
     log.info(
         "request_id=%s method=%s path=%s backend=%s slot=%s status=%d "
-        "prompt_tokens=%s cached_tokens=%s ms=%.1f",
+        "prompt_tokens=%s cached_tokens=%s queue_ms=%s ms=%.1f",
         record.request_id,
         request.method,
         request.path,
@@ -125,5 +134,6 @@ def _log(request: web.Request, record: RequestRecord, status: int, elapsed: floa
         status,
         "-" if record.prompt_tokens is None else record.prompt_tokens,
         "-" if record.cached_tokens is None else record.cached_tokens,
+        "-" if record.queue_s is None else f"{record.queue_s * 1000:.1f}",
         elapsed * 1000,
     )

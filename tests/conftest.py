@@ -127,6 +127,12 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def server_timing(header: str) -> dict[str, float]:
+    """A ``Server-Timing`` header as {name: milliseconds}."""
+    parts = (part.strip().split(";dur=") for part in header.split(","))
+    return {name: float(ms) for name, ms in parts}
+
+
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
     """A real redis-server (Debian package) on a free port, stopped at teardown."""

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import chat, metric
+from tests.conftest import chat, metric, server_timing
 
 
 def _is_openai_error(body: dict[str, Any]) -> bool:
@@ -252,3 +252,36 @@ async def test_backend_that_accepts_and_never_answers_is_marked_down(
         for writer in writers:
             writer.close()
         await server.wait_closed()
+
+
+async def test_server_timing_and_the_wait_histogram_show_the_time_spent_waiting_for_a_slot(
+    fakes: Any, proxy: Any
+) -> None:
+    fake = await fakes(n_slots=1, gen_s_per_token=0.02)
+    client = await proxy([fake])
+    body = chat("the first holds the only slot for about 200 ms", max_tokens=10)
+    first = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    for _ in range(500):
+        if fake.slots[0].busy:
+            break
+        await asyncio.sleep(0.005)
+    second = await client.post("/v1/chat/completions", json=chat("another", max_tokens=1))
+    assert second.status == 200
+    waited = server_timing(second.headers["Server-Timing"])
+    immediate = server_timing((await first).headers["Server-Timing"])
+    assert waited.keys() == immediate.keys() == {"route", "queue"}
+    assert waited["queue"] >= 50
+    assert immediate["queue"] < waited["queue"]
+    page = await (await client.get("/metrics")).text()
+    name = "llama_cache_proxy_slot_wait_seconds"
+    assert metric(page, name + "_count", endpoint="/v1/chat/completions") == 2
+    assert metric(page, name + "_sum") >= (waited["queue"] + immediate["queue"]) / 1000 - 0.001
+    assert metric(page, name + "_bucket", le="0.025") == 1  # the first did not wait
+
+
+async def test_no_server_timing_without_route_headers(fakes: Any, proxy: Any) -> None:
+    client = await proxy([await fakes()], routing={"route_headers": False})
+    resp = await client.post("/v1/chat/completions", json=chat("hi"))
+    assert resp.status == 200
+    assert "Server-Timing" not in resp.headers
+    assert "X-Cache-Route" not in resp.headers

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.conftest import chat
+from tests.conftest import chat, metric, server_timing
 from tests.real.stack import LlamaServer, _wait_http, free_port
 
 GREEDY = {"temperature": 0, "seed": 42, "max_tokens": 24}
@@ -87,6 +87,11 @@ async def test_more_concurrent_requests_than_slots_all_correct(
     ]
     responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
     assert [r.status for r in responses] == [200] * 6
+    # four of them waited for a slot a request held to its end, and their headers say so
+    queued = [server_timing(r.headers["Server-Timing"])["queue"] for r in responses]
+    assert sum(ms >= 20 for ms in queued) >= 4
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_slot_wait_seconds_count") == 6
     for body, resp in zip(bodies, responses, strict=True):
         expected = await _direct(server, "/v1/chat/completions", body)
         if body.get("stream"):

@@ -35,7 +35,8 @@ from proxy.router import Plan, Router
 
 def _fleet_view(decision: Decision, fp: Fingerprint, backends: list[BackendState]) -> str:
     placement = decision.placement
-    assert placement is not None and placement.pin is not None
+    assert placement is not None
+    assert placement.pin is not None
     backend = backends[placement.backend]
     slot = backend.slots[placement.pin]
     lines = [

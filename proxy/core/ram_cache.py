@@ -90,11 +90,19 @@ def consulted(kept: int, content_tokens: int, share: float = 0.5) -> bool:
 
 
 def pick(
-    entries: Sequence[tuple[int, int]], kept: int, content_tokens: int, prompt_tokens: int
+    entries: Sequence[tuple[int, int]],
+    kept: int,
+    content_tokens: int,
+    prompt_tokens: int,
+    ties: bool = False,
 ) -> int | None:
     """Index of the entry the server loads, or None. ``entries``: per entry, oldest first,
     (tokens it serves the prompt, its length); ``kept``/``content_tokens``: the same for the
-    slot's own content (0/0: empty, any entry wins)."""
+    slot's own content (0/0: empty, any entry wins). ``ties``: an entry that serves the
+    prompt as far as the slot's content does, by the fingerprint's segments, may beat it by
+    a few tokens the segments do not resolve (the server compares exact tokens): counted as
+    loaded, so that what loading it destroys is counted (magagent: a session's parked turn
+    taken by another session's request sharing the system prompt, 361 tokens against 358)."""
     if prompt_tokens <= 0:
         return None
     keep_best = kept / content_tokens if content_tokens else -1.0
@@ -104,7 +112,8 @@ def pick(
         if reuse <= 0:
             continue  # keeps nothing: never loaded (most entries, for most prompts)
         keep, sim = (reuse / length if length else 0.0), reuse / prompt_tokens
-        if keep >= 0.25 and keep > keep_best and sim > sim_best:
+        tied = ties and chosen is None and reuse == kept
+        if keep >= 0.25 and keep > keep_best and (sim > sim_best or tied):
             chosen, keep_best, sim_best = index, keep, sim
     return chosen
 

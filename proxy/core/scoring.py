@@ -10,7 +10,9 @@
    non-empty slot that would lose more than half its content makes the server load the
    entry that beats the slot's own content, so a session parked there is predicted to come
    back whole (``RamView``, ``candidate``); the load is counted on only when the slot keeps
-   under 0.4 of its content (``ram_cache.SURE_CONSULT``: the shares are estimates).
+   under 0.4 of its content (``ram_cache.SURE_CONSULT``: the shares are estimates), and an
+   entry serving the prompt as far as the slot's content does, by segments, counts as loaded
+   (the server's exact tokens may favour it; ``ram_cache.pick``'s ``ties``).
 2. *Disk*: a snapshot of a prefix of the request restorable on the backend (``Offer`` from
    ``core.snapshots``) serves its tokens in any idle slot, at the restore's cost in
    prefill-token equivalents; the candidate restores when that nets more than the slot's
@@ -197,7 +199,7 @@ def candidate(
         if ram is not None and surely:
             saved = backend.parked(content, now, slot.n_tokens)
             skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
-            found = ram_cache.pick(ram.served[skip:], live, length, fp.total)
+            found = ram_cache.pick(ram.served[skip:], live, length, fp.total, ties=True)
             if found is not None:
                 i = found + skip
                 live, loads = ram.served[i][0], ram.entries[i]

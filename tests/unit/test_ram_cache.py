@@ -171,3 +171,14 @@ def test_an_exact_backends_entry_is_judged_on_its_real_length_too() -> None:
     short = Parked(sealed, 0.0, 400)  # 200 of 400 kept: loaded
     for exact in (False, True):
         assert ram_view(prompt, BackendState(0, "b", exact=exact, ghosts=[short])).best == 200
+
+
+def test_an_entry_serving_as_far_as_the_slot_may_win_by_tokens_the_segments_do_not_show() -> None:
+    """Entry and slot share the same segments with the prompt; the server compares exact
+    tokens, where the entry may share a few more: with ``ties`` it counts as loaded."""
+    entry = [(100, 300)]  # keeps a third of itself; the slot keeps a quarter of its content
+    assert ram_cache.pick(entry, kept=100, content_tokens=400, prompt_tokens=400) is None
+    assert ram_cache.pick(entry, kept=100, content_tokens=400, prompt_tokens=400, ties=True) == 0
+    # a tie is only with the slot's own content: a later entry must still beat the first
+    two = [(100, 300), (100, 200)]
+    assert ram_cache.pick(two, kept=100, content_tokens=400, prompt_tokens=400, ties=True) == 0

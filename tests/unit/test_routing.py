@@ -560,3 +560,20 @@ def test_a_backend_whose_free_slots_cannot_load_its_ram_copy_is_waited_for() -> 
     assert d.placement is not None
     assert d.placement.loads is not None
     assert (d.placement.backend, d.placement.pin, d.predicted) == (0, 1, 240)
+
+
+def test_a_parked_turn_the_server_may_load_in_a_tie_is_counted_as_loaded() -> None:
+    """Magagent: a request shares only the system prompt with both the pinned slot's content
+    and another session's parked turn; by segments they tie, by the server's exact tokens the
+    parked turn may share a few more and be loaded (and overwritten). The router counts the
+    load: the placement carries it and the entry leaves the model of the cache, where before
+    it stayed as a phantom that the session's next turn was routed to and missed."""
+    f = fleet(1)
+    hold(f, 0, 0, fp(1, 50, 51, 52))
+    parked = Parked(fp(1, 60, 61), 90.0)
+    f.backends[0].ghosts = [parked]
+    d = decided(route(fp(1, 70, 71, 72), f.backends, PARAMS, now=100.0))
+    assert d.placement is not None
+    assert d.placement.loads == parked
+    f.claim(d.placement, now=100.0, content=fp(1, 70, 71, 72))
+    assert parked not in f.backends[0].ghosts

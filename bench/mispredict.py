@@ -12,6 +12,11 @@ length, the share the request keeps of it) and the backend's RAM-cache entries t
 the prompt: enough to tell a wrong model of the server (the server did not do what the
 router expected) from a right model of a state that changed before the request ran.
 
+The prediction in the header is in the backend's tokens through one scale per backend, so a
+text that tokenizes far off that scale shows up without a wrong decision: on taubench, whose
+turns range from prose to JSON, most flagged requests are slots holding exactly what was
+predicted (the request keeps all of their content by segments) at a third of the average scale.
+
 Session 28 found this way that a slot kept at exactly half by the server's count, a little
 under by the estimate, was predicted to load a RAM copy the server never consulted
 (``ram_cache.SURE_CONSULT``).

@@ -118,8 +118,9 @@ class ProxyHandlers:
         for attempt in (1, 2):
             asked = self._clock()
             placement = await self._leased(plan, need)
-            record.queue_s = (record.queue_s or 0.0) + self._clock() - asked
-            self._metrics.slot_wait.labels(request.path).observe(record.queue_s)
+            waited = self._clock() - asked  # (a retry on another backend asks again)
+            record.queue_s = (record.queue_s or 0.0) + waited
+            self._metrics.slot_wait.labels(request.path).observe(waited)
             pin = placement.pin if self._settings.routing.pin_slots or plan is None else None
             try:
                 await self._prepare(plan, placement, parsed)

@@ -8,11 +8,18 @@ from tests.conftest import metric
 from tests.integration.test_holds_fake import two_sessions
 from tests.integration.test_replicas import alternating
 
+# The stranger waits through A's whole first turn, seconds of CPU prefill, and a held slot is
+# kept from a request only while that request's own wait bound (``max_slot_wait_seconds``,
+# 5 s by default) lasts: on a slow machine A's first turn outlasted it (3 runs of 9, session
+# 29) and the stranger took the held slot. These tests are about the hold, not that bound.
+PATIENT = {"max_slot_wait_seconds": 60}
+
 
 async def start(llama_servers: Any, proxy: Any, **over: Any) -> Any:
     server = llama_servers(slots=1, extra=("--cache-ram", "0"))  # nothing parked in RAM
     backends = [{"url": server.url, "ram_cache": False}]
     over.setdefault("disk", {"prefix_cache": "off", "park": "off"})  # holds alone
+    over["routing"] = {**PATIENT, **over.get("routing", {})}
     return await proxy(
         backends, queue={"max_wait_seconds": 60}, timeouts={"read_seconds": 60}, **over
     )
@@ -50,6 +57,7 @@ async def test_two_replicas_hold_a_slot_for_a_session_whose_turns_alternate_them
         "queue": {"max_wait_seconds": 60},
         "timeouts": {"read_seconds": 60},
         "redis_url": redis_server.url,
+        "routing": PATIENT,
     }
     a, b = await proxy(backends, **over), await proxy(backends, **over)
     size, reused, stranger_headers = await alternating(a, b)

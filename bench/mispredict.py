@@ -2,15 +2,17 @@
 fleet as the router saw it when it placed the request.
 
     python -m bench.mispredict [--only mooncake/conversation_trace] [--runs 3] \\
-        [--min-predicted 100] [--show 10] [--routing JSON]
+        [--min-predicted 100] [--show 10] [--routing JSON] [--request SESSION,TURN ...]
 
 Replays one workload in process (``bench.replay``'s fakes and fleet) and flags every request
 predicted at least ``--min-predicted`` tokens (``X-Cache-Predicted-Tokens``, the backend's
 tokens) that was served under half of that (the fakes' ``cached_tokens``). For each it prints
 the decision that placed it and, at that moment, the chosen slot's content (estimate, real
 length, the share the request keeps of it) and the backend's RAM-cache entries that serve
-the prompt: enough to tell a wrong model of the server (the server did not do what the
-router expected) from a right model of a state that changed before the request ran.
+the prompt, and every slot of the fleet (``--request`` shows given requests the same way,
+whatever they were served): enough to tell a wrong model of the server (the server did not
+do what the router expected) from a right model of a state that changed before the request
+ran.
 
 The prediction in the header is in the backend's tokens through one scale per backend, so a
 text that tokenizes far off that scale shows up without a wrong decision: on taubench, whose
@@ -59,6 +61,13 @@ def _fleet_view(decision: Decision, fp: Fingerprint, backends: list[BackendState
         )
     else:
         lines.append("  slot empty")
+    for other in backends:  # the whole fleet: what the other choices were
+        for each in other.slots:
+            held = each.content.total if each.content is not None else "-"
+            lines.append(
+                f"    backend {other.index} slot {each.id}: {each.phase.name.lower()}, holds "
+                f"{held} (estimate), {each.n_tokens} real, last used {each.last_used:.2f}"
+            )
     view = scoring.ram_view(fp, backend)
     serving = [(i, s) for i, s in enumerate(view.served) if s[0] > 0]
     lines.append(
@@ -68,7 +77,9 @@ def _fleet_view(decision: Decision, fp: Fingerprint, backends: list[BackendState
     return "\n".join(lines)
 
 
-async def run(row: str, runs: int, min_predicted: int, show: int) -> int:
+async def run(
+    row: str, runs: int, min_predicted: int, show: int, requests: frozenset[tuple[int, int]]
+) -> int:
     ((workload, shape),) = replay.scenarios(True, [row])
     backends, slots = shape or (4, 4)
     views: dict[int, str] = {}  # per request (its plan's id): the fleet at its placement
@@ -94,7 +105,7 @@ async def run(row: str, runs: int, min_predicted: int, show: int) -> int:
         usage = body.get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         predicted = int(headers.get("X-Cache-Predicted-Tokens", 0))
-        if predicted >= min_predicted and cached < predicted / 2:
+        if (predicted >= min_predicted and cached < predicted / 2) or where in requests:
             found.append(
                 f"session {where[0]} turn {where[1]}: {usage.get('prompt_tokens')} tokens, "
                 f"predicted {predicted}, served {cached} ({headers.get('X-Cache-Route')})\n"
@@ -123,9 +134,13 @@ def main() -> None:
     parser.add_argument("--min-predicted", type=int, default=100)
     parser.add_argument("--show", type=int, default=10)
     parser.add_argument("--routing", type=json.loads, default={}, help="as bench.replay")
+    parser.add_argument(
+        "--request", nargs="*", default=[], help="SESSION,TURN: also show these requests"
+    )
     args = parser.parse_args()
     replay.ROUTING.update(args.routing)
-    asyncio.run(run(args.only, args.runs, args.min_predicted, args.show))
+    wanted = frozenset((int(r.split(",")[0]), int(r.split(",")[1])) for r in args.request)
+    asyncio.run(run(args.only, args.runs, args.min_predicted, args.show, wanted))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,12 @@
 3. *Eviction damage* of s, weighted by recency ``0.5 ** (age / value_half_life_s)``: when
    the request continues s's conversation (the shared prefix reaches s's first user message,
    ``Fingerprint.same_conversation``), only the tail it overwrites (s's tokens beyond the
-   shared prefix); otherwise s's whole content, since that conversation loses its slot.
+   shared prefix); otherwise s's whole content, since that conversation loses its slot: its
+   whole KV, which for a raw prompt holds its reply too (``kv_estimate``; a chat content's
+   estimate already does). (Replay, taubench 2 x 3: a stranger took the slot of a session's
+   16-token question with its 63-token reply, whose prompt counted 20, over 28-38-token
+   contents, and the question's next turn found nothing: 0.8723 -> 0.8745, six alternating
+   runs each; other rows within their spread.)
    Content of another conversation evicted on a backend with the RAM cache, by a request
    that keeps less than half of it, is parked there rather than lost (and comes back the
    same way), so its damage is scaled by ``ram_discount``. A RAM entry the server would load
@@ -100,7 +105,8 @@ class RamView:
         resident = (s.expected for s in backend.slots if s.expected is not None)
         if any(ram_cache.covers(r, entry.content) for r in resident):
             return 0.0
-        lost = _lost(fp, entry.content, self.shared[index], self.served[index][0])
+        served, length = self.served[index]
+        lost = _lost(fp, entry.content, self.shared[index], served, length)
         return lost * _recency(entry.at, now, params)
 
 
@@ -144,10 +150,13 @@ def _recency(last_used: float, now: float, params: RoutingParams) -> float:
     return float(0.5 ** (age / params.value_half_life_s))
 
 
-def _lost(fp: Fingerprint, content: Fingerprint, shared: int, reuse: int) -> int:
-    """Tokens of ``content`` a request reusing ``reuse`` of it overwrites: the tail when it
-    continues that conversation, else all of it (that conversation loses its copy)."""
-    return max(0, content.total - reuse) if content.same_conversation(shared) else content.total
+def _lost(fp: Fingerprint, content: Fingerprint, shared: int, reuse: int, length: int) -> int:
+    """Tokens of ``content`` (``length`` in the KV: a raw prompt's holds its reply too) a
+    request reusing ``reuse`` of it overwrites: the tail of the prompt when it continues that
+    conversation, else the whole KV (that conversation loses its copy)."""
+    if reuse and content.same_conversation(shared):
+        return max(0, content.total - reuse)
+    return max(content.total, length)
 
 
 def ram_view(fp: Fingerprint, backend: BackendState, before: RamView | None = None) -> RamView:
@@ -190,6 +199,7 @@ def candidate(
 ) -> Candidate:
     content = slot.content  # an idle slot: what its KV holds
     live, direct, shared, consulted, loads, destroyed = 0, 0, 0, False, None, 0.0
+    length = 0
     if content is not None and fp.hashes:
         shared = _shared(fp, content)
         live = direct = _reuse(fp, content, backend.exact, shared)
@@ -218,7 +228,7 @@ def candidate(
     discount = params.ram_discount if consulted and (not ours or loads is not None) else 1.0
     # what the slot's own content loses is judged by what the request shares with *it*, not
     # by tokens a RAM entry or a snapshot brings into the slot
-    lost = _lost(fp, content, shared, direct)
+    lost = _lost(fp, content, shared, direct, length)
     damage = lost * recency(slot, now, params) * discount + destroyed
     score = gain - params.eviction_weight * damage
     source = loads.content if loads is not None else content

@@ -94,6 +94,23 @@ def test_cold_request_evicts_the_least_valuable_slot() -> None:
     assert d.placement == Placement(0, (1,), 1)
 
 
+def test_a_cold_request_weighs_a_raw_prompt_by_its_kv_reply_included() -> None:
+    """A raw prompt's slot holds its reply as well (``sealed``, ``n_tokens`` real): evicting
+    it for a request that reuses none of it loses the whole KV, as a chat content's estimate
+    (which holds its reply) already counts. A 20-token prompt with a 60-token reply is worth
+    more than a 35-token prompt with a short one (taubench 2 x 3: a session's 16-token
+    question, evicted for a stranger, was extended by its next turn)."""
+    f = fleet(2)
+    hold(f, 0, 0, replace(fp(1, size=20), sealed=True))
+    f.backends[0].slots[0].n_tokens = 80
+    hold(f, 0, 1, replace(fp(2, size=35), sealed=True))
+    f.backends[0].slots[1].n_tokens = 38
+    d = decided(route(fp(42), f.backends, PARAMS, now=100.0))
+    assert (d.reason, d.placement) == (Reason.COLD, Placement(0, (1,), 1))
+    turn = decided(route(Fingerprint((1, 3), (20, 49)), f.backends, PARAMS, now=100.0))
+    assert turn.placement == Placement(0, (0,), 0)  # its continuation does not pay for it
+
+
 def test_waits_for_a_busy_slot_worth_it_and_not_after_the_bound() -> None:
     f = fleet(2)
     hold(f, 0, 0, fp(1, 2, 3))

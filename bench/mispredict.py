@@ -139,7 +139,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     replay.ROUTING.update(args.routing)
-    wanted = frozenset((int(r.split(",")[0]), int(r.split(",")[1])) for r in args.request)
+    pairs = (r.split(",") for r in args.request)
+    wanted = frozenset((int(session), int(turn)) for session, turn in pairs)
     asyncio.run(run(args.only, args.runs, args.min_predicted, args.show, wanted))
 
 

@@ -94,9 +94,7 @@ class RamView:
         index = ram_cache.pick(self.served, 0, 0, self.prompt_tokens)
         return self.served[index][0] if index is not None else 0
 
-    def damage(
-        self, index: int, fp: Fingerprint, now: float, params: RoutingParams, backend: BackendState
-    ) -> float:
+    def damage(self, index: int, now: float, params: RoutingParams, backend: BackendState) -> float:
         """Recency-weighted loss if the request loads (and so overwrites) entry ``index``;
         computed only for the entry a candidate would load (most entries are never picked),
         against what the backend's slots hold at this decision."""
@@ -106,7 +104,7 @@ class RamView:
         if any(ram_cache.covers(r, entry.content) for r in resident):
             return 0.0
         served, length = self.served[index]
-        lost = _lost(fp, entry.content, self.shared[index], served, length)
+        lost = _lost(entry.content, self.shared[index], served, length)
         return lost * _recency(entry.at, now, params)
 
 
@@ -150,7 +148,7 @@ def _recency(last_used: float, now: float, params: RoutingParams) -> float:
     return float(0.5 ** (age / params.value_half_life_s))
 
 
-def _lost(fp: Fingerprint, content: Fingerprint, shared: int, reuse: int, length: int) -> int:
+def _lost(content: Fingerprint, shared: int, reuse: int, length: int) -> int:
     """Tokens of ``content`` (``length`` in the KV: a raw prompt's holds its reply too) a
     request reusing ``reuse`` of it overwrites: the tail of the prompt when it continues that
     conversation, else the whole KV (that conversation loses its copy)."""
@@ -213,7 +211,7 @@ def candidate(
             if found is not None:
                 i = found + skip
                 live, loads = ram.served[i][0], ram.entries[i]
-                destroyed = ram.damage(i, fp, now, params, backend)
+                destroyed = ram.damage(i, now, params, backend)
     restore = offer if offer is not None and offer.reuse - offer.cost > live else None
     reuse, gain = (restore.reuse, restore.reuse - restore.cost) if restore else (live, live)
     if content is None or not fp.hashes:
@@ -228,7 +226,7 @@ def candidate(
     discount = params.ram_discount if consulted and (not ours or loads is not None) else 1.0
     # what the slot's own content loses is judged by what the request shares with *it*, not
     # by tokens a RAM entry or a snapshot brings into the slot
-    lost = _lost(fp, content, shared, direct, length)
+    lost = _lost(content, shared, direct, length)
     damage = lost * recency(slot, now, params) * discount + destroyed
     score = gain - params.eviction_weight * damage
     source = loads.content if loads is not None else content

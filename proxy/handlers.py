@@ -14,6 +14,7 @@ from dataclasses import replace
 from functools import partial
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.config import Settings
 from proxy.core.fingerprint import Fingerprint
@@ -92,6 +93,14 @@ class ProxyHandlers:
             raise RequestTimeout("the request body did not arrive in time") from None
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
+        except RequestPayloadError:
+            request.content.feed_eof()  # read no more of it (aiohttp would log that as unhandled)
+            raise InvalidRequest(
+                "request body could not be read: its bytes do not follow its Content-Encoding "
+                "or Transfer-Encoding",
+                code="invalid_encoding",
+                headers={"Connection": "close"},
+            ) from None
 
     def _need(self, route: Route, parsed: ParsedBody) -> Need:
         if route.slot_use is SlotUse.EXCLUSIVE or parsed.completions > 1:

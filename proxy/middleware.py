@@ -63,6 +63,8 @@ def render(error: ProxyError, request_id: str) -> web.Response:
     response = web.json_response(error.body(), status=error.status, headers=error.headers)
     response.headers["X-Proxy-Error"] = "1"
     response.headers["X-Request-Id"] = request_id
+    if error.headers.get("Connection") == "close":
+        response.force_close()  # the request's bytes cannot be trusted to end where it says
     return response
 
 

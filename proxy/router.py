@@ -38,6 +38,7 @@ from proxy.core.routing import Decision, Reason, RoutingParams, route
 from proxy.core.scoring import RamView
 from proxy.core.usage import Reply, Usage
 from proxy.disk_tier import DiskPlan, DiskTier
+from proxy.errors import InvalidRequest
 from proxy.metrics import ProxyMetrics
 from proxy.shared_state import SharedState
 from proxy.tokenizer import TokenCounter
@@ -137,7 +138,14 @@ class Router:
             prompt = f"{body.get('input_prefix', '')}{prompt or ''}{body.get('input_suffix', '')}"
         block = self._settings.routing.block_tokens
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return fingerprint_tokens(prompt, block, seed)
+            try:
+                return fingerprint_tokens(prompt, block, seed)
+            except OverflowError:  # ids are 32-bit (llama-server silently wraps a wider one)
+                raise InvalidRequest(
+                    "'prompt' holds a token id outside the 32-bit range",
+                    param="prompt",
+                    code="invalid_value",
+                ) from None
         text = prompt if isinstance(prompt, str) else str(prompt or "")
         return fingerprint_text(text, lambda at, part: self._counter.blocks(at, part, block), seed)
 

@@ -343,6 +343,8 @@ class FakeLlamaServer:
         return web.json_response(body, status=status)
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
+        if "Content-Encoding" in request.headers:  # as llama-server: no encoded request body
+            return web.Response(status=415)
         body = await request.json()
         self.received.append((request.path, body, dict(request.headers)))
         if self.faults:

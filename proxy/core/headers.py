@@ -4,7 +4,9 @@ Hop-by-hop headers (RFC 9110 §7.6.1) never cross. Headers that would change lla
 behaviour in ways the proxy must control are dropped too: ``X-Conversation-Id`` makes a
 generation survive client disconnect (it would keep a slot busy that the proxy believes
 free), and ``Accept-Encoding`` is dropped so the proxy can read usage from the bytes it
-relays. Framing headers (``Content-Length``, ``Transfer-Encoding``) are recomputed.
+relays. Framing headers (``Content-Length``, ``Transfer-Encoding``) are recomputed, and a
+request's ``Content-Encoding`` is dropped: the proxy forwards the body as it read it,
+decoded (llama-server takes no encoded request body: 415).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ FORWARDED_BY = "X-Cache-Forwarded-By"  # between replicas only (``proxy.forwardi
 _REQUEST_DROP = HOP_BY_HOP | {
     "host",
     "content-length",
+    "content-encoding",
     "accept-encoding",
     "x-conversation-id",
     FORWARDED_BY.lower(),

@@ -12,12 +12,17 @@ policy, which is validated here and never forwarded.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.core.disk_scope import Scope, parse_scope, with_window
 from proxy.errors import InvalidRequest
 
+# A \uD800-\uDFFF escape in the bytes: a JSON string may then hold a lone surrogate, which
+# Python's decoder accepts and UTF-8 cannot encode (llama-server answers such a body 400).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a decoded pair is one code point above
 _INT_FIELDS = ("n", "n_cmpl", "max_tokens", "max_completion_tokens", "n_predict", "id_slot")
 
 
@@ -54,7 +59,30 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
         ) from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw) and _holds_lone_surrogate(data):
+        raise InvalidRequest(
+            "request body is not valid JSON: a string holds an unpaired UTF-16 surrogate "
+            "escape (\\uD800-\\uDFFF not part of a pair)",
+            code="invalid_json",
+        )
     return data
+
+
+def _holds_lone_surrogate(data: dict[str, Any]) -> bool:
+    """Whether any key or string in ``data`` holds a surrogate code point (one the decoder
+    did not pair into the character it encodes)."""
+    stack: list[Any] = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _check_types(data: dict[str, Any], *, chat: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from typing import Any
 
@@ -162,6 +163,7 @@ BAD_INPUTS = [
     ),
     pytest.param(b'{"messages": [{"role":"user","content":"x"}], "n": 0}', 400, id="n-zero"),
     pytest.param(b"[" * 100000 + b"]" * 100000, 400, id="deep-nesting"),
+    pytest.param(rb'{"messages": [{"role":"user","content":"\ud800"}]}', 400, id="lone-surrogate"),
 ]
 
 
@@ -174,6 +176,34 @@ async def test_bad_input_gets_openai_error(fakes: Any, proxy: Any, raw: bytes, s
     )
     assert resp.status == status
     assert _is_openai_error(await resp.json())
+    assert fake.received == []
+
+
+async def test_an_encoded_body_is_forwarded_decoded(fakes: Any, proxy: Any) -> None:
+    """aiohttp decodes a request's Content-Encoding as the proxy reads it; llama-server takes no
+    encoded body (415), so the decoded body goes without the header."""
+    fake = await fakes()
+    client = await proxy([fake])
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    raw = gzip.compress(json.dumps(chat("hello", max_tokens=2)).encode())
+    resp = await client.post("/v1/chat/completions", data=raw, headers=headers)
+    assert resp.status == 200, await resp.text()
+    (_path, body, sent), *_ = fake.received
+    assert body["messages"] == chat("hello")["messages"]
+    assert "Content-Encoding" not in sent
+    resp = await client.post("/v1/chat/completions", data=b"not gzip", headers=headers)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["code"] == "invalid_encoding"
+    assert resp.headers["Connection"] == "close"
+    assert len(fake.received) == 1
+
+
+async def test_a_token_id_past_32_bits_is_a_400(fakes: Any, proxy: Any) -> None:
+    fake = await fakes()
+    client = await proxy([fake])
+    resp = await client.post("/completion", json={"prompt": [1, 2**40], "n_predict": 1})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "prompt"
     assert fake.received == []
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import subprocess
@@ -133,6 +134,9 @@ async def test_killed_backend_gives_503_then_recovers(llama_servers: Any, proxy:
     assert (await client.post("/v1/chat/completions", json=body)).status == 200
 
 
+LONE_SURROGATE = rb'{"messages": [{"role": "user", "content": "a\ud800"}], "max_tokens": 2}'
+
+
 async def test_bad_inputs_against_real_backend(llama_servers: Any, proxy: Any) -> None:
     server = llama_servers(slots=2)
     client = await proxy([server.url], max_body_bytes=65536)
@@ -141,6 +145,7 @@ async def test_bad_inputs_against_real_backend(llama_servers: Any, proxy: Any) -
         (json.dumps({"messages": "nope"}).encode(), 400),
         (json.dumps(chat("x" * 70000)).encode(), 413),
         (json.dumps(chat("hi", n=3)).encode(), 400),  # the server's own limit, passed through
+        (LONE_SURROGATE, 400),  # as the server answers it (below); Python's decoder accepts it
     ]
     for raw, status in cases:
         resp = await client.post(
@@ -150,6 +155,31 @@ async def test_bad_inputs_against_real_backend(llama_servers: Any, proxy: Any) -
         assert "error" in await resp.json()
     assert (await client.get("/nope")).status == 404
     assert (await client.post("/slots/0?action=save", json={"filename": "x"})).status == 404
+    async with aiohttp.ClientSession() as direct:
+        async with direct.post(f"{server.url}/v1/chat/completions", data=LONE_SURROGATE) as resp:
+            assert resp.status == 400
+            assert "surrogate" in (await resp.json())["error"]["message"]
+        gzipped = gzip.compress(json.dumps(chat("hi", max_tokens=2)).encode())
+        encoded = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        async with direct.post(
+            f"{server.url}/v1/chat/completions", data=gzipped, headers=encoded
+        ) as resp:
+            assert resp.status == 415  # the server takes no encoded body; the proxy decodes it
+        resp = await client.post("/v1/chat/completions", data=gzipped, headers=encoded)
+        assert resp.status == 200
+        for wide, served in ((2**64, 400), (2**40, 200)):
+            body = {"prompt": [1, wide], "n_predict": 1}
+            async with direct.post(f"{server.url}/completion", json=body) as resp:
+                # past 64 bits the server refuses; within, it wraps the id to 32 bits (token 0)
+                assert resp.status == served
+            # the proxy fingerprints 32-bit ids and says so rather than guess a wrapped token
+            assert (await client.post("/completion", json=body)).status == 400
+    paired = json.dumps(chat("\U0001f600 hi", max_tokens=2)).encode()  # ensure_ascii: a pair
+    assert b"\\ud83d\\ude00" in paired
+    resp = await client.post(
+        "/v1/chat/completions", data=paired, headers={"Content-Type": "application/json"}
+    )
+    assert resp.status == 200
 
 
 def test_cli_serves_the_readme_command(llama_servers: Any) -> None:

@@ -39,6 +39,30 @@ def test_parse_rejects_with_a_code(raw: bytes, code: str) -> None:
     assert info.value.body()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        rb'{"messages": [{"role": "user", "content": "\ud800"}]}',  # a high half alone
+        rb'{"messages": [{"role": "user", "content": "x\uDC00y"}]}',  # a low half alone
+        rb'{"messages": [{"role": "user", "content": "\udc00\ud800"}]}',  # in the wrong order
+        rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}',
+        rb'{"messages": [{"role": "user", "content": "x"}], "\ud800": 1}',  # in a key
+    ],
+)
+def test_a_lone_surrogate_is_rejected_as_llama_server_does(raw: bytes) -> None:
+    """Python's decoder accepts what UTF-8 cannot encode; llama-server answers it 400."""
+    with pytest.raises(InvalidRequest) as info:
+        parse_body(raw, chat=True)
+    assert info.value.code == "invalid_json"
+    assert "surrogate" in info.value.body()["error"]["message"]
+
+
+def test_paired_surrogates_and_an_escaped_backslash_are_text() -> None:
+    raw = rb'{"messages": [{"role": "user", "content": "\ud83d\ude00 \\ud800"}]}'
+    parsed = parse_body(raw, chat=True)
+    assert parsed.data["messages"][0]["content"] == "\U0001f600 \\ud800"
+
+
 def test_pin_body_sets_only_owned_fields() -> None:
     data = {"prompt": "x", "id_slot": 9, "cache_prompt": False, "z": "é"}
     assert json.loads(pin_body(data, 1)) == {

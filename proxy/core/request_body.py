@@ -19,9 +19,13 @@ from typing import Any
 from proxy.core.disk_scope import Scope, parse_scope, with_window
 from proxy.errors import InvalidRequest
 
-# A \uD800-\uDFFF escape in the bytes: a JSON string may then hold a lone surrogate, which
-# Python's decoder accepts and UTF-8 cannot encode (llama-server answers such a body 400).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or the reverse: a JSON string
+# may then hold a lone surrogate, which Python's decoder accepts and UTF-8 cannot encode
+# (llama-server answers such a body 400). A pair (an escaped emoji) does not match.
+_LONE_ESCAPE = re.compile(  # one literal start (\u), so the scan stays fast
+    rb"\\u[dD](?:[89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+    rb"|[c-fC-F](?<!\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F]))"
+)
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a decoded pair is one code point above
 _INT_FIELDS = ("n", "n_cmpl", "max_tokens", "max_completion_tokens", "n_predict", "id_slot")
 
@@ -59,7 +63,7 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
         ) from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    if _SURROGATE_ESCAPE.search(raw) and _holds_lone_surrogate(data):
+    if _LONE_ESCAPE.search(raw) and _holds_lone_surrogate(data):
         raise InvalidRequest(
             "request body is not valid JSON: a string holds an unpaired UTF-16 surrogate "
             "escape (\\uD800-\\uDFFF not part of a pair)",

@@ -374,6 +374,7 @@ def _cell(row: dict[str, Any], policy: str) -> str:
 
 
 def main() -> None:
+    global PREFILL_S_PER_TOKEN, DECODE_S_PER_TOKEN
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backends", type=int, default=4)
     parser.add_argument("--slots", type=int, default=4)
@@ -411,8 +412,20 @@ def main() -> None:
         "--routing", type=json.loads, default={}, help="routing settings of ours, as JSON"
     )
     parser.add_argument("--process", action="store_true", help="ours as its own process")
+    parser.add_argument(
+        "--prefill-us",
+        type=float,
+        default=PREFILL_S_PER_TOKEN * 1e6,
+        help="the fakes' prefill time per token, serialized per backend (e.g. 3000: CPU)",
+    )
+    parser.add_argument(
+        "--decode-ms", type=float, default=DECODE_S_PER_TOKEN * 1e3, help="per generated token"
+    )
     args = parser.parse_args()
     global CHAT, RAM_CACHE, RAM_TOKENS, IDLE_SAVES, REPLICAS, SHARD, STREAM, PROCESS
+    timing = (args.prefill_us / 1e6, args.decode_ms / 1e3)
+    retimed = timing != (PREFILL_S_PER_TOKEN, DECODE_S_PER_TOKEN)
+    PREFILL_S_PER_TOKEN, DECODE_S_PER_TOKEN = timing
     CHAT, RAM_CACHE, RAM_TOKENS = args.chat, not args.no_ram_cache, args.ram_tokens
     IDLE_SAVES = not args.no_cache_idle_slots
     REPLICAS, SHARD, STREAM = args.replicas, args.shard, args.stream
@@ -427,6 +440,8 @@ def main() -> None:
         stem += f"-ram{args.ram_tokens // 1000}k"
     if args.no_cache_idle_slots:
         stem += "-noidle"
+    if retimed:
+        stem += f"-p{args.prefill_us:g}us-d{args.decode_ms:g}ms"
     if args.replicas > 1:
         stem += f"-replicas{args.replicas}" + ("-shard" if args.shard else "")
     if args.stream:

@@ -51,6 +51,20 @@ class InvalidRequest(ProxyError):
     code = "invalid_request"
 
 
+class UnreadableBody(InvalidRequest):
+    """A body whose bytes do not follow its Content-Encoding or Transfer-Encoding. The
+    connection closes after the answer: where the next request's bytes start is unknown."""
+
+    code = "invalid_encoding"
+
+    def __init__(self) -> None:
+        message = (
+            "request body could not be read: its bytes do not follow its Content-Encoding or "
+            "Transfer-Encoding"
+        )
+        super().__init__(message, headers={"Connection": "close"})
+
+
 class Unauthorized(ProxyError):
     status = 401
     type = "authentication_error"

@@ -31,6 +31,7 @@ from proxy.errors import (
     PayloadTooLarge,
     RequestTimeout,
     ServiceUnavailable,
+    UnreadableBody,
 )
 from proxy.forwarding import Forwarder
 from proxy.health import Prober
@@ -93,14 +94,9 @@ class ProxyHandlers:
             raise RequestTimeout("the request body did not arrive in time") from None
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
-        except RequestPayloadError:
-            request.content.feed_eof()  # read no more of it (aiohttp would log that as unhandled)
-            raise InvalidRequest(
-                "request body could not be read: its bytes do not follow its Content-Encoding "
-                "or Transfer-Encoding",
-                code="invalid_encoding",
-                headers={"Connection": "close"},
-            ) from None
+        except RequestPayloadError:  # read no more of it (aiohttp would log that as unhandled)
+            request.content.feed_eof()
+            raise UnreadableBody from None
 
     def _need(self, route: Route, parsed: ParsedBody) -> Need:
         if route.slot_use is SlotUse.EXCLUSIVE or parsed.completions > 1:

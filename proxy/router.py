@@ -32,13 +32,12 @@ from proxy.core.fingerprint import (
 from proxy.core.fleet import Fleet, NoPlacement, Placement
 from proxy.core.homes import target
 from proxy.core.isolation import salt, tenant_of
-from proxy.core.request_body import is_chat
+from proxy.core.request_body import is_chat, raw_prompt, type_error
 from proxy.core.returns import SCAN, ReturnTracker
 from proxy.core.routing import Decision, Reason, RoutingParams, route
 from proxy.core.scoring import RamView
 from proxy.core.usage import Reply, Usage
 from proxy.disk_tier import DiskPlan, DiskTier
-from proxy.errors import InvalidRequest
 from proxy.metrics import ProxyMetrics
 from proxy.shared_state import SharedState
 from proxy.tokenizer import TokenCounter
@@ -133,20 +132,12 @@ class Router:
         """``segments``: a chat body's, split once by the caller; None for a raw prompt."""
         if segments is not None:
             return fingerprint_segments(segments, self._counter.count, seed)
-        prompt = body.get("prompt")
-        if body.get("input_prefix") is not None or body.get("input_suffix") is not None:
-            prompt = f"{body.get('input_prefix', '')}{prompt or ''}{body.get('input_suffix', '')}"
-        block = self._settings.routing.block_tokens
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        text, block = raw_prompt(body), self._settings.routing.block_tokens
+        if isinstance(text, list):
             try:
-                return fingerprint_tokens(prompt, block, seed)
-            except OverflowError:  # ids are 32-bit (llama-server silently wraps a wider one)
-                raise InvalidRequest(
-                    "'prompt' holds a token id outside the 32-bit range",
-                    param="prompt",
-                    code="invalid_value",
-                ) from None
-        text = prompt if isinstance(prompt, str) else str(prompt or "")
+                return fingerprint_tokens(text, block, seed)
+            except OverflowError:  # 32-bit ids (llama-server silently wraps a wider one)
+                raise type_error("prompt", "text or 32-bit token ids") from None
         return fingerprint_text(text, lambda at, part: self._counter.blocks(at, part, block), seed)
 
     async def plan(self, request: web.Request, body: dict[str, Any]) -> Plan:

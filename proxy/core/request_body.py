@@ -41,7 +41,7 @@ class ParsedBody:
     prefix_cache: Scope | None = None  # per-request disk scope (stripped from ``data``)
 
 
-def _type_error(field: str, expected: str) -> InvalidRequest:
+def type_error(field: str, expected: str) -> InvalidRequest:
     return InvalidRequest(f"'{field}' must be {expected}", param=field, code="invalid_type")
 
 
@@ -93,21 +93,21 @@ def _check_types(data: dict[str, Any], *, chat: bool) -> None:
     for field in _INT_FIELDS:
         value = data.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise _type_error(field, "an integer")
+            raise type_error(field, "an integer")
     if "stream" in data and not isinstance(data["stream"], bool):
-        raise _type_error("stream", "a boolean")
+        raise type_error("stream", "a boolean")
     if "model" in data and data["model"] is not None and not isinstance(data["model"], str):
-        raise _type_error("model", "a string")
+        raise type_error("model", "a string")
     if chat:
         messages = data.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise _type_error("messages", "a non-empty array")
+            raise type_error("messages", "a non-empty array")
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise _type_error(f"messages[{index}]", "an object with a string 'role'")
+                raise type_error(f"messages[{index}]", "an object with a string 'role'")
     prompt = data.get("prompt")
     if prompt is not None and not isinstance(prompt, str | list):
-        raise _type_error("prompt", "a string or an array")
+        raise type_error("prompt", "a string or an array")
 
 
 def parse_body(raw: bytes, *, chat: bool) -> ParsedBody:
@@ -131,12 +131,12 @@ def _prefix_cache(value: Any) -> Scope | None:
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) - {"scope", "window"}:
-        raise _type_error("prefix_cache", "an object with 'scope' and/or 'window'")
+        raise type_error("prefix_cache", "an object with 'scope' and/or 'window'")
     scope, window = value.get("scope", "auto"), value.get("window")
     if not isinstance(scope, str):
-        raise _type_error("prefix_cache.scope", "a string")
+        raise type_error("prefix_cache.scope", "a string")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        raise _type_error("prefix_cache.window", "an integer")
+        raise type_error("prefix_cache.window", "an integer")
     try:
         parsed = parse_scope(scope)
     except ValueError as exc:
@@ -145,6 +145,17 @@ def _prefix_cache(value: Any) -> Scope | None:
         return with_window(parsed, window)
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="prefix_cache.window", code="invalid_value") from None
+
+
+def raw_prompt(body: dict[str, Any]) -> str | list[int]:
+    """A raw body's prompt as llama-server reads it: token ids, or text (``/infill`` wraps it
+    in ``input_prefix`` and ``input_suffix``; any other shape counts as its text form)."""
+    prompt = body.get("prompt")
+    if body.get("input_prefix") is not None or body.get("input_suffix") is not None:
+        prompt = f"{body.get('input_prefix', '')}{prompt or ''}{body.get('input_suffix', '')}"
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return prompt if isinstance(prompt, str) else str(prompt or "")
 
 
 def is_chat(body: dict[str, Any]) -> bool:

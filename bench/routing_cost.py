@@ -20,10 +20,11 @@ import platform
 import statistics
 import time
 
-from proxy.core.fingerprint import Fingerprint, fingerprint_chat, fingerprint_text
+from proxy.core.fingerprint import Fingerprint, fingerprint_chat
 from proxy.core.fleet import GHOST_LIMIT as LIMIT
 from proxy.core.fleet import BackendPhase, Fleet, Probe, SlotProbe
 from proxy.core.ram_cache import Parked
+from proxy.core.raw_blocks import fingerprint_text
 from proxy.core.routing import RoutingParams, route
 from proxy.tokenizer import TokenCounter
 

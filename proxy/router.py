@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -25,13 +26,12 @@ from proxy.core.fingerprint import (
     Segment,
     chat_segments,
     fingerprint_segments,
-    fingerprint_text,
-    fingerprint_tokens,
     reply_segment,
 )
 from proxy.core.fleet import Fleet, NoPlacement, Placement
 from proxy.core.homes import target
 from proxy.core.isolation import salt, tenant_of
+from proxy.core.raw_blocks import fingerprint_raw
 from proxy.core.request_body import is_chat, raw_prompt, type_error
 from proxy.core.returns import SCAN, ReturnTracker
 from proxy.core.routing import Decision, Reason, RoutingParams, route
@@ -132,13 +132,13 @@ class Router:
         """``segments``: a chat body's, split once by the caller; None for a raw prompt."""
         if segments is not None:
             return fingerprint_segments(segments, self._counter.count, seed)
-        text, block = raw_prompt(body), self._settings.routing.block_tokens
-        if isinstance(text, list):
-            try:
-                return fingerprint_tokens(text, block, seed)
-            except OverflowError:  # 32-bit ids (llama-server silently wraps a wider one)
-                raise type_error("prompt", "text or 32-bit token ids") from None
-        return fingerprint_text(text, lambda at, part: self._counter.blocks(at, part, block), seed)
+        block, counter = self._settings.routing.block_tokens, self._counter
+        text = partial(counter.blocks, block_tokens=block)
+        try:
+            ids = partial(counter.id_blocks, block_tokens=block)
+            return fingerprint_raw(raw_prompt(body), text, ids, block, seed)
+        except OverflowError:  # 32-bit ids (llama-server silently wraps a wider one)
+            raise type_error("prompt", "text or 32-bit token ids") from None
 
     async def plan(self, request: web.Request, body: dict[str, Any]) -> Plan:
         """The request's fingerprint, session key and affinity (no side effects but reading

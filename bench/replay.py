@@ -8,6 +8,7 @@ own counters (cached / prompt tokens), so every router is measured the same way.
 Policies: ``ideal`` (infinite cache: the longest prefix any earlier prompt had, computed
 offline), ``round-robin`` (backends in turn, llama-server picks the slot), ``ours``
 (this proxy, disk tier off), ``ours-lru`` (this proxy without prefix routing),
+``ours-unqueued`` (this proxy without short queues for busy slots),
 ``ours-disk`` (this proxy with the disk tier on its default ``auto``, the fakes saving to
 one shared directory), and the peer routers in ``bench/peers.py`` when installed, each
 with its cache-aware policy (``sglang-router``) and its session policy
@@ -213,6 +214,8 @@ async def run_policy(
                 "pin_slots": policy != "ours-unpinned",
             }
             routing.update(ROUTING)
+            if policy == "ours-unqueued":  # no short queues for busy slots (before session 32)
+                routing.update(short_wait_tokens=0)
             if policy == "ours-patient":
                 routing.update(wait_min_tokens=128, max_slot_wait_seconds=30, balance_abs=4)
             disk = {"prefix_cache": "off"}

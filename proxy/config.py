@@ -36,6 +36,7 @@ from proxy.config_sources import (
     read_config_file,
 )
 from proxy.core.disk_scope import parse_scope
+from proxy.core.scoring import RoutingParams
 
 
 class _Frozen(BaseModel):
@@ -128,6 +129,12 @@ class RoutingSettings(_Frozen):
     min_prefix_tokens: int = Field(default=16, ge=0)
     wait_min_tokens: int = Field(default=1024, ge=0, description="saving worth waiting for")
     wait_min_fraction: float = Field(default=0.5, ge=0, le=1, description="...or this share")
+    short_wait_tokens: int = Field(
+        default=4, ge=0, description="a smaller saving worth a wait in a short queue; 0: off"
+    )
+    short_wait_depth: int = Field(
+        default=4, ge=0, description="...while fewer requests than this wait for that slot"
+    )
     max_slot_wait_seconds: float = Field(default=5.0, ge=0, description="wait for a busy slot")
     hold_max_seconds: float = Field(default=2.0, ge=0, description="slot held for a session")
     eviction_weight: float = Field(default=1.0, ge=0)
@@ -144,6 +151,22 @@ class RoutingSettings(_Frozen):
     lease_ttl_seconds: float = Field(
         default=30.0, ge=1, description="a dead replica's slot leases expire after this"
     )
+
+    def params(self) -> RoutingParams:
+        """The pure policy's parameters (``core.scoring.RoutingParams``)."""
+        return RoutingParams(
+            min_prefix_tokens=self.min_prefix_tokens,
+            wait_min_tokens=self.wait_min_tokens,
+            wait_min_fraction=self.wait_min_fraction,
+            short_wait_tokens=self.short_wait_tokens,
+            short_wait_depth=self.short_wait_depth,
+            eviction_weight=self.eviction_weight,
+            value_half_life_s=self.value_half_life_seconds,
+            balance_abs=self.balance_abs,
+            balance_rel=self.balance_rel,
+            key_similarity=self.slot_cache_key_similarity,
+            key_min_prefix=self.slot_cache_key_min_prefix,
+        )
 
 
 class DiskSettings(_Frozen):

@@ -11,6 +11,8 @@ State-store failures never fail a request (``SharedState`` degrades to local sta
 from __future__ import annotations
 
 import logging
+import weakref
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -34,7 +36,7 @@ from proxy.core.isolation import salt, tenant_of
 from proxy.core.raw_blocks import fingerprint_raw
 from proxy.core.request_body import is_chat, raw_prompt, type_error
 from proxy.core.returns import SCAN, ReturnTracker
-from proxy.core.routing import Decision, Reason, RoutingParams, route
+from proxy.core.routing import Decision, Reason, route
 from proxy.core.scoring import RamView
 from proxy.core.usage import Reply, Usage
 from proxy.disk_tier import DiskPlan, DiskTier
@@ -62,21 +64,6 @@ class Plan:
     after: Fingerprint | None = None  # what the slot holds after the reply (content_after)
     views: dict[int, RamView] = field(default_factory=dict)  # route's memo while it waits
     segments: list[Segment] | None = None  # a chat prompt's
-
-
-def routing_params(settings: Settings) -> RoutingParams:
-    r = settings.routing
-    return RoutingParams(
-        min_prefix_tokens=r.min_prefix_tokens,
-        wait_min_tokens=r.wait_min_tokens,
-        wait_min_fraction=r.wait_min_fraction,
-        eviction_weight=r.eviction_weight,
-        value_half_life_s=r.value_half_life_seconds,
-        balance_abs=r.balance_abs,
-        balance_rel=r.balance_rel,
-        key_similarity=r.slot_cache_key_similarity,
-        key_min_prefix=r.slot_cache_key_min_prefix,
-    )
 
 
 def cache_key(sources: tuple[str, ...], body: dict[str, Any], headers: Any) -> str | None:
@@ -108,7 +95,8 @@ class Router:
         self._counter = counter
         self._metrics = metrics
         self._clock = clock
-        self.params = routing_params(settings)
+        self._waiting: weakref.WeakValueDictionary[int, Plan] = weakref.WeakValueDictionary()
+        self.params = settings.routing.params()
         self._labels = {b.label: b.index for b in fleet.backends}
         self.churn: ChurnTracker | None = None  # prefix-churn diagnostics (app.py)
         # with ``tokenizer: backend``: counts a text with a ready backend's tokenizer
@@ -190,7 +178,14 @@ class Router:
             hold=hold,
             views=plan.views,
             remote=remote,
+            depths=self._depths(plan, now),
         )
+
+    def _depths(self, plan: Plan, now: float) -> Counter[tuple[int, int]]:
+        """Per slot, the other requests waiting for it (a plan is dropped once placed, or
+        when its request ends and frees it; a wait past its bound no longer counts)."""
+        others = [p for p in list(self._waiting.values()) if p is not plan and now < p.wait_until]
+        return Counter(p.decision.wait_for for p in others if p.decision and p.decision.wait_for)
 
     async def prepare(self, plan: Plan, body: dict[str, Any], scope: Scope | None) -> None:
         """The request is routed here: count its arrival, plan its disk-tier work."""
@@ -224,7 +219,9 @@ class Router:
             if isinstance(decision, NoPlacement):
                 return decision
             plan.decision = decision
+            self._waiting.pop(id(plan), None)
             if decision.placement is None:
+                self._waiting[id(plan)] = plan
                 plan.waits += 1
                 if decision.until is not None:
                     self._held(plan, decision.until, now)

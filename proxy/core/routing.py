@@ -34,7 +34,8 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    the least bad holds the prefix). "balance" does the same among the least loaded backends.
 5. *Waiting* (``core.waiting``): rather than place, wait for a busy slot, or for a full
    backend whose RAM cache holds the prefix, when that saves enough more than the best idle
-   choice ("wait"); the caller re-decides whenever a slot frees and bounds the wait.
+   choice, or a little more in a short queue (``depths``: requests already waiting per
+   slot) ("wait"); the caller re-decides whenever a slot frees and bounds the wait.
 
 6. *Holds* (``core.returns``): an idle slot its session left less than ``hold`` seconds
    ago (learned from how fast sessions come back) is not taken by another session when the
@@ -177,11 +178,13 @@ def route(
     hold: float = 0.0,
     views: dict[int, RamView] | None = None,
     remote: frozenset[int] = frozenset(),
+    depths: Mapping[tuple[int, int], int] | None = None,
 ) -> Decision | NoPlacement:
     """The decision for ``fp``; ``disk``: per backend, the best snapshot it could restore;
     ``queued``: requests waiting for a slot (this one included, if it waits); ``hold``: seconds
     a freed slot is held for its session; ``views``: the request's RAM views, memo updated;
-    ``remote``: backends another replica schedules (ties go to the others)."""
+    ``remote``: backends another replica schedules (ties go to the others); ``depths``: per
+    busy slot, the other requests waiting for it."""
     disk = disk or {}
     usable = [b for b in backends if b.index not in avoid]
     ready = [b for b in usable if b.phase is BackendPhase.READY and b.idle_slots()]
@@ -213,7 +216,12 @@ def route(
     rank = _ranking(remote)
     best = max(idle, key=rank, default=None)
     pressed = idle_count(up) < queued  # idle slots go to waiters anyway
-    waiting = worth_waiting(fp, up, best, params, ram, pressed, spared, now) if allow_wait else None
+    depths = depths or {}
+    waiting = (
+        worth_waiting(fp, up, best, params, ram, pressed, spared, now, depths)
+        if allow_wait
+        else None
+    )
     if waiting is None and allow_wait and best is not None:
         waiting = spare_parked(up, best)
     if waiting is not None:

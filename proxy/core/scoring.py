@@ -57,6 +57,8 @@ class RoutingParams:
     min_prefix_tokens: int = 16
     wait_min_tokens: int = 1024
     wait_min_fraction: float = 0.5  # ... or this share of the prompt, if smaller
+    short_wait_tokens: int = 4  # a smaller saving worth a wait in a short queue (0: off)
+    short_wait_depth: int = 4  # ... while fewer requests than this wait for the slot
     eviction_weight: float = 1.0
     value_half_life_s: float = 600.0
     balance_abs: int = 2

@@ -432,3 +432,40 @@ async def test_token_id_prompts_route_to_the_slot_holding_their_prefix(
             previous[topic] = len(prompt)
     mixed = {"prompt": ["Name a river.", ids["rivers"][:5]], "n_predict": 2}
     assert (await client.post("/completion", json=mixed)).status == 200
+
+
+@pytest.mark.parametrize("short_wait_tokens", [4, 0])
+async def test_a_smaller_saving_waits_in_a_short_queue_for_its_busy_slot(
+    llama_servers: Any, proxy: Any, short_wait_tokens: int
+) -> None:
+    """One slot holds an unrelated prompt, the other streams a reply to a ~120-token prompt.
+    A prompt extending that one to ~450 tokens (it shares a quarter: under the usual bar of
+    half) waits for the busy slot while its queue is short (``short_wait_tokens``, default
+    4), then reuses the shared part there; with ``0`` it starts at once on the other slot,
+    cold (the server parks the unrelated prompt in its RAM cache)."""
+    server = llama_servers(slots=2)
+    client = await proxy([server.url], routing={"short_wait_tokens": short_wait_tokens})
+
+    def completion(prompt: str, **extra: Any) -> dict[str, Any]:
+        return {"prompt": prompt, "max_tokens": 32, "temperature": 0, **extra}
+
+    other = await client.post("/completion", json=completion(opening(1)))
+    assert other.status == 200
+    await other.json()
+    first = await client.post("/completion", json=completion(SYSTEM, stream=True))
+    assert first.status == 200
+    await first.content.readline()  # in flight on the other slot
+    longer = completion(SYSTEM + " ".join([opening(2)] * 3))
+    second = await client.post("/completion", json=longer)
+    assert second.status == 200, await second.text()
+    async for _ in first.content:
+        pass
+    cached = (await second.json())["timings"]["cache_n"]
+    if short_wait_tokens:
+        assert second.headers["X-Cache-Route"] == "wait+prefix"
+        assert second.headers["X-Cache-Slot"] == first.headers["X-Cache-Slot"]
+        assert cached >= 80  # the shared prompt (92 of its ~100 server tokens), reused
+    else:
+        assert second.headers["X-Cache-Route"] == "cold"
+        assert second.headers["X-Cache-Slot"] == other.headers["X-Cache-Slot"]
+        assert cached < 20

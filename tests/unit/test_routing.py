@@ -20,6 +20,7 @@ from proxy.core.routing import Decision, Reason, RoutingParams, predicted_reuse,
 from proxy.core.scoring import RamView, ghost_reuse
 
 PARAMS = RoutingParams(min_prefix_tokens=16, wait_min_tokens=100, balance_abs=2)
+USUAL_BAR = replace(PARAMS, short_wait_tokens=0)  # no short queues: the usual bar alone
 
 
 def fp(*segments: int, size: int = 100) -> Fingerprint:
@@ -125,10 +126,29 @@ def test_most_of_a_short_prompt_is_worth_waiting_for() -> None:
     f = fleet(2)  # wait_min_tokens 100, wait_min_fraction 0.5
     hold(f, 0, 0, fp(1, 2, size=30))
     f.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 2, size=30))
-    short = decided(route(fp(1, 2, 3, size=30), f.backends, PARAMS, now=100.0))
+    short = decided(route(fp(1, 2, 3, size=30), f.backends, USUAL_BAR, now=100.0))
     assert (short.reason, short.wait_for, short.predicted) == (Reason.WAIT, (0, 0), 60)
-    longer = decided(route(fp(1, 2, 3, 4, 5, 6, 7, 8, size=30), f.backends, PARAMS, now=100.0))
-    assert (longer.reason, longer.placement) == (Reason.COLD, Placement(0, (1,), 1))
+    longer = fp(1, 2, 3, 4, 5, 6, 7, 8, size=30)
+    alone = decided(route(longer, f.backends, USUAL_BAR, now=100.0))
+    assert (alone.reason, alone.placement) == (Reason.COLD, Placement(0, (1,), 1))
+
+
+def test_a_smaller_saving_is_worth_a_wait_while_the_slots_queue_is_short() -> None:
+    """Under the usual bar (60 of a 240-token prompt), a saving of ``short_wait_tokens`` is
+    worth a wait while fewer than ``short_wait_depth`` other requests wait for that slot, as
+    behind one slot of the server's own queue; a longer queue is not joined."""
+    f = fleet(2)
+    f.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 2, size=30))
+    longer = fp(1, 2, 3, 4, 5, 6, 7, 8, size=30)
+    params = replace(PARAMS, short_wait_tokens=4, short_wait_depth=2)
+    for depth, joins in ((0, True), (1, True), (2, False), (5, False)):
+        d = decided(route(longer, f.backends, params, now=100.0, depths={(0, 0): depth}))
+        assert (d.reason is Reason.WAIT) == joins, depth
+        assert d.wait_for == (0, 0) if joins else d.placement == Placement(0, (1,), 1)
+    other = {(0, 1): 3}  # waiters for another slot do not count
+    assert decided(route(longer, f.backends, params, now=100.0, depths=other)).wait_for == (0, 0)
+    few = replace(params, short_wait_tokens=61)  # a saving under the short bar: no wait
+    assert decided(route(longer, f.backends, few, now=100.0)).reason is Reason.COLD
 
 
 def test_a_newcomer_starts_on_an_empty_slot_rather_than_wait_for_one_it_would_not_take() -> None:
@@ -184,22 +204,22 @@ def test_queued_requests_make_a_full_backends_ram_copy_worth_any_real_saving() -
     hold(f, 0, 0, fp(1, size=40))
     f.claim(Placement(0, (0,), 0), now=100.0, content=fp(9))  # parks fp(1) in b0's RAM
     prompt = fp(1, 2, 3, 4, 5, 6, 7, 8, size=40)
-    alone = decided(route(prompt, f.backends, PARAMS, now=100.0, queued=1))
+    alone = decided(route(prompt, f.backends, USUAL_BAR, now=100.0, queued=1))
     assert (alone.reason, alone.placement) == (Reason.COLD, Placement(1, (0,), 0))
-    pressed = decided(route(prompt, f.backends, PARAMS, now=100.0, queued=2))
+    pressed = decided(route(prompt, f.backends, USUAL_BAR, now=100.0, queued=2))
     assert (pressed.reason, pressed.wait_for, pressed.predicted) == (Reason.WAIT, (0, -1), 40)
     # half the usual bar (half of min(wait_min_tokens, half the prompt)) is worth a wait
     # for a full backend: it frees *some* slot sooner than one given slot finishes
     short = fp(1, 2, 3, size=40)  # 120 tokens: the bar is 60, half of it 30
-    ram = decided(route(short, f.backends, PARAMS, now=100.0, queued=1))
+    ram = decided(route(short, f.backends, USUAL_BAR, now=100.0, queued=1))
     assert (ram.reason, ram.wait_for, ram.predicted) == (Reason.WAIT, (0, -1), 40)
-    hold(f, 1, 0, fp(1, size=40))  # the same saving in a busy slot keeps the usual bar
+    hold(f, 1, 0, fp(1, size=40))  # the same saving in a busy slot: the usual bar
     f.claim(Placement(1, (0,), 0), now=100.0, content=fp(1, size=40))
     f.release(Placement(0, (0,), 0), now=100.0, clean=True, content=fp(9))
     f.backends[0].ghosts = []  # b0 is idle again; no RAM copy anywhere
-    busy = decided(route(short, f.backends, PARAMS, now=100.0, queued=1))
+    busy = decided(route(short, f.backends, USUAL_BAR, now=100.0, queued=1))
     assert (busy.reason, busy.placement) == (Reason.COLD, Placement(0, (0,), 0))
-    busy = decided(route(prompt, f.backends, PARAMS, now=100.0, queued=5))
+    busy = decided(route(prompt, f.backends, USUAL_BAR, now=100.0, queued=5))
     assert (busy.reason, busy.placement) == (Reason.COLD, Placement(0, (0,), 0))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -25,7 +26,7 @@ from proxy.forwarding import Forwarder, advertised_url
 from proxy.handlers import ProxyHandlers
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
-from proxy.middleware import make_middleware
+from proxy.middleware import ProtocolLog, make_middleware
 from proxy.router import Router
 from proxy.scheduler import Scheduler
 from proxy.shared_state import SharedState
@@ -86,7 +87,9 @@ def create_app(
     handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock, disk, forwarder)
 
     app = web.Application(
-        client_max_size=settings.max_body_bytes, middlewares=[make_middleware(metrics, clock)]
+        client_max_size=settings.max_body_bytes,
+        middlewares=[make_middleware(metrics, clock)],
+        handler_args={"logger": ProtocolLog(logging.getLogger("aiohttp.server"))},
     )
     app[HANDLERS], app[METRICS], app[SCHEDULER] = handlers, metrics, scheduler
     status = StatusHandlers(fleet, metrics)

@@ -3,7 +3,8 @@
 Every error leaves as OpenAI-shaped JSON: ``ProxyError`` as itself, aiohttp's own HTTP
 errors (405, 413 from the body limit) mapped onto the same vocabulary, and anything
 unexpected as a 500 that names the request id (the traceback goes to the log, never to the
-client).
+client). A request aiohttp cannot parse as HTTP never reaches the middleware: aiohttp
+answers it 400 in plain text, and ``ProtocolLog`` logs it as one warning line.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
 from proxy.core.usage import Usage
@@ -53,6 +56,20 @@ class RequestRecord:
         """The response's usage, for the log line."""
         if usage is not None:
             self.prompt_tokens, self.cached_tokens = usage.prompt_tokens, usage.cached_tokens
+
+
+class ProtocolLog(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's connection-level logger (``handler_args``). A request aiohttp cannot parse
+    (a header line past its 8190 bytes, a ``Content-Encoding`` it cannot decode) is the
+    client's error, answered 400 before any middleware runs: one warning line, no
+    traceback. Anything else keeps its traceback."""
+
+    def exception(self, msg: object, *args: object, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            self.warning("malformed HTTP request answered %s: %s", exc.code, exc.message)
+            return
+        super().exception(msg, *args, **kwargs)
 
 
 RECORD = web.RequestKey("record", RequestRecord)

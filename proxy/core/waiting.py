@@ -27,7 +27,8 @@ frees, bounds the wait, and then decides again without waiting.
   4), whose fleets are full of content.
 - *Short queues*: a busy slot saving only ``short_wait_tokens`` (4) more than the best idle
   choice is worth a wait too, while fewer than ``short_wait_depth`` (4) other requests wait
-  for it (``depths``) and the request would take it once free over that idle choice. The
+  for it (``depths``) and the request would take it once free over that idle choice (not
+  a slot busy with a request from outside the proxy: what it will hold is unknown). The
   server's own queue does this for the routers that leave slots to it: waiters take a
   freed slot one after another, so the short prompts that share a few head tokens with a
   busy session (taubench's identical 7-token openers, its prompts opening with a shared
@@ -139,8 +140,10 @@ def worth_waiting(
     floor = base + (hit_floor(fp, params) if saturated else significant(fp, params))
     short = min(floor, base + (params.short_wait_tokens or floor))  # 0: off
 
-    def bar(where: tuple[int, int]) -> float:  # a busy slot's
-        return short if depths.get(where, 0) < params.short_wait_depth else floor
+    def bar(index: int, slot: SlotState) -> float:  # a busy slot's
+        # an outside request's slot (EXTERNAL) will hold what it does not know: no short queue
+        queued = depths.get((index, slot.id), 0) < params.short_wait_depth
+        return short if queued and slot.phase is not SlotPhase.EXTERNAL else floor
 
     hit: float = hit_floor(fp, params)
     floor_ram = base + (hit if pressed or saturated else max(hit, significant(fp, params) / 2))
@@ -151,7 +154,7 @@ def worth_waiting(
             ((backend.index, s.id), reuse)
             for s in backend.slots
             if s.phase is not SlotPhase.IDLE
-            and (reuse := predicted_reuse(fp, s, backend.exact)) >= bar((backend.index, s.id))
+            and (reuse := predicted_reuse(fp, s, backend.exact)) >= bar(backend.index, s)
             and (not empty or _taken(fp, backend, once_done(s, now), now, params, ram))
             and (reuse >= floor or _preferred(fp, backend, once_done(s, now), best, params, ram))
         ]
@@ -160,9 +163,8 @@ def worth_waiting(
         full = bool(backend.slots) and not free  # or its idle slots held for their sessions
         if full or _loads_once_freed(fp, backend, free, view, floor_ram, params, now):
             options.append(((backend.index, -1), view.best))
-        for where, reuse in options:
-            least = floor_ram if where[1] < 0 else bar(where)
-            if reuse >= least and (found is None or reuse > found[1]):
+        for where, reuse in options:  # the busy slots passed their bar above
+            if (where[1] >= 0 or reuse >= floor_ram) and (found is None or reuse > found[1]):
                 found = (where, reuse)
     return found
 

@@ -149,6 +149,8 @@ def test_a_smaller_saving_is_worth_a_wait_while_the_slots_queue_is_short() -> No
     assert decided(route(longer, f.backends, params, now=100.0, depths=other)).wait_for == (0, 0)
     few = replace(params, short_wait_tokens=61)  # a saving under the short bar: no wait
     assert decided(route(longer, f.backends, few, now=100.0)).reason is Reason.COLD
+    f.backends[0].slots[0].phase = SlotPhase.EXTERNAL  # an outside request's: content unknown
+    assert decided(route(longer, f.backends, params, now=100.0)).reason is Reason.COLD
 
 
 def test_a_newcomer_starts_on_an_empty_slot_rather_than_wait_for_one_it_would_not_take() -> None:

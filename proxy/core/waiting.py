@@ -148,6 +148,7 @@ def worth_waiting(
     hit: float = hit_floor(fp, params)
     floor_ram = base + (hit if pressed or saturated else max(hit, significant(fp, params) / 2))
     empty = not saturated and best is not None and best.slot.content is None
+    rival = best.score if best is not None else 0.0  # a short queue's slot must beat it
     found: tuple[tuple[int, int], int] | None = None
     for backend in backends:  # the ready ones
         options = [
@@ -156,7 +157,7 @@ def worth_waiting(
             if s.phase is not SlotPhase.IDLE
             and (reuse := predicted_reuse(fp, s, backend.exact)) >= bar(backend.index, s)
             and (not empty or _taken(fp, backend, once_done(s, now), now, params, ram))
-            and (reuse >= floor or _preferred(fp, backend, once_done(s, now), best, params, ram))
+            and (reuse >= floor or _taken(fp, backend, once_done(s, now), now, params, ram, rival))
         ]
         free = [s for s in backend.idle_slots() if (backend.index, s.id) not in spared]
         view = ram[backend.index]
@@ -192,20 +193,6 @@ def _loads_once_freed(
     return not any(serves(s) for s in free) and any(serves(once_done(s, now)) for s in busy)
 
 
-def _preferred(
-    fp: Fingerprint,
-    backend: BackendState,
-    slot: SlotState,
-    best: Candidate | None,
-    params: RoutingParams,
-    ram: Mapping[int, RamView],
-) -> bool:
-    """Whether the request would take ``slot`` (a busy one, as it will be once done) over
-    the best idle choice: a short queue is joined only for a slot the request will take."""
-    score = candidate(fp, backend, slot, slot.last_used, params, ram[backend.index]).score
-    return score > (best.score if best is not None else 0)
-
-
 def _taken(
     fp: Fingerprint,
     backend: BackendState,
@@ -213,6 +200,9 @@ def _taken(
     now: float,
     params: RoutingParams,
     ram: Mapping[int, RamView],
+    rival: float = 0.0,
 ) -> bool:
-    """Whether the request would take ``slot`` (idle) over an empty one: a positive score."""
-    return candidate(fp, backend, slot, now, params, ram[backend.index]).score > 0
+    """Whether the request would take ``slot`` (idle, or a busy one as it will be once done)
+    over a choice scoring ``rival``: over an empty slot, a positive score; in a short queue,
+    over the best idle choice."""
+    return candidate(fp, backend, slot, now, params, ram[backend.index]).score > rival

@@ -1,0 +1,195 @@
+"""The settings tree's sections (the root, ``Settings``, and loading live in ``proxy.config``).
+
+Each section is frozen and forbids unknown keys; every tunable names its unit and reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
+
+from proxy.core.disk_scope import parse_scope
+from proxy.core.scoring import RoutingParams
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BackendSettings(_Frozen):
+    """One llama-server instance."""
+
+    url: AnyHttpUrl
+    name: str | None = Field(
+        default=None, description="label in metrics and logs; default host:port"
+    )
+    kv_reuse: Literal["prefix", "exact"] = Field(
+        default="prefix",
+        description="exact: hybrid/recurrent/SWA model, reuse only an exact extension of a slot",
+    )
+    ram_cache: bool = Field(True, description="backend keeps llama-server's RAM prompt cache on")
+    ram_cache_tokens: int | None = Field(
+        None, ge=1, description="tokens it holds: --cache-ram MiB / KV bytes per token"
+    )
+    cache_idle_slots: bool = Field(
+        True,
+        description="started with --cache-idle-slots (its default); false: --no-cache-idle-slots",
+    )
+    slot_save_dir: str | None = Field(
+        default=None,
+        description="its --slot-save-path as the proxy sees it (default: disk.slot_save_dir)",
+    )
+    kv_unified: bool | None = Field(
+        default=None, description="started with unified KV (-kvu); recorded with snapshots"
+    )
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        return f"{self.url.host}:{self.url.port}"
+
+    @property
+    def base_url(self) -> str:
+        return str(self.url).rstrip("/")
+
+
+class QueueSettings(_Frozen):
+    """Requests wait here when every slot is busy."""
+
+    max_waiting: int = Field(default=256, ge=0, description="queued requests before 503")
+    max_wait_seconds: float = Field(default=30.0, gt=0, description="wait before 503")
+    retry_after_seconds: int = Field(default=2, ge=1, description="Retry-After on a 503")
+
+
+class TimeoutSettings(_Frozen):
+    connect_seconds: float = Field(default=5.0, gt=0)
+    read_seconds: float = Field(
+        default=600.0, gt=0, description="max silence from a backend before 504 / stream error"
+    )
+    probe_seconds: float = Field(default=2.0, gt=0, description="timeout of one health probe")
+    client_body_seconds: float = Field(
+        default=30.0, gt=0, description="a client's upload must arrive within this (slow loris)"
+    )
+
+
+class HealthSettings(_Frozen):
+    interval_seconds: float = Field(default=2.0, gt=0, description="backend probe period")
+    drain_poll_seconds: float = Field(
+        default=0.1, gt=0, description="poll period while an aborted slot finishes"
+    )
+    drain_max_seconds: float = Field(
+        default=10.0, gt=0, description="give up waiting for an aborted slot after this"
+    )
+
+
+class RoutingSettings(_Frozen):
+    """Prefix-aware routing (algorithm: proxy/core/routing.py)."""
+
+    prefix_aware: bool = Field(default=True, description="false: least-busy backend, LRU slot")
+    pin_slots: bool = Field(
+        default=True,
+        description="send id_slot; false: choose the backend, let llama-server choose the slot",
+    )
+    honor_client_id_slot: bool = Field(
+        default=False, description="pin to the id_slot a client sends instead of choosing"
+    )
+    route_headers: bool = Field(
+        default=True, description="add X-Cache-Route, -Predicted-Tokens, -Backend, -Slot, -Replica"
+    )
+    tokenizer: Literal["tiktoken", "backend"] = "tiktoken"
+    block_tokens: int = Field(default=16, ge=4, description="raw-prompt fingerprint block size")
+    min_prefix_tokens: int = Field(default=16, ge=0)
+    wait_min_tokens: int = Field(default=1024, ge=0, description="saving worth waiting for")
+    wait_min_fraction: float = Field(default=0.5, ge=0, le=1, description="...or this share")
+    short_wait_tokens: int = Field(
+        default=4, ge=0, description="a smaller saving worth a wait in a short queue; 0: off"
+    )
+    short_wait_depth: int = Field(
+        default=4, ge=0, description="...while fewer requests than this wait for that slot"
+    )
+    max_slot_wait_seconds: float = Field(default=5.0, ge=0, description="wait for a busy slot")
+    hold_max_seconds: float = Field(default=2.0, ge=0, description="slot held for a session")
+    eviction_weight: float = Field(default=1.0, ge=0)
+    value_half_life_seconds: float = Field(default=600.0, gt=0)
+    balance_abs: int = Field(default=2, ge=0)
+    balance_rel: float = Field(default=1.5, ge=1)
+    cache_key_sources: tuple[str, ...] = Field(
+        default=("prompt_cache_key", "header:x-session-id", "user"),
+        description="where a session key comes from, first found wins",
+    )
+    slot_cache_key_similarity: float = Field(default=0.5, ge=0, le=1)
+    slot_cache_key_min_prefix: int = Field(default=64, ge=0)
+    affinity_ttl_seconds: float = Field(default=3600.0, gt=0)
+    lease_ttl_seconds: float = Field(
+        default=30.0, ge=1, description="a dead replica's slot leases expire after this"
+    )
+
+    def params(self) -> RoutingParams:
+        """The pure policy's parameters (``core.scoring.RoutingParams``)."""
+        return RoutingParams(
+            min_prefix_tokens=self.min_prefix_tokens,
+            wait_min_tokens=self.wait_min_tokens,
+            wait_min_fraction=self.wait_min_fraction,
+            short_wait_tokens=self.short_wait_tokens,
+            short_wait_depth=self.short_wait_depth,
+            eviction_weight=self.eviction_weight,
+            value_half_life_s=self.value_half_life_seconds,
+            balance_abs=self.balance_abs,
+            balance_rel=self.balance_rel,
+            key_similarity=self.slot_cache_key_similarity,
+            key_min_prefix=self.slot_cache_key_min_prefix,
+        )
+
+
+class DiskSettings(_Frozen):
+    """The disk tier of KV snapshots (algorithms: proxy/core/disk_scope.py, snapshots.py)."""
+
+    prefix_cache: str = Field(
+        default="auto",
+        validate_default=True,
+        description="scope: off | full | auto (= auto:30) | auto:N | N tokens",
+    )
+    min_tokens: int = Field(default=256, ge=1, description="smallest prefix worth a snapshot")
+    max_bytes: int = Field(
+        default=20 * 1024**3, ge=0, description="budget per save directory; LRU evicted"
+    )
+    slot_save_dir: str | None = Field(
+        default=None,
+        description="the --slot-save-path every backend shares, as the proxy sees it",
+    )
+    park: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="save a warm session before evicting it; auto: on backends without "
+        "llama-server's host-RAM prompt cache (there the server parks it in RAM itself)",
+    )
+    park_min_tokens: int = Field(default=1024, ge=1, description="smallest session parked")
+
+    @field_validator("prefix_cache", "park", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
+            return "on" if value else "off"
+        return value
+
+    @field_validator("prefix_cache")
+    @classmethod
+    def _scope(cls, value: str) -> str:
+        return str(parse_scope(value))
+
+
+class IsolationSettings(_Frozen):
+    """Tenant cache isolation (algorithm: proxy/core/isolation.py)."""
+
+    mode: Literal["off", "tenant"] = Field(
+        default="off", description="tenant: never reuse another tenant's cached prefix"
+    )
+    tenant_header: str | None = Field(
+        default=None, description="header naming the tenant; default: the bearer API key"
+    )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare off as false

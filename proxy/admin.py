@@ -35,8 +35,9 @@ class AdminHandlers:
     def _check(self, request: web.Request) -> None:
         if self._token is None:
             raise NotFound("no such endpoint")
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
+        # the header's own bytes: a byte that is not UTF-8 cannot match, and is a 401 too
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, f"Bearer {self._token}".encode()):
             raise Unauthorized("admin endpoints need 'Authorization: Bearer <admin_token>'")
 
     async def slots(self, request: web.Request) -> web.Response:
@@ -54,7 +55,7 @@ class AdminHandlers:
     async def disk(self, request: web.Request) -> web.Response:
         """Policy, per-backend layout and speeds, and the index: size, bytes, entries."""
         self._check(request)
-        entries = await self._disk.index.all()
+        entries = await self._disk.index.all() or []
         disk, settings = self._disk, self._disk.settings.disk
         status: dict[str, Any] = {
             "policy": str(disk.default),

@@ -31,6 +31,7 @@ from proxy.core.fingerprint import (
     reply_segment,
 )
 from proxy.core.fleet import Fleet, NoPlacement, Placement
+from proxy.core.headers import header_text
 from proxy.core.homes import target
 from proxy.core.isolation import salt, tenant_of
 from proxy.core.raw_blocks import fingerprint_raw
@@ -69,7 +70,7 @@ class Plan:
 def cache_key(sources: tuple[str, ...], body: dict[str, Any], headers: Any) -> str | None:
     for source in sources:
         if source.startswith("header:"):
-            value = headers.get(source[len("header:") :])
+            value = header_text(headers, source[len("header:") :])
         else:
             value = body.get(source)
         if isinstance(value, str) and value:

@@ -7,11 +7,18 @@ free), and ``Accept-Encoding`` is dropped so the proxy can read usage from the b
 relays. Framing headers (``Content-Length``, ``Transfer-Encoding``) are recomputed, and a
 request's ``Content-Encoding`` is dropped: the proxy forwards the body as it read it,
 decoded (llama-server takes no encoded request body: 415).
+
+aiohttp decodes header bytes as UTF-8 with surrogate escapes, so a byte that is not UTF-8
+becomes a lone surrogate that fails any later ``encode()`` (hashing, Redis, logging).
+``header_text`` reads a header the proxy itself interprets and refuses such a value as a
+400 naming the header; headers merely relayed upstream keep their bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+
+from proxy.errors import InvalidRequest
 
 HOP_BY_HOP = frozenset(
     {
@@ -58,3 +65,15 @@ def upstream_request_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[s
 
 def client_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     return _filter(headers, _RESPONSE_DROP)
+
+
+def header_text(headers: Mapping[str, str], name: str) -> str:
+    """``name``'s value ('' when absent); a value whose bytes are not UTF-8 is a 400."""
+    value = headers.get(name, "")
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            message = f"header {name} is not valid UTF-8"
+            raise InvalidRequest(message, code="invalid_header", param=name) from None
+    return value

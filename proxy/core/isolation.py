@@ -26,17 +26,19 @@ from collections.abc import Mapping
 import xxhash
 
 from proxy.core.fingerprint import Fingerprint, common_segments
+from proxy.core.headers import header_text
 
 KEEP = 0.6
 ANONYMOUS = "anonymous"
 
 
 def tenant_of(headers: Mapping[str, str], header: str | None) -> str:
-    """The tenant id of a request: a hash of its API key or of ``header``'s value."""
+    """The tenant id of a request: a hash of its API key or of ``header``'s value (a value
+    that is not UTF-8 is a 400)."""
     if header is not None:
-        value = headers.get(header, "")
+        value = header_text(headers, header)
     else:
-        auth = headers.get("Authorization", "")
+        auth = header_text(headers, "Authorization")
         value = auth[7:] if auth[:7].lower() == "bearer " else auth
     if not value:
         return ANONYMOUS

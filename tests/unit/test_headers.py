@@ -1,6 +1,9 @@
 from __future__ import annotations
 
-from proxy.core.headers import client_response_headers, upstream_request_headers
+import pytest
+
+from proxy.core.headers import client_response_headers, header_text, upstream_request_headers
+from proxy.errors import InvalidRequest
 
 
 def test_request_drops_hop_by_hop_connection_named_and_behaviour_changing() -> None:
@@ -19,3 +22,13 @@ def test_response_drops_framing() -> None:
     headers = [("Transfer-Encoding", "chunked"), ("Content-Type", "text/event-stream"),
                ("Content-Length", "9"), ("Server", "llama")]  # fmt: skip
     assert client_response_headers(headers) == [("Content-Type", "text/event-stream")]
+
+
+def test_header_text_refuses_bytes_that_are_not_utf8() -> None:
+    # aiohttp's decoding of the bytes b"\xff\xfe": two lone surrogates
+    headers = {"X-Session-Id": b"\xff\xfe".decode("utf-8", "surrogateescape"), "X-Ok": "caf\u00e9"}
+    with pytest.raises(InvalidRequest) as caught:
+        header_text(headers, "X-Session-Id")
+    assert (caught.value.status, caught.value.param) == (400, "X-Session-Id")
+    assert header_text(headers, "X-Ok") == "caf\u00e9"
+    assert header_text(headers, "X-Absent") == ""

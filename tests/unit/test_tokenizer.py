@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
 
 from proxy import tokenizer
@@ -24,7 +25,30 @@ def test_chunk_blocks_are_encoded_once_and_the_memo_is_bounded(monkeypatch: Any)
         fp.hashes[: len(encode(first)) // 16]
         == fingerprint_tokens(encode(first), 16).hashes[: len(encode(first)) // 16]
     )
-    monkeypatch.setattr(tokenizer, "CHUNKS", 3)
-    bounded = TokenCounter()
+    budget = sum(size for _, size in list(counter._blocks._entries.values())[-3:])
+    bounded = TokenCounter(chunk_bytes=budget)
     fingerprint_text(text, lambda at, part: bounded.blocks(at, part, 16))
+    assert 0 < bounded.bytes <= budget
     assert len(bounded._blocks) == 3  # the newest chunks
+
+
+def test_the_count_memo_keeps_digests_within_its_byte_budget(monkeypatch: Any) -> None:
+    """Distinct megabyte texts: the memo accounts a bounded number of bytes and keeps none
+    of the texts (it is keyed by their digests)."""
+    budget = 50 * tokenizer.ENTRY_BYTES
+    counter = TokenCounter(count_bytes=budget)
+    monkeypatch.setattr(counter, "encode", lambda text: [0] * (len(text) % 7))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(200):
+            text = f"{i:08d}" + "x" * (1024 * 1024)
+            assert counter.count(text) == len(text) % 7
+            assert counter.bytes <= budget
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(counter._cache) == 50
+    assert held < 4 * 1024 * 1024  # the last text, not the 200 MiB of them
+    assert counter.count("00000199" + "x" * (1024 * 1024)) == (8 + 1024 * 1024) % 7
+    assert counter.unknown(["00000000" + "x" * (1024 * 1024)])  # the oldest went first

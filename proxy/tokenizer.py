@@ -93,7 +93,7 @@ class TokenCounter:
         self._id_blocks: Memo[Blocks] = Memo(chunk_bytes, _blocks_cost)
 
     @property
-    def bytes(self) -> int:
+    def accounted(self) -> int:
         """The accounted bytes of every memo (each bounded by its budget)."""
         return self._cache.bytes + self._blocks.bytes + self._id_blocks.bytes
 

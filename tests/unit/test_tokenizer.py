@@ -28,7 +28,7 @@ def test_chunk_blocks_are_encoded_once_and_the_memo_is_bounded(monkeypatch: Any)
     budget = sum(size for _, size in list(counter._blocks._entries.values())[-3:])
     bounded = TokenCounter(chunk_bytes=budget)
     fingerprint_text(text, lambda at, part: bounded.blocks(at, part, 16))
-    assert 0 < bounded.bytes <= budget
+    assert 0 < bounded.accounted <= budget
     assert len(bounded._blocks) == 3  # the newest chunks
 
 
@@ -44,7 +44,7 @@ def test_the_count_memo_keeps_digests_within_its_byte_budget(monkeypatch: Any) -
         for i in range(200):
             text = f"{i:08d}" + "x" * (1024 * 1024)
             assert counter.count(text) == len(text) % 7
-            assert counter.bytes <= budget
+            assert counter.accounted <= budget
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()

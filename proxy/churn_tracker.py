@@ -1,6 +1,7 @@
 """Per-session prefix-churn records (algorithm: ``core.churn``), for the admin endpoint,
 metrics and ``llama-cache-proxy report``. Bounded: the sketches of the most recent
-``sessions`` sessions (LRU) and the last ``recent`` divergences."""
+``sessions`` sessions (LRU) within ``SKETCH_BYTES`` accounted bytes (a sketch of a prompt
+of many messages is large), and the last ``recent`` divergences."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ from proxy.core.churn import Divergence, Sketch, divergence, message_bucket, ske
 from proxy.core.fingerprint import Fingerprint, Segment, canonical
 from proxy.metrics import ProxyMetrics
 
+SKETCH_BYTES = 16 * 1024 * 1024  # the sketches' budget, accounted by ``_size``
+SEGMENT_BYTES = 120  # a sketched segment beside its excerpt: hash, count, role, tuple slots
+
+
+def _size(found: Sketch) -> int:
+    return sum(len(text) + SEGMENT_BYTES for text in found.texts)
+
 
 class ChurnTracker:
     def __init__(
@@ -24,11 +32,14 @@ class ChurnTracker:
         *,
         sessions: int = 2000,
         recent: int = 200,
+        budget: int = SKETCH_BYTES,
     ) -> None:
         self._metrics = metrics
         self._wall = wall
         self._sketches: OrderedDict[str, Sketch] = OrderedDict()
         self._limit = sessions
+        self._budget = budget
+        self.accounted = 0  # bytes of the sketches kept
         self.recent: deque[Divergence] = deque(maxlen=recent)
         self._lost: Counter[str] = Counter()
         self._count: Counter[str] = Counter()
@@ -57,8 +68,9 @@ class ChurnTracker:
         new = sketch(fp, segments)
         old = self._sketches.pop(session, None)
         self._sketches[session] = new
-        if len(self._sketches) > self._limit:
-            self._sketches.popitem(last=False)
+        self.accounted += _size(new) - (0 if old is None else _size(old))
+        while len(self._sketches) > self._limit or self.accounted > self._budget:
+            self.accounted -= _size(self._sketches.popitem(last=False)[1])
         if old is None:
             return
         found = divergence(session, old, new, self._wall())
@@ -70,14 +82,31 @@ class ChurnTracker:
         self._metrics.divergences.labels(message_bucket(found.message_index)).inc()
         self._metrics.tokens_lost.inc(found.tokens_lost)
 
-    def status(self) -> dict[str, Any]:
+    def status(self, text: bool = False) -> dict[str, Any]:
+        """``text``: show session keys and prompt excerpts (users' keys and prompts); by
+        default a key is shown as its hash and excerpts as ``REDACTED``."""
         where = Counter(message_bucket(d.message_index) + " " + d.role for d in self.recent)
+        name = str if text else _redacted_session
+        recent = [asdict(d) for d in list(self.recent)[-50:]]
+        if not text:
+            for d in recent:
+                d.update(session=name(d["session"]), before=REDACTED, after=REDACTED)
         return {
             "sessions_tracked": len(self._sketches),
             "top_sessions": [
-                {"session": s, "tokens_lost": lost, "divergences": self._count[s]}
+                {"session": name(s), "tokens_lost": lost, "divergences": self._count[s]}
                 for s, lost in self._lost.most_common(20)
             ],
             "where": dict(where.most_common()),
-            "recent": [asdict(d) for d in list(self.recent)[-50:]],
+            "recent": recent,
         }
+
+
+REDACTED = "[redacted: admin_churn_text shows it]"
+
+
+def _redacted_session(session: str) -> str:
+    """A cache_key session as the key's hash (first-user-message sessions are hashes)."""
+    if not session.startswith("key:"):
+        return session
+    return "key-hash:" + xxhash.xxh3_64_hexdigest(session.encode("utf-8", "surrogateescape"))

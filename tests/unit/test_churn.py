@@ -2,8 +2,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
+from proxy.churn_tracker import ChurnTracker
 from proxy.core.churn import divergence, message_bucket, sketch
-from proxy.core.fingerprint import chat_segments, fingerprint_chat
+from proxy.core.fingerprint import chat_segments, fingerprint_chat, fingerprint_segments
+from proxy.metrics import ProxyMetrics
 
 
 def words(text: str) -> int:
@@ -50,3 +54,17 @@ def test_a_dropped_transient_last_message_loses_only_its_tokens() -> None:
 
 def test_message_buckets_are_bounded() -> None:
     assert [message_bucket(i) for i in (-1, 0, 9, 10, 500)] == ["preamble", "0", "9", "10+", "10+"]
+
+
+def test_the_tracker_keeps_sketches_within_its_byte_budget() -> None:
+    """Sessions of many-message prompts: the sketches kept stay within the budget, the newest
+    kept (a count of sessions alone would keep 2000 of them, ~0.7 MB each here)."""
+    budget = 4 * 1024 * 1024
+    tracker = ChurnTracker(ProxyMetrics(CollectorRegistry()), lambda: 0.0, budget=budget)
+    for session in range(40):
+        prompt = body("rules", *(f"turn {i} " + "x" * 300 for i in range(2000)))
+        segments = chat_segments(prompt)
+        tracker.observe(f"s{session}", fingerprint_segments(segments, words), prompt, segments)
+        assert tracker.accounted <= budget
+    assert 0 < tracker.status()["sessions_tracked"] < 40
+    assert "key:s39" in tracker._sketches

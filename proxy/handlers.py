@@ -32,6 +32,7 @@ from proxy.errors import (
     RequestTimeout,
     ServiceUnavailable,
     UnreadableBody,
+    UnsupportedEncoding,
 )
 from proxy.forwarding import Forwarder
 from proxy.health import Prober
@@ -77,7 +78,7 @@ class ProxyHandlers:
                 decode_json_object(raw)
             return await self._unpinned(request, raw)
         assert raw is not None
-        parsed = parse_body(raw, chat=route.chat)
+        parsed = parse_body(raw, chat=route.chat, batches=route.batches)
         if request.path == "/v1/messages" and self._settings.isolation.mode != "off":
             # llama-server ignores cache_prompt there, so reuse across tenants can't be ruled out
             raise InvalidRequest("/v1/messages is not served under cache isolation")
@@ -85,6 +86,8 @@ class ProxyHandlers:
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self._settings.max_body_bytes
+        if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
+            raise UnsupportedEncoding  # as llama-server; not decoded (app.py: auto_decompress)
         if request.content_length is not None and request.content_length > limit:
             raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
         try:
@@ -99,7 +102,9 @@ class ProxyHandlers:
             raise UnreadableBody from None
 
     def _need(self, route: Route, parsed: ParsedBody) -> Need:
-        if route.slot_use is SlotUse.EXCLUSIVE or parsed.completions > 1:
+        # several tasks would all get one id_slot, every one after the first pinning a busy
+        # slot: the server picks their slots, on a backend the request has to itself
+        if route.slot_use is SlotUse.EXCLUSIVE or parsed.completions > 1 or parsed.tasks > 1:
             return Need(exclusive=True)
         wanted = parsed.client_id_slot if self._settings.routing.honor_client_id_slot else None
         if wanted is not None:
@@ -232,7 +237,7 @@ class ProxyHandlers:
                 outcome = await relay(
                     request,
                     upstream,
-                    self._route_headers(request, placement, backend.label, plan),
+                    self._route_headers(request, plan),
                     self._clock,
                     lambda done: self._record(index, done, request),
                     before_eof,
@@ -292,22 +297,10 @@ class ProxyHandlers:
             self.prober.drain(placement.backend)
         return content
 
-    def _route_headers(
-        self, request: web.Request, placement: Placement | None, label: str, plan: Plan | None
-    ) -> dict[str, str]:
-        record = request[RECORD]
-        headers = {"X-Request-Id": record.request_id}
-        if self._settings.routing.route_headers:
-            if timing := record.server_timing():
-                headers["Server-Timing"] = timing
-            if plan is not None:
-                headers.update(self._router.headers(plan))
-            headers["X-Cache-Backend"] = label
-            if self._shared.enabled:  # which replica scheduled it (``core.homes``)
-                headers["X-Cache-Replica"] = self._shared.token
-            if placement is not None and placement.pin is not None:
-                headers["X-Cache-Slot"] = str(placement.pin)
-        return headers
+    def _route_headers(self, request: web.Request, plan: Plan | None) -> dict[str, str]:
+        planned = self._router.headers(plan) if plan is not None else {}
+        replica = self._shared.token if self._shared.enabled else None  # (``core.homes``)
+        return request[RECORD].route_headers(self._settings.routing, planned, replica)
 
     def _record(self, index: int, outcome: Outcome, request: web.Request) -> None:
         record = request[RECORD]

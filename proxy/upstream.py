@@ -2,7 +2,9 @@
 
 ``ROUTES`` lists every path a client may reach and how it uses slots (see the reference,
 llama-server.md §1): completion endpoints honour ``id_slot`` and are pinned; ``/v1/messages``
-and embeddings run on a slot the server picks, so they need a whole idle backend; tokenizer
+and embeddings run on a slot the server picks, so they need a whole idle backend (so does a
+completion whose ``prompt`` is a batch, an array holding no token id: the server makes a task
+of each element and gives each the request's ``id_slot``); tokenizer
 and template endpoints and the GET metadata endpoints use no slot. Nothing else (notably
 ``/slots`` and its save/restore/erase actions) is reachable by clients.
 
@@ -42,14 +44,15 @@ class Route:
     method: str
     slot_use: SlotUse
     chat: bool = False  # body carries ``messages``
+    batches: bool = False  # a ``prompt`` array may be a batch: one task per element
 
 
 ROUTES: dict[str, Route] = {
     "/v1/chat/completions": Route("POST", SlotUse.PIN, chat=True),
     "/chat/completions": Route("POST", SlotUse.PIN, chat=True),
-    "/v1/completions": Route("POST", SlotUse.PIN),
-    "/completion": Route("POST", SlotUse.PIN),
-    "/completions": Route("POST", SlotUse.PIN),
+    "/v1/completions": Route("POST", SlotUse.PIN, batches=True),
+    "/completion": Route("POST", SlotUse.PIN, batches=True),
+    "/completions": Route("POST", SlotUse.PIN, batches=True),
     "/v1/responses": Route("POST", SlotUse.PIN),
     "/infill": Route("POST", SlotUse.PIN),
     "/v1/messages": Route("POST", SlotUse.EXCLUSIVE),

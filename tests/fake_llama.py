@@ -11,6 +11,9 @@ them, at the level the proxy depends on:
   a busy pinned slot defers the task (and is recorded in ``violations``, since the real
   server can corrupt the running generation in that case);
 - ``n`` > slots is a 400; a prompt of ``n_ctx`` tokens or more is a 400;
+- a batch ``prompt`` (an array of two or more holding no integer) on the completion
+  endpoints is one task per element, every one given the request's ``id_slot``, their
+  results in order (OAI: one ``choices`` list), streamed chunks interleaved with an ``index``;
 - the host-RAM prompt cache (``--cache-ram``, on by default, with ``--cache-idle-slots``):
   when a task starts, every idle slot's tokens are saved there (an entry that is a prefix of
   another is dropped; not with ``cache_idle_slots=False``, ``--no-cache-idle-slots``); a
@@ -356,6 +359,9 @@ class FakeLlamaServer:
             drop_after = arg
         else:
             drop_after = None
+        batch = _batch(request.path, body.get("prompt"))
+        if batch is not None:  # one task per element, each with the request's id_slot
+            return await self._batch(request, body, batch)
         prompt = tokenize(self._prompt(request.path, body))
         n = int(body.get("n_cmpl", body.get("n", 1)))
         if n > len(self.slots):
@@ -474,6 +480,19 @@ class FakeLlamaServer:
         drop_after: int | None,
     ) -> web.StreamResponse:
         slot = slots[0]
+        reply, final = await self._prefill(body, prompt, slot)
+        if body.get("stream"):
+            return await self._stream(request, body, reply, final, slots, drop_after)
+        for word in reply:
+            await self._gen_step(slot, word)
+        slot.tokens = slot.tokens[:-1]
+        return web.json_response(_shape(request.path, body, "".join(reply), final, slot, self))
+
+    async def _prefill(
+        self, body: dict[str, Any], prompt: list[str], slot: FakeSlot
+    ) -> tuple[list[str], dict[str, Any]]:
+        """Compute the prompt on the slot (reusing its common prefix); the reply to come and
+        the final result's fields."""
         reuse = body.get("cache_prompt", True) is not False
         n_past = _lcp(slot.tokens, prompt) if reuse else 0
         n_past = min(n_past, len(prompt) - 1) if prompt else 0
@@ -498,13 +517,46 @@ class FakeLlamaServer:
             "predicted_n": len(reply),
             "predicted_ms": 0.0,
         }
-        final = {"slot": slot.id, "timings": timings, "prompt_tokens": len(prompt)}
+        return reply, {"slot": slot.id, "timings": timings, "prompt_tokens": len(prompt)}
+
+    async def _batch(
+        self, request: web.Request, body: dict[str, Any], prompts: list[str]
+    ) -> web.StreamResponse:
+        """A batch ``prompt``: the server makes a task of each element and gives every one
+        the request's ``id_slot`` (a pinned slot busy with an earlier element is a
+        violation, as with any pin); results come back in order (OAI: merged ``choices``),
+        streamed chunks interleaved, each with its element's ``index``."""
+        pinned, path = body.get("id_slot", -1), request.path
+        stream: web.StreamResponse | None = None
         if body.get("stream"):
-            return await self._stream(request, body, reply, final, slots, drop_after)
-        for word in reply:
-            await self._gen_step(slot, word)
-        slot.tokens = slot.tokens[:-1]
-        return web.json_response(_shape(request.path, body, "".join(reply), final, slot, self))
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await stream.prepare(request)
+
+        async def one(index: int, text: str) -> dict[str, Any]:
+            prompt = tokenize(text)
+            slots = await self._take_slots(prompt, pinned, 1)
+            slot, task = slots[0], slots[0].task_id
+            try:
+                reply, final = await self._prefill(body, prompt, slot)
+                for word in reply:
+                    await self._gen_step(slot, word)
+                    if stream is not None:
+                        await stream.write(_sse(_indexed(_chunk(path, word, None), index)))
+                slot.tokens = slot.tokens[:-1]
+                return _indexed(_shape(path, body, "".join(reply), final, slot, self), index)
+            finally:
+                await self._free(slots, task)
+
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        if stream is not None:
+            await stream.write(_sse(b"[DONE]"))
+            await stream.write_eof()
+            return stream
+        if path != "/v1/completions":
+            return web.json_response(results)
+        merged = results[0]
+        merged["choices"] = [r["choices"][0] for r in results]
+        return web.json_response(merged)
 
     async def _gen_step(self, slot: FakeSlot, word: str) -> None:
         if self.gen_s_per_token:
@@ -554,6 +606,26 @@ def _slot_answer(
             "timings": {timing: ms},
         }
     )
+
+
+def _batch(path: str, prompt: Any) -> list[str] | None:
+    """A batch prompt's elements as text (an array of two or more with no integer), else None."""
+    if path not in ("/completion", "/completions", "/v1/completions"):
+        return None
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    if any(isinstance(e, int) and not isinstance(e, bool) for e in prompt):
+        return None
+    return [e if isinstance(e, str) else json.dumps(e) for e in prompt]
+
+
+def _indexed(result: dict[str, Any], index: int) -> dict[str, Any]:
+    """A result or chunk of a batch's element ``index``."""
+    for choice in result.get("choices", ()):
+        choice["index"] = index
+    if "choices" not in result:
+        result["index"] = index
+    return result
 
 
 def _sse(obj: Any) -> bytes:

@@ -6,7 +6,8 @@ token limits, ``model``) and leaves every other field, known or not, to llama-se
 It owns exactly two fields, ``id_slot`` and ``cache_prompt``: ``pin_body`` sets them and
 nothing else, so the forwarded body is the client's body plus those two keys — minus
 ``prefix_cache`` (``{"scope": "auto:8", "window": 8}``), the proxy's own per-request disk
-policy, which is validated here and never forwarded.
+policy, which is validated here and never forwarded (it may only narrow the operator's:
+``core.disk_scope.narrowed``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class ParsedBody:
     completions: int
     client_id_slot: int | None
     prefix_cache: Scope | None = None  # per-request disk scope (stripped from ``data``)
+    tasks: int = 1  # server tasks the body makes: a batch ``prompt`` makes one per element
 
 
 def type_error(field: str, expected: str) -> InvalidRequest:
@@ -110,8 +112,20 @@ def _check_types(data: dict[str, Any], *, chat: bool) -> None:
         raise type_error("prompt", "a string or an array")
 
 
-def parse_body(raw: bytes, *, chat: bool) -> ParsedBody:
-    """Validate ``raw`` for an endpoint (``chat``: one that takes ``messages``)."""
+def batch_size(prompt: Any) -> int:
+    """How many tasks llama-server makes of a ``prompt``: an array holding no integer is a
+    batch, one task per element, each given the request's ``id_slot``; anything else (a
+    string, token ids, a mixed array of text and ids) is one task."""
+    if not isinstance(prompt, list):
+        return 1
+    if any(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
+        return 1
+    return max(1, len(prompt))
+
+
+def parse_body(raw: bytes, *, chat: bool, batches: bool = False) -> ParsedBody:
+    """Validate ``raw`` for an endpoint (``chat``: one that takes ``messages``; ``batches``:
+    one whose ``prompt`` may be a batch)."""
     data = decode_json_object(raw)
     _check_types(data, chat=chat)
     completions = data.get("n_cmpl", data.get("n"))
@@ -123,6 +137,7 @@ def parse_body(raw: bytes, *, chat: bool) -> ParsedBody:
         completions=completions or 1,
         client_id_slot=data.get("id_slot"),
         prefix_cache=_prefix_cache(data.pop("prefix_cache", None)),
+        tasks=batch_size(data.get("prompt")) if batches else 1,
     )
 
 

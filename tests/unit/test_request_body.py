@@ -105,3 +105,23 @@ def test_bad_prefix_cache_is_a_400_naming_the_field(value: str, param: str) -> N
     with pytest.raises(InvalidRequest) as caught:
         parse_body(f'{{"prompt": "x", "prefix_cache": {value}}}'.encode(), chat=False)
     assert caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tasks"),
+    [
+        ("text", 1),
+        ([1, 2, 3], 1),
+        (["text", 12, 13], 1),  # mixed: one prompt
+        (["only"], 1),
+        (["a", "b"], 2),
+        ([[1, 2], [3, 4], [5]], 3),
+        ([{"prompt_string": "a"}, "b"], 2),
+        ([True, "b"], 2),  # a boolean is not a token id
+        ([], 1),  # the server refuses it: one request, no pin to fear
+    ],
+)
+def test_a_prompt_array_without_token_ids_is_a_batch(prompt: object, tasks: int) -> None:
+    raw = json.dumps({"prompt": prompt}).encode()
+    assert parse_body(raw, chat=False, batches=True).tasks == tasks
+    assert parse_body(raw, chat=False).tasks == 1  # endpoints that take no batch

@@ -73,6 +73,7 @@ def create_app(
         lease_ttl=settings.routing.lease_ttl_seconds,
         clock=clock,
         url=advertised_url(settings),
+        secret=settings.replicas.key,
     )
     disk = DiskTier(settings, fleet, shared, metrics, wall, clock)
     router = Router(settings, fleet, shared, TokenCounter(), metrics, clock, disk)
@@ -83,7 +84,7 @@ def create_app(
 
     router.wake_later = wake_later
     router.churn = churn = ChurnTracker(metrics, wall)
-    forwarder = Forwarder(shared, fleet, metrics, clock)
+    forwarder = Forwarder(shared, fleet, metrics, clock, settings.replicas)
     handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock, disk, forwarder)
 
     app = web.Application(

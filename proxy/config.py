@@ -26,6 +26,7 @@ from proxy.config_sections import (
     HealthSettings,
     IsolationSettings,
     QueueSettings,
+    ReplicaSettings,
     RoutingSettings,
     TimeoutSettings,
     _Frozen,
@@ -45,6 +46,7 @@ __all__ = [
     "HealthSettings",
     "IsolationSettings",
     "QueueSettings",
+    "ReplicaSettings",
     "RoutingSettings",
     "Settings",
     "TimeoutSettings",
@@ -72,6 +74,7 @@ class Settings(_Frozen):
     routing: RoutingSettings = RoutingSettings()
     disk: DiskSettings = DiskSettings()
     isolation: IsolationSettings = IsolationSettings()
+    replicas: ReplicaSettings = ReplicaSettings()
 
     @field_validator("backends", mode="before")
     @classmethod

@@ -5,11 +5,14 @@ Each section is frozen and forbids unknown keys; every tunable names its unit an
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from proxy.core.disk_scope import parse_scope
+from proxy.core.replica_auth import PRIVATE
 from proxy.core.scoring import RoutingParams
 
 
@@ -193,3 +196,45 @@ class IsolationSettings(_Frozen):
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
         return "off" if value is False else value  # YAML reads a bare off as false
+
+
+class ReplicaSettings(_Frozen):
+    """How replicas sharing a store trust each other (algorithm: proxy/core/replica_auth.py)."""
+
+    secret: SecretStr | None = Field(
+        default=None,
+        description="shared by every replica: signs heartbeats and forwarded requests; "
+        "none: replicas do not forward (a store writer could otherwise redirect traffic)",
+    )
+    allow: tuple[str, ...] = Field(
+        default=PRIVATE,
+        description="replica URLs forwarded to: ip/prefix networks (IP hosts, any port) or "
+        "exact scheme://host:port origins; default: private and loopback IP addresses",
+    )
+    forward_window_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="a forwarding mark is believed this long after it was signed (clock "
+        "difference between replicas included): how long a captured one replays",
+    )
+
+    @field_validator("allow", mode="before")
+    @classmethod
+    def _allow(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        for rule in value if isinstance(value, list | tuple) else ():
+            if "://" in str(rule):
+                if not str(rule).startswith(("http://", "https://")) or not urlsplit(rule).hostname:
+                    raise ValueError(f"{rule}: not an http(s)://host:port origin")
+            else:
+                try:
+                    ipaddress.ip_network(rule, strict=False)
+                except ValueError:
+                    raise ValueError(f"{rule}: not an ip/prefix network or URL") from None
+        return value
+
+    @property
+    def key(self) -> bytes | None:
+        """The secret as an HMAC key, or None."""
+        return None if self.secret is None else self.secret.get_secret_value().encode()

@@ -125,6 +125,11 @@ class ProxyMetrics:
         self.replicas_live = gauge(
             "replicas_live", "Live replicas (this one included) in the last heartbeat read"
         )
+        self.replicas_rejected = gauge(
+            "replica_entries_rejected",
+            "Entries of the store's replica list that did not verify with replicas.secret in"
+            " the last heartbeat read: ignored (written without the secret, or replayed)",
+        )
         self.replicas_fenced = gauge(
             "replicas_fenced",
             "Replicas whose heartbeat lapsed without leaving (cut off from the store, or dead)"

@@ -44,6 +44,7 @@ class RequestRecord:
     cached_tokens: int | None = None
     route_s: float | None = None  # fingerprinting and planning, before asking for a slot
     queue_s: float | None = None  # from asking for a slot to holding one (decisions included)
+    relayed: bool = False  # sent to the replica that served it, which counts it in requests
 
     def server_timing(self) -> str:
         """The ``Server-Timing`` header (W3C; browsers' developer tools show it): ``route``,
@@ -114,7 +115,8 @@ def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middle
         finally:  # a cancelled handler (client gone) is logged as 499
             metrics.in_flight.dec()
             elapsed = clock() - started
-            metrics.requests.labels(endpoint, str(status)).inc()
+            if not record.relayed:  # (counted by the replica that served it)
+                metrics.requests.labels(endpoint, str(status)).inc()
             metrics.duration.labels(endpoint).observe(elapsed)
             _log(request, record, status, elapsed)
 

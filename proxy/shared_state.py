@@ -43,9 +43,10 @@ from typing import TypeVar
 
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import Fleet, Placement, SlotPhase
-from proxy.core.homes import clashes, replica_id
+from proxy.core.homes import replica_id
 from proxy.core.partition import FENCE_MARGIN, HEARTBEAT_TTL, Peers
 from proxy.metrics import ProxyMetrics
+from proxy.roster import Roster
 from proxy.shared_releases import SharedReleases
 from proxy.state import SlotRecord, SlotRef, StateStore, StateStoreUnavailable
 from proxy.state.base import LEFT
@@ -68,6 +69,7 @@ class SharedState:
         record_ttl: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
         url: str | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.store = store
         self.enabled = enabled
@@ -82,7 +84,7 @@ class SharedState:
         self._held: set[SlotRef] = set()
         self._local: set[SlotRef] = set()  # pinned while the store was down: no lease yet
         self.peers = Peers(self.owner, lease_ttl)  # live and vanished replicas (``clock``)
-        self._clashes: dict[str, list[str]] = {}  # URLs several live replicas advertise
+        self.roster = Roster(self.owner, secret, metrics, wall)  # what it believes of the list
         self.releases = SharedReleases(self)
         self._refreshing: asyncio.Future[None] | None = None  # the view read in flight
         self.stopped = False  # set at shutdown: maintain() ends after its current round
@@ -253,12 +255,14 @@ class SharedState:
             await self.heartbeat()  # after: two round trips first cost 2-replica hit rate
 
     async def heartbeat(self) -> None:
-        beat = self.store.heartbeat(self.owner, HEARTBEAT_TTL, self.wall())
-        found = await self.call("heartbeat", beat, None)
+        entry, expires = self.roster.entry(HEARTBEAT_TTL)
+        wall, last = self.wall(), self.roster.written
+        found = await self.call(
+            "heartbeat", self.store.heartbeat(entry, HEARTBEAT_TTL, wall, expires, last), None
+        )
         if found is None:
             return
-        left = {r.removesuffix(LEFT) for r in found if r.endswith(LEFT)}
-        live = [r for r in found if not r.endswith(LEFT)]
+        live, left = self.roster.read(found, entry)
         hold = self.peers.hold
         for fence in self.peers.beat(live, left, self._clock()):
             log.warning(
@@ -268,20 +272,13 @@ class SharedState:
             )
         self._metrics.replicas_fenced.set(len(self.peers.reported))
         self._metrics.replicas_live.set(len(live))
-        clashing = clashes(live)
-        for url, ids in clashing.items() if clashing != self._clashes else ():
-            log.warning(
-                "replicas %s all advertise %s: none forwards or is forwarded to "
-                "(give each its own replica_url)",
-                ", ".join(ids),
-                url,
-            )
-        self._clashes = clashing
 
     async def leave(self) -> None:
         """At shutdown: stop counting as live, so peers do not fence this replica's part."""
         if self.enabled and self.up:
-            gone = self.store.leave(self.owner, HEARTBEAT_TTL, self.wall())
+            mark, expires = self.roster.entry(HEARTBEAT_TTL, LEFT)
+            entry = self.roster.written or self.owner
+            gone = self.store.leave(entry, HEARTBEAT_TTL, self.wall(), mark, expires)
             await self.call("leave", gone, None)
 
     async def _recover(self) -> None:

@@ -18,6 +18,8 @@ from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer
 from tests.real.stack import RedisServer, free_port
 
+REPLICA_SECRET = "test replicas' shared secret"
+
 
 def make_settings(urls: list[str], **over: Any) -> Settings:
     data: dict[str, Any] = {
@@ -64,6 +66,8 @@ def proxy(aiohttp_client: Any) -> ProxyFactory:
         **over: Any,
     ) -> TestClient[Any, Any]:
         urls = [b if isinstance(b, str | dict) else b.url for b in backends]
+        if over.get("redis_url") and "replicas" not in over:  # replicas trust one another
+            over["replicas"] = {"secret": REPLICA_SECRET}
         port = free_port()  # listen names it: replicas advertise it to their peers
         settings = make_settings(urls, listen=f"127.0.0.1:{port}", **over)
         app = create_app(settings, registry=CollectorRegistry(), probe_loop=probe_loop, wall=wall)

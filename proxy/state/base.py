@@ -15,7 +15,10 @@ What it holds (every key has a TTL or a bound):
   the live ids, so that a replica that loses the store knows whether it is alone
   (``core.partition``); a replica that shuts down ``leave``s: it stops counting as live at
   once and is listed as ``id + LEFT`` for a while, so the others can tell it from one that
-  lost the store (whose part of the fleet they keep off for a while);
+  lost the store (whose part of the fleet they keep off for a while); an id may be a signed
+  entry (``core.replica_auth``): ``expires`` then caps its lifetime (the store's clock, which
+  ``Beat.now`` reads), ``previous`` is the entry it replaces, and every read lists each live
+  entry with its score (when it lapses), since whoever writes to the store can set that;
 - *snapshots*: the disk tier's index, index key -> packed entries (``core.snapshots``),
   bounded by the disk budget (entries are deleted with their files), so it has no TTL.
 
@@ -50,7 +53,7 @@ import sys
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 SlotRef = tuple[str, int]
 Known = Mapping[SlotRef, float]  # per slot, the updated_at of the record the caller holds
@@ -124,6 +127,16 @@ class SlotView:
     now: float | None = field(default=None, compare=False)
 
 
+class Beat(NamedTuple):
+    """A heartbeat's read: the store's clock, and each live entry with when it lapses."""
+
+    now: float
+    entries: list[tuple[str, float]]
+
+    def ids(self) -> list[str]:
+        return [entry for entry, _ in self.entries]
+
+
 class StateStore(Protocol):
     async def get_affinity(self, key: str, now: float) -> SlotRef | None: ...
 
@@ -159,9 +172,23 @@ class StateStore(Protocol):
 
     async def claimed(self, releases: Sequence[str], now: float) -> set[str]: ...
 
-    async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]: ...
+    async def heartbeat(
+        self,
+        owner: str,
+        ttl: float,
+        now: float,
+        expires: float | None = None,
+        previous: str | None = None,
+    ) -> Beat: ...
 
-    async def leave(self, owner: str, ttl: float, now: float) -> None: ...
+    async def leave(
+        self,
+        owner: str,
+        ttl: float,
+        now: float,
+        mark: str | None = None,
+        expires: float | None = None,
+    ) -> None: ...
 
     async def get_snapshots(self, keys: Sequence[str]) -> dict[str, bytes]: ...
 

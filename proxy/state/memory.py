@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from proxy.state.base import LEFT, Known, SlotRecord, SlotRef, SlotView, newer, stamp_ms
+from proxy.state.base import LEFT, Beat, Known, SlotRecord, SlotRef, SlotView, newer, stamp_ms
 
 
 class InMemoryStateStore:
@@ -85,13 +85,34 @@ class InMemoryStateStore:
         for ref in refs:
             self._data.pop(("slot", ref), None)
 
-    async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]:
-        self._set(("replica", owner), owner, ttl, now)
-        return sorted(k[1] for k, v in self._data.items() if k[0] == "replica" and v[1] > now)
+    async def heartbeat(
+        self,
+        owner: str,
+        ttl: float,
+        now: float,
+        expires: float | None = None,
+        previous: str | None = None,
+    ) -> Beat:
+        if previous is not None and previous != owner:
+            self._data.pop(("replica", previous), None)
+        self._replica(owner, ttl, now, expires)
+        found = [(k[1], v[1]) for k, v in self._data.items() if k[0] == "replica" and v[1] > now]
+        return Beat(now, sorted(found))
 
-    async def leave(self, owner: str, ttl: float, now: float) -> None:
+    def _replica(self, entry: str, ttl: float, now: float, expires: float | None) -> None:
+        lapses = now + ttl if expires is None else min(now + ttl, expires)
+        self._data[("replica", entry)] = (entry, lapses)
+
+    async def leave(
+        self,
+        owner: str,
+        ttl: float,
+        now: float,
+        mark: str | None = None,
+        expires: float | None = None,
+    ) -> None:
         self._data.pop(("replica", owner), None)
-        self._set(("replica", owner + LEFT), owner + LEFT, ttl, now)
+        self._replica(owner + LEFT if mark is None else mark, ttl, now, expires)
 
     async def push_window(
         self, name: str, entry: bytes, limit: int, ttl: float, now: float

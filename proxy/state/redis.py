@@ -35,6 +35,7 @@ from proxy.state import keys
 from proxy.state.base import (
     LEFT,
     STAMP_BYTES,
+    Beat,
     Known,
     SlotRecord,
     SlotRef,
@@ -42,6 +43,7 @@ from proxy.state.base import (
     StateStoreUnavailable,
     stamp_ms,
 )
+from proxy.state.replica_scripts import BEAT, LEAVE, NOW, read_beat
 
 _RELEASE = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -87,40 +89,16 @@ _RENEW = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then "
     "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 )
-# Times replicas compare are the server's (``redis.call('TIME')``, seconds as a double), not
-# the callers': their machines' clocks may differ (see ``proxy.state.base``).
-# (``replicate_commands``: writes after TIME are allowed before Redis 7 too; a no-op since,
-# and called only where it exists.)
-_NOW = (
-    "if redis.replicate_commands then redis.replicate_commands() end "
-    "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1000000 "
-)
-# The replicas' set lives as long as its longest-lived entry (a shorter TTL never cuts it).
-_KEEP = (
-    "if redis.call('pttl', KEYS[1]) < tonumber(ARGV[3]) then "
-    "redis.call('pexpire', KEYS[1], ARGV[3]) end "
-)
-# KEYS[1]: the replicas' sorted set; ARGV: id, TTL (s), key TTL (ms). Returns the live ids.
-_BEAT = _NOW + (
-    "redis.call('zadd', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) "
-    "redis.call('zremrangebyscore', KEYS[1], '-inf', now) "
-    + _KEEP
-    + "return redis.call('zrangebyscore', KEYS[1], '(' .. string.format('%.6f', now), '+inf')"
-)
-# KEYS[1]: the replicas' sorted set; ARGV: the left mark's id, TTL (s), key TTL (ms), id.
-_LEAVE = _NOW + (
-    "redis.call('zrem', KEYS[1], ARGV[4]) "
-    "redis.call('zadd', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) " + _KEEP + "return 1"
-)
+# Times replicas compare are the server's (``NOW``, ``proxy.state.replica_scripts``).
 # KEYS: the release keys of its hashes; ARGV: release id, TTL (ms). Value: "id|when".
-_PUT_RELEASE = _NOW + (
+_PUT_RELEASE = NOW + (
     "local v = ARGV[1] .. '|' .. string.format('%.6f', now) "
     "for i = 1, #KEYS do redis.call('set', KEYS[i], v, 'PX', ARGV[2]) end return #KEYS"
 )
 # KEYS: the release keys of a prompt's hashes, oldest first; ARGV: the claimed marks' key
 # prefix, their TTL (ms). Claims the newest unclaimed release: {id, seconds since it was put}
 # (a string: a Lua number returned to Redis is cut to an integer), or nil.
-_CLAIM = _NOW + (
+_CLAIM = NOW + (
     "for i = #KEYS, 1, -1 do "
     "  local v = redis.call('get', KEYS[i]) "
     "  if v then "
@@ -135,7 +113,7 @@ _CLAIM = _NOW + (
 # KEYS[1]: a slot's record; ARGV: the packed record without its stamp, TTL (ms). Stamps it
 # with the server's time in ms, later than the record it replaces; returns the stamp.
 _PUT_SLOT = (
-    _NOW
+    NOW
     + _STAMP
     + """
 local ms = math.floor(now * 1000 + 0.5)
@@ -178,8 +156,8 @@ class RedisStateStore:
         self._release = self._redis.register_script(_RELEASE)
         self._renew = self._redis.register_script(_RENEW)
         self._view = self._redis.register_script(_VIEW)
-        self._beat = self._redis.register_script(_BEAT)
-        self._leave = self._redis.register_script(_LEAVE)
+        self._beat = self._redis.register_script(BEAT)
+        self._leave = self._redis.register_script(LEAVE)
         self._put_release = self._redis.register_script(_PUT_RELEASE)
         self._claim = self._redis.register_script(_CLAIM)
         self._put_slot = self._redis.register_script(_PUT_SLOT)
@@ -243,12 +221,28 @@ class RedisStateStore:
         except RedisError as exc:
             raise StateStoreUnavailable(str(exc)) from None
 
-    async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]:
-        found = await _call(self._beat(keys=[keys.REPLICAS], args=[owner, ttl, _ms(ttl)]))
-        return sorted(_bytes(v).decode() for v in found if isinstance(v, bytes | str))
+    async def heartbeat(
+        self,
+        owner: str,
+        ttl: float,
+        now: float,
+        expires: float | None = None,
+        previous: str | None = None,
+    ) -> Beat:
+        args: list[str | float] = [owner, ttl, _ms(ttl), "" if expires is None else expires]
+        args.append(previous or "")
+        return read_beat(await _call(self._beat(keys=[keys.REPLICAS], args=args)))
 
-    async def leave(self, owner: str, ttl: float, now: float) -> None:
-        args: list[str | float] = [owner + LEFT, ttl, _ms(ttl), owner]
+    async def leave(
+        self,
+        owner: str,
+        ttl: float,
+        now: float,
+        mark: str | None = None,
+        expires: float | None = None,
+    ) -> None:
+        left = owner + LEFT if mark is None else mark
+        args: list[str | float] = [left, ttl, _ms(ttl), "" if expires is None else expires, owner]
         await _call(self._leave(keys=[keys.REPLICAS], args=args))
 
     async def push_window(

@@ -166,12 +166,27 @@ async def test_window_is_bounded_newest_first(store: StateStore) -> None:
 
 
 async def test_replicas_are_the_live_heartbeats(store: StateStore) -> None:
-    assert await store.heartbeat("b", 5.0, now()) == ["b"]
-    assert await store.heartbeat("a", 0.3, now()) == ["a", "b"]
+    assert (await store.heartbeat("b", 5.0, now())).ids() == ["b"]
+    assert (await store.heartbeat("a", 0.3, now())).ids() == ["a", "b"]
     await asyncio.sleep(0.4)
-    assert await store.heartbeat("c", 0.3, now()) == ["b", "c"]  # a's heartbeat expired
+    assert (await store.heartbeat("c", 0.3, now())).ids() == ["b", "c"]  # a's heartbeat expired
     await asyncio.sleep(0.4)
-    assert await store.heartbeat("a", 5.0, now()) == ["a", "b"]  # and c's
+    assert (await store.heartbeat("a", 5.0, now())).ids() == ["a", "b"]  # and c's
+
+
+async def test_a_heartbeat_lists_each_entry_with_when_it_lapses_on_the_stores_clock(
+    store: StateStore,
+) -> None:
+    """An entry lives ``ttl`` or up to the expiry its writer gives, if sooner; it replaces
+    the writer's previous entry; a read gives the store's time and every entry's score, so
+    the reader can judge entries anyone may have written (``core.replica_auth``)."""
+    first = await store.heartbeat("a|1", 5.0, now())
+    assert first.ids() == ["a|1"]
+    assert first.now < first.entries[0][1] <= first.now + 5.0
+    capped = await store.heartbeat("a|2", 5.0, now(), first.now + 0.3, "a|1")
+    assert capped.entries == [("a|2", pytest.approx(first.now + 0.3, abs=0.01))]
+    await asyncio.sleep(0.4)
+    assert (await store.heartbeat("b", 5.0, now())).ids() == ["b"]  # a|2 lapsed, as it said
 
 
 async def test_a_replica_that_leaves_stops_being_live_and_is_listed_as_left(
@@ -180,9 +195,11 @@ async def test_a_replica_that_leaves_stops_being_live_and_is_listed_as_left(
     await store.heartbeat("a", 5.0, now())
     await store.heartbeat("b", 5.0, now())
     await store.leave("a", 0.3, now())
-    assert await store.heartbeat("b", 5.0, now()) == ["a" + LEFT, "b"]
+    assert (await store.heartbeat("b", 5.0, now())).ids() == ["a" + LEFT, "b"]
+    await store.leave("b", 0.3, now(), mark="b-signed-mark")
+    assert (await store.heartbeat("c", 5.0, now())).ids() == ["a" + LEFT, "b-signed-mark", "c"]
     await asyncio.sleep(0.4)
-    assert await store.heartbeat("b", 5.0, now()) == ["b"]  # the mark expires too
+    assert (await store.heartbeat("b", 5.0, now())).ids() == ["b", "c"]  # the marks expire too
 
 
 async def test_a_redis_store_judges_liveness_returns_and_records_by_its_own_clock(
@@ -197,11 +214,14 @@ async def test_a_redis_store_judges_liveness_returns_and_records_by_its_own_cloc
     try:
         for _ in range(3):
             await behind.heartbeat("behind", 1.0, now() - 1.0)
-            assert await ahead.heartbeat("ahead", 1.0, now() + 1.0) == ["ahead", "behind"]
-            assert await behind.heartbeat("behind", 1.0, now() - 1.0) == ["ahead", "behind"]
+            assert (await ahead.heartbeat("ahead", 1.0, now() + 1.0)).ids() == ["ahead", "behind"]
+            assert (await behind.heartbeat("behind", 1.0, now() - 1.0)).ids() == ["ahead", "behind"]
             await asyncio.sleep(0.2)
         await behind.leave("behind", 1.0, now() - 1.0)
-        assert await ahead.heartbeat("ahead", 1.0, now() + 1.0) == ["ahead", "behind" + LEFT]
+        assert (await ahead.heartbeat("ahead", 1.0, now() + 1.0)).ids() == [
+            "ahead",
+            "behind" + LEFT,
+        ]
         await behind.put_release("behind:1", [50], ttl=60, now=now() - 30)
         found = await ahead.claim_release([50], ttl=60, now=now() + 1.0)
         assert found is not None

@@ -4,13 +4,16 @@ two replicas sharing one real Redis in front of fake llama-servers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import defaultdict
 from typing import Any
 
 import pytest
 
-from tests.conftest import delta_text, events_to_done, metric, until_listed
+from proxy.core.headers import FORWARDED_BY
+from proxy.core.replica_auth import request_parts, sign_forward
+from tests.conftest import REPLICA_SECRET, delta_text, events_to_done, metric, until_listed
 from tests.integration.test_routing_fake import SYSTEM
 from tests.real.stack import free_port
 
@@ -23,6 +26,22 @@ async def _metrics(client: Any) -> str:
 
 async def _met(*clients: Any) -> None:
     await until_listed([str(c.make_url("")).rstrip("/") for c in clients])
+
+
+def _from_replica(
+    body: dict[str, Any],
+    request_id: str,
+    *,
+    secret: str = REPLICA_SECRET,
+    sent: float | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of a POST to /v1/chat/completions as a replica forwards it: its
+    mark signed with ``secret`` at ``sent`` (default: now) for this very request."""
+    data = json.dumps(body).encode()
+    parts = request_parts(request_id, "POST", "/v1/chat/completions", data)
+    mark = sign_forward(secret.encode(), "another", time.time() if sent is None else sent, parts)
+    headers = {FORWARDED_BY: mark, "X-Request-Id": request_id, "Content-Type": "application/json"}
+    return {"data": data, "headers": headers}
 
 
 def _turn(session: int, history: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -136,10 +155,10 @@ async def test_a_forwarded_request_is_routed_where_it_lands(
     backends = [await fakes(n_slots=2) for _ in range(2)]
     pair = [await proxy(backends, redis_url=redis_server.url) for _ in range(2)]
     await _met(*pair)
-    mark = {"X-Cache-Forwarded-By": "another replica"}
     replicas, served = set(), set()
     for session in range(4):
-        resp = await pair[0].post("/v1/chat/completions", json=_turn(session, []), headers=mark)
+        forwarded = _from_replica(_turn(session, []), f"r{session}")
+        resp = await pair[0].post("/v1/chat/completions", **forwarded)
         assert resp.status == 200
         replicas.add(resp.headers["X-Cache-Replica"])
         served.add(resp.headers["X-Cache-Backend"])
@@ -161,8 +180,7 @@ async def test_a_replica_whose_own_backends_are_down_places_on_the_others(
     backends = [await fakes(n_slots=2) for _ in range(2)]
     pair = [await proxy(backends, redis_url=redis_server.url) for _ in range(2)]
     await _met(*pair)
-    mark = {"X-Cache-Forwarded-By": "another replica"}
-    first = await pair[0].post("/v1/chat/completions", json=_turn(0, []), headers=mark)
+    first = await pair[0].post("/v1/chat/completions", **_from_replica(_turn(0, []), "r0"))
     own = first.headers["X-Cache-Backend"]
     await next(b for b in backends if b.url.endswith(own)).stop()
     for _ in range(50):  # until the prober saw it go
@@ -170,7 +188,7 @@ async def test_a_replica_whose_own_backends_are_down_places_on_the_others(
         if own not in page["backends"]:
             break
         await asyncio.sleep(0.1)
-    resp = await pair[0].post("/v1/chat/completions", json=_turn(1, []), headers=mark)
+    resp = await pair[0].post("/v1/chat/completions", **_from_replica(_turn(1, []), "r1"))
     assert resp.status == 200, await resp.text()
     assert resp.headers["X-Cache-Backend"] != own
 

@@ -296,12 +296,13 @@ async def test_maintenance_ends_at_shutdown_even_if_a_store_call_swallows_the_ca
     from proxy.metrics import ProxyMetrics
     from proxy.shared_state import SharedState
     from proxy.state import InMemoryStateStore
+    from proxy.state.base import Beat
 
     class Swallowing(InMemoryStateStore):
-        async def heartbeat(self, owner: str, ttl: float, now: float) -> list[str]:
+        async def heartbeat(self, owner: str, ttl: float, now: float, *_: Any) -> Beat:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.sleep(0.2)  # a command in flight when the cancel lands
-            return [owner]
+            return Beat(now, [(owner, now + ttl)])
 
     metrics = ProxyMetrics(CollectorRegistry())
     shared = SharedState(Swallowing(), Fleet(["b"]), metrics, time.time, enabled=True)

@@ -190,6 +190,23 @@ class DiskSettings(_Frozen):
         "index lost (counted in the budget, deleted first); also at start-up; 0 = start-up only",
     )
 
+    client_max_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="bytes of snapshots one client's requests may write per "
+        "client_window_seconds (client: its API key or tenant header); over it a save is "
+        "skipped, the request served; bounds what one client costs the disk; 0 = no cap",
+    )
+    client_window_seconds: float = Field(
+        default=3600.0, gt=0, description="seconds of the sliding window of client_max_bytes"
+    )
+    reconcile_seconds: float = Field(
+        default=300.0,
+        ge=0,
+        description="seconds between scans of the save directory for llp-*.bin files the "
+        "index lost (counted in the budget, deleted first); also at start-up; 0 = start-up only",
+    )
+
     @field_validator("prefix_cache", "park", mode="before")
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:

@@ -41,6 +41,10 @@ PROBER = web.AppKey("prober", Prober)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 STOP_SECONDS = 3.0  # at shutdown, how long background tasks get to end
+# a body answered unread (413, 415: Connection: close) is discarded, never decoded, for at
+# most this long before the close (aiohttp's default is 10 s; closing at once with unread
+# bytes resets the connection, and the client may lose the answer)
+LINGER_SECONDS = 1.0
 
 
 def create_app(
@@ -90,7 +94,11 @@ def create_app(
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[make_middleware(metrics, clock)],
-        handler_args={"logger": ProtocolLog(logging.getLogger("aiohttp.server"))},
+        handler_args={
+            "logger": ProtocolLog(logging.getLogger("aiohttp.server")),
+            "auto_decompress": False,  # an encoded body is refused (415), never inflated
+            "lingering_time": LINGER_SECONDS,
+        },
     )
     app[HANDLERS], app[METRICS], app[SCHEDULER] = handlers, metrics, scheduler
     status = StatusHandlers(fleet, metrics)
@@ -117,11 +125,7 @@ def create_app(
                 router.backend_tokens = _backend_counter(client, settings, fleet)
             await prober.probe_all()
             await disk.refresh_layouts()
-            await disk.index.reconcile(disk.directories())
             tasks = [asyncio.create_task(prober.run())] if probe_loop else []
-            if settings.disk.reconcile_seconds > 0:
-                every = settings.disk.reconcile_seconds
-                tasks.append(asyncio.create_task(disk.index.maintain(disk.directories(), every)))
             if shared.enabled:
                 await shared.refresh()
                 tasks.append(asyncio.create_task(shared.maintain(scheduler.wake)))
@@ -135,6 +139,7 @@ def create_app(
             with contextlib.suppress(TimeoutError):  # a hung store must not hang shutdown
                 await asyncio.wait_for(shared.leave(), timeout=STOP_SECONDS)
             await store.close()
+            router.offload.close()
 
     app.cleanup_ctx.append(upstream_ctx)
     return app

@@ -5,7 +5,8 @@
     ├── NotFound                    404  path the proxy does not serve
     ├── MethodNotAllowed            405
     ├── Unauthorized                401  admin endpoints without the bearer token
-    ├── PayloadTooLarge             413  body over ``max_body_bytes``
+    ├── PayloadTooLarge             413  body over ``max_body_bytes`` (closes the connection)
+    ├── UnsupportedEncoding         415  body with a Content-Encoding (closes the connection)
     ├── ServiceUnavailable          503  no ready backend / queue full / wait too long (Retry-After)
     ├── BadGateway                  502  backend failed before answering
     └── GatewayTimeout              504  backend silent past the read timeout
@@ -90,9 +91,27 @@ class RequestTimeout(ProxyError):
 
 
 class PayloadTooLarge(ProxyError):
+    """The connection closes after the answer: the rest of the body is not read."""
+
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Connection": "close"})
+
+
+class UnsupportedEncoding(ProxyError):
+    """A body with a ``Content-Encoding`` (gzip, deflate, br, zstd), refused unread as
+    llama-server refuses it; the connection closes after the answer."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_encoding"
+
+    def __init__(self) -> None:
+        message = "request body must not be encoded (Content-Encoding), as llama-server requires"
+        super().__init__(message, headers={"Connection": "close"})
 
 
 class ServiceUnavailable(ProxyError):

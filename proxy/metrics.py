@@ -10,9 +10,7 @@ Disk tier: ``disk_events_total{event}`` counts hits (a restore that the next req
 misses (a request the disk tier was asked to serve, with no snapshot of any prefix of it),
 saves (scoped, full and park), restores, shared (a scoped save skipped for a restore of
 the same prefix another request was saving), bad (restores not reused, snapshot marked bad),
-refusals (layout mismatch, or a failed restore), evictions (budget), strays (files the
-index does not list, deleted for the budget) and capped (a save skipped: the client is over
-its write cap, ``disk.client_max_bytes``); the index size and
+refusals (layout mismatch, or a failed restore) and evictions (budget); the index size and
 bytes are gauges, and ``disk_policy_info{policy}`` names the default scope.
 """
 
@@ -150,8 +148,7 @@ class ProxyMetrics:
         )
         self.disk_events = counter(
             "disk_events",
-            "Disk tier events: hit, miss, save, restore, shared, bad, refusal, eviction, "
-            "stray (an unindexed file deleted), capped (a save over the client's write cap)",
+            "Disk tier events: hit, miss, save, restore, shared, bad, refusal, eviction",
             ["event"],
         )
         self.disk_saves = counter("disk_saves", "Snapshots written, by kind", ["kind"])

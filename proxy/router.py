@@ -42,6 +42,7 @@ from proxy.core.scoring import RamView
 from proxy.core.usage import Reply, Usage
 from proxy.disk_tier import DiskPlan, DiskTier
 from proxy.metrics import ProxyMetrics
+from proxy.offload import Offload
 from proxy.shared_state import SharedState
 from proxy.tokenizer import TokenCounter
 
@@ -61,7 +62,6 @@ class Plan:
     held: bool = False  # waited for a slot held for its session
     disk: DiskPlan | None = None
     tenant: str | None = None  # under cache isolation
-    client: str | None = None  # whose disk write cap its saves count against
     release: tuple[int, tuple[int, ...]] | None = None  # its response's, for its session
     after: Fingerprint | None = None  # what the slot holds after the reply (content_after)
     views: dict[int, RamView] = field(default_factory=dict)  # route's memo while it waits
@@ -95,6 +95,7 @@ class Router:
         self._fleet = fleet
         self._shared = shared
         self._counter = counter
+        self.offload = Offload()  # a large prompt is fingerprinted in a worker thread
         self._metrics = metrics
         self._clock = clock
         self._waiting: weakref.WeakValueDictionary[int, Plan] = weakref.WeakValueDictionary()
@@ -133,12 +134,13 @@ class Router:
     async def plan(self, request: web.Request, body: dict[str, Any]) -> Plan:
         """The request's fingerprint, session key and affinity (no side effects but reading
         the shared view): enough to tell where it would go (``target``)."""
-        chat = is_chat(body)
-        segments = chat_segments(body) if chat else None
+        chat, size = is_chat(body), request.content_length or 0
+        segments = await self.offload.run(size, partial(chat_segments, body)) if chat else None
         if segments is not None and self.backend_tokens is not None:
             await self._counter.prepare([s.text for s in segments], self.backend_tokens)
         tenant = self.tenant(request)
-        fp = self.fingerprint(body, segments, salt(tenant) if tenant is not None else 0)
+        seed = salt(tenant) if tenant is not None else 0
+        fp = await self.offload.run(size, partial(self.fingerprint, body, segments, seed))
         key = cache_key(self._settings.routing.cache_key_sources, body, request.headers)
         if key is not None and tenant is not None:
             key = f"{tenant}:{key}"
@@ -149,8 +151,7 @@ class Router:
             if ref is not None and ref[0] in self._labels:
                 hint = (self._labels[ref[0]], ref[1])
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
-        who = self._disk.client_id(request.headers, tenant) if self._disk else None
-        return Plan(fp, chat, key, hint, wait_until, tenant=tenant, segments=segments, client=who)
+        return Plan(fp, chat, key, hint, wait_until, tenant=tenant, segments=segments)
 
     def target(self, plan: Plan, remote: frozenset[int]) -> int | None:
         """The backend the request would be placed on, or wait for, now (disk offers aside;
@@ -196,7 +197,7 @@ class Router:
             self.churn.observe(plan.key, plan.fp, body, plan.segments)
         await self._arrived(plan.fp)
         if self._disk is not None and self._settings.routing.pin_slots:
-            plan.disk = await self._disk.plan(plan.fp, body, scope, plan.tenant, plan.client)
+            plan.disk = await self._disk.plan(plan.fp, body, scope, plan.tenant)
 
     async def _arrived(self, fp: Fingerprint) -> None:
         """How soon this request's session came back (``core.returns``): through the shared

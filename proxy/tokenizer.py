@@ -13,6 +13,7 @@ answers, tiktoken's count stands in.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
@@ -39,13 +40,15 @@ def digest(text: str | bytes) -> bytes:
 
 class Memo(Generic[V]):
     """An LRU of values keyed by digests, bounded by ``budget`` accounted bytes (each entry
-    costs ``ENTRY_BYTES`` plus ``cost(value)``)."""
+    costs ``ENTRY_BYTES`` plus ``cost(value)``). Thread-safe: large prompts are fingerprinted
+    in worker threads (``proxy.offload``)."""
 
     def __init__(self, budget: int, cost: Callable[[V], int] = lambda value: 0) -> None:
         self._entries: OrderedDict[bytes, tuple[V, int]] = OrderedDict()
         self._budget = budget
         self._cost = cost
         self.bytes = 0  # accounted bytes of every entry kept
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -55,22 +58,24 @@ class Memo(Generic[V]):
 
     def get(self, key: bytes) -> V | None:
         """The value (now the most recent), or None."""
-        found = self._entries.get(key)
-        if found is None:
-            return None
-        self._entries.move_to_end(key)
-        return found[0]
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None:
+                return None
+            self._entries.move_to_end(key)
+            return found[0]
 
     def put(self, key: bytes, value: V) -> None:
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.bytes -= old[1]
         size = ENTRY_BYTES + self._cost(value)
-        self._entries[key] = (value, size)
-        self.bytes += size
-        while self.bytes > self._budget and self._entries:
-            _, (_, freed) = self._entries.popitem(last=False)
-            self.bytes -= freed
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._entries[key] = (value, size)
+            self.bytes += size
+            while self.bytes > self._budget and self._entries:
+                _, (_, freed) = self._entries.popitem(last=False)
+                self.bytes -= freed
 
     def recall(self, key: bytes, compute: Callable[[], V]) -> V:
         """The value of ``key``, or ``compute()`` kept."""

@@ -57,6 +57,7 @@ def create_app(
     probe_loop: bool = True,
 ) -> web.Application:
     metrics = ProxyMetrics(registry or CollectorRegistry())
+    metrics.zero([b.label for b in settings.backends])
     fleet = Fleet(
         [b.label for b in settings.backends],
         [b.kv_reuse == "exact" for b in settings.backends],

@@ -10,8 +10,14 @@ Disk tier: ``disk_events_total{event}`` counts hits (a restore that the next req
 misses (a request the disk tier was asked to serve, with no snapshot of any prefix of it),
 saves (scoped, full and park), restores, shared (a scoped save skipped for a restore of
 the same prefix another request was saving), bad (restores not reused, snapshot marked bad),
-refusals (layout mismatch, or a failed restore) and evictions (budget); the index size and
+refusals (layout mismatch, or a failed restore), evictions (budget), strays (files the
+index does not list, deleted for the budget) and capped (a save skipped: the client is over
+its write cap, ``disk.client_max_bytes``); the index size and
 bytes are gauges, and ``disk_policy_info{policy}`` names the default scope.
+
+Every series exists from the start (``zero``): each label value the code knows (``KNOWN``,
+per backend, per proxied endpoint) is set to 0, so a dashboard shows 0, not "No data", and
+``increase()`` sees the first event.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from proxy.core.routing import Reason
+from proxy.core.slots import SlotPhase
 from proxy.core.usage import Usage
+from proxy.upstream import ROUTES, SlotUse
 
 PREFIX = "llama_cache_proxy_"
 _LATENCY_BUCKETS = (
@@ -43,6 +52,31 @@ _LATENCY_BUCKETS = (
     120.0,
     300.0,
 )
+
+
+# Every label value the code passes to ``.labels("...")`` (a unit test keeps this in step).
+KNOWN: dict[str, tuple[str, ...]] = {
+    "rejected": ("no_backend", "queue_full", "wait_timeout"),
+    "route_decisions": tuple(r.value for r in Reason),
+    "cache_key": ("reuse", "unsafe", "busy", "outmatched"),
+    "route_predictions": ("accurate", "over", "under"),
+    "forwards": ("sent", "unreachable", "received", "rejected"),
+    "disk_events": (
+        *("hit", "miss", "save", "restore", "shared", "bad", "refusal", "eviction"),
+        *("stray", "capped"),
+    ),
+    "disk_saves": ("scoped", "full", "park"),
+    "disk_refusals": ("layout", "failed"),
+    "divergences": ("preamble", *(str(i) for i in range(10)), "10+"),
+    "store_errors": (
+        *("view", "window", "push_window", "get_affinity", "set_affinity", "claimed"),
+        *("put_slot", "clear_slots", "put_release", "claim_release", "heartbeat", "leave"),
+        *("acquire_lease", "renew_lease", "release_lease"),
+        *("get_snapshots", "all_snapshots", "put_snapshots", "delete_snapshots"),
+    ),
+}
+UPSTREAM_ERRORS = ("connect", "timeout", "failed")
+TTFT_CACHE = ("hit", "miss", "unknown")
 
 
 class ProxyMetrics:
@@ -148,7 +182,8 @@ class ProxyMetrics:
         )
         self.disk_events = counter(
             "disk_events",
-            "Disk tier events: hit, miss, save, restore, shared, bad, refusal, eviction",
+            "Disk tier events: hit, miss, save, restore, shared, bad, refusal, eviction, "
+            "stray (an unindexed file deleted), capped (a save over the client's write cap)",
             ["event"],
         )
         self.disk_saves = counter("disk_saves", "Snapshots written, by kind", ["kind"])
@@ -176,6 +211,28 @@ class ProxyMetrics:
             "panels",
             ["backend", "model"],
         )
+
+    def zero(self, backends: Sequence[str]) -> None:
+        """Every known series at 0 (``KNOWN``; per backend label; per proxied endpoint)."""
+        for name, values in KNOWN.items():
+            for value in values:
+                getattr(self, name).labels(value)
+        per_backend: tuple[Gauge | Counter, ...] = (self.backend_ready, self.backend_restarts)
+        per_backend += (self.predicted_tokens, self.prompt_tokens, self.cached_tokens)
+        per_backend += (self.prefill_seconds,)
+        for backend in backends:
+            for metric in per_backend:
+                metric.labels(backend)
+            for kind in UPSTREAM_ERRORS:
+                self.upstream_errors.labels(backend, kind)
+            for phase in SlotPhase:
+                self.slots.labels(backend, phase.value)
+        for path, route in ROUTES.items():
+            self.requests.labels(path, "200")
+            if route.slot_use is not SlotUse.NONE:  # (requests that generate)
+                self.slot_wait.labels(path)
+                for cache in TTFT_CACHE:
+                    self.ttft.labels(path, cache)
 
     def response(self, path: str, label: str, ttft: float | None, usage: Usage | None) -> None:
         """A backend response's time to first byte and usage (cache hit: half the prompt)."""

@@ -13,6 +13,12 @@ from proxy.config import Settings
 from tests.real.stack import free_port
 
 
+def with_address_headers(settings: Settings) -> Settings:
+    """Benchmarks read X-Cache-Backend (an opt-in: ``routing.address_headers``)."""
+    routing = settings.routing.model_copy(update={"address_headers": True})
+    return settings.model_copy(update={"routing": routing})
+
+
 @asynccontextmanager
 async def serve(
     settings: Settings, registry: CollectorRegistry | None = None
@@ -20,7 +26,7 @@ async def serve(
     """``async with serve(settings) as url``: the proxy's base URL while it runs (its metrics
     in ``registry`` when given)."""
     port = free_port()  # named in listen: a replica advertises it to its peers
-    settings = settings.model_copy(update={"listen": f"127.0.0.1:{port}"})
+    settings = with_address_headers(settings).model_copy(update={"listen": f"127.0.0.1:{port}"})
     app = create_app(settings, registry=registry or CollectorRegistry())
     runner = web.AppRunner(app)
     await runner.setup()

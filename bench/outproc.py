@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 
+from bench.inproc import with_address_headers
 from proxy.config import Settings
 from tests.real.stack import free_port
 
@@ -26,7 +27,7 @@ async def serve_process(settings: Settings, ready_within: float = 60.0) -> Async
     """``async with serve_process(settings) as url``: the proxy's base URL while it runs."""
     port = free_port()
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        json.dump(settings.model_dump(mode="json"), f)  # JSON is YAML
+        json.dump(with_address_headers(settings).model_dump(mode="json"), f)  # JSON is YAML
     command = [sys.executable, "-m", "proxy", "serve", "--config", f.name]
     proc = await asyncio.create_subprocess_exec(*command, "--listen", f"127.0.0.1:{port}")
     url = f"http://127.0.0.1:{port}"

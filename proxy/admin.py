@@ -27,6 +27,7 @@ class AdminHandlers:
     ) -> None:
         self._disk = disk
         self._churn = churn
+        self._churn_text = settings.admin_churn_text  # prompt excerpts and session keys
         token = settings.admin_token
         self._token = token.get_secret_value() if token is not None else None
         self._fleet = fleet
@@ -50,7 +51,7 @@ class AdminHandlers:
     async def churn(self, request: web.Request) -> web.Response:
         """Where sessions' prompts stop extending their previous prompts (``report`` reads it)."""
         self._check(request)
-        return web.json_response(self._churn.status())
+        return web.json_response(self._churn.status(self._churn_text))
 
     async def disk(self, request: web.Request) -> web.Response:
         """Policy, per-backend layout and speeds, and the index: size, bytes, entries."""

@@ -21,6 +21,7 @@ from proxy import __version__
 from proxy.app import create_app
 from proxy.config import Settings, load_settings
 from proxy.config_sources import ConfigError
+from proxy.middleware import JsonLogFormatter
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", help="shared state in Redis; omit for embedded state")
     serve.add_argument("--config", type=Path, help="YAML or TOML config file")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-format", choices=["text", "json"], help="json: one object a line")
     serve.add_argument("--admin-token", help="bearer token for /admin/*; none = admin off")
     serve.add_argument("--tokenizer", choices=["tiktoken", "backend"])
     serve.add_argument("--slot-cache-key-similarity", type=float, metavar="F")
@@ -80,6 +82,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Set
         "listen": args.listen,
         "redis_url": args.redis_url,
         "log_level": args.log_level,
+        "log_format": args.log_format,
         "admin_token": args.admin_token,
         "routing": {k: v for k, v in routing.items() if v is not None} or None,
         "disk": {k: v for k, v in disk.items() if v is not None} or None,
@@ -93,12 +96,13 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Set
     return load_settings(cli=cli, environ=environ, config_file=args.config)
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+def _configure_logging(level: str, form: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if form == "json":
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"llama-cache-proxy: {exc}", file=sys.stderr)
         return 2
-    _configure_logging(settings.log_level)
+    _configure_logging(settings.log_level, settings.log_format)
     logging.getLogger(__name__).info(
         "listening on %s, backends=%s, state=%s",
         settings.listen,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 
@@ -67,7 +67,15 @@ class Settings(_Frozen):
     )
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="json: one JSON object per log line (log shippers)"
+    )
     admin_token: SecretStr | None = None
+    admin_churn_text: bool = Field(
+        default=False,
+        description="/admin/churn shows prompt excerpts and session keys; false: redacted "
+        "(they are users' prompts and keys)",
+    )
     queue: QueueSettings = QueueSettings()
     timeouts: TimeoutSettings = TimeoutSettings()
     health: HealthSettings = HealthSettings()

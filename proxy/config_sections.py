@@ -99,7 +99,12 @@ class RoutingSettings(_Frozen):
         default=False, description="pin to the id_slot a client sends instead of choosing"
     )
     route_headers: bool = Field(
-        default=True, description="add X-Cache-Route, -Predicted-Tokens, -Backend, -Slot, -Replica"
+        default=True, description="add X-Cache-Route, -Predicted-Tokens, -Slot and Server-Timing"
+    )
+    address_headers: bool = Field(
+        default=False,
+        description="with route_headers, also X-Cache-Backend and X-Cache-Replica: internal "
+        "addresses and replica ids, for tests and debugging; off: not shown to clients",
     )
     tokenizer: Literal["tiktoken", "backend"] = "tiktoken"
     block_tokens: int = Field(default=16, ge=4, description="raw-prompt fingerprint block size")
@@ -168,6 +173,22 @@ class DiskSettings(_Frozen):
         "llama-server's host-RAM prompt cache (there the server parks it in RAM itself)",
     )
     park_min_tokens: int = Field(default=1024, ge=1, description="smallest session parked")
+    client_max_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="bytes of snapshots one client's requests may write per "
+        "client_window_seconds (client: its API key or tenant header); over it a save is "
+        "skipped, the request served; bounds what one client costs the disk; 0 = no cap",
+    )
+    client_window_seconds: float = Field(
+        default=3600.0, gt=0, description="seconds of the sliding window of client_max_bytes"
+    )
+    reconcile_seconds: float = Field(
+        default=300.0,
+        ge=0,
+        description="seconds between scans of the save directory for llp-*.bin files the "
+        "index lost (counted in the budget, deleted first); also at start-up; 0 = start-up only",
+    )
 
     @field_validator("prefix_cache", "park", mode="before")
     @classmethod

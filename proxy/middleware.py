@@ -5,11 +5,21 @@ errors (405, 413 from the body limit) mapped onto the same vocabulary, and anyth
 unexpected as a 500 that names the request id (the traceback goes to the log, never to the
 client). A request aiohttp cannot parse as HTTP never reaches the middleware: aiohttp
 answers it 400 in plain text, and ``ProtocolLog`` logs it as one warning line.
+
+The access line cannot be forged by a client: a client's ``X-Request-Id`` is kept only when
+it is a plain token (``SAFE_ID``), else replaced by a fresh id, and every value that is not
+plain printable ASCII without spaces or quotes (a path with ``%0a``) is logged as a JSON
+string, escapes included. ``outcome`` says how the response ended: ``complete``,
+``upstream_error`` (the backend failed after the status line was sent, which stays 200)
+or ``client_gone``. With ``log_format: json`` every log line is one JSON object
+(``JsonLogFormatter``), the access line's fields as its keys.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -19,6 +29,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
+from proxy.config_sections import RoutingSettings
 from proxy.core.usage import Usage
 from proxy.errors import (
     MethodNotAllowed,
@@ -43,6 +54,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     route_s: float | None = None  # fingerprinting and planning, before asking for a slot
+    outcome: str = "complete"  # or upstream_error, client_gone
     queue_s: float | None = None  # from asking for a slot to holding one (decisions included)
     relayed: bool = False  # sent to the replica that served it, which counts it in requests
 
@@ -52,6 +64,27 @@ class RequestRecord:
         planning), and ``queue``, from asking for a slot to holding one, in milliseconds."""
         parts = (("route", self.route_s), ("queue", self.queue_s))
         return ", ".join(f"{name};dur={s * 1000:.1f}" for name, s in parts if s is not None)
+
+    def route_headers(
+        self, routing: RoutingSettings, planned: dict[str, str], replica: str | None
+    ) -> dict[str, str]:
+        """``X-Request-Id``; with ``route_headers`` also ``Server-Timing``, the plan's
+        ``X-Cache-Route`` and ``-Predicted-Tokens`` (``planned``) and ``X-Cache-Slot``; with
+        ``address_headers`` too, the internal names ``X-Cache-Backend`` and (shared state)
+        ``X-Cache-Replica``, which is why they are opt-in."""
+        headers = {"X-Request-Id": self.request_id}
+        if not routing.route_headers:
+            return headers
+        if timing := self.server_timing():
+            headers["Server-Timing"] = timing
+        headers.update(planned)
+        if routing.address_headers:
+            headers["X-Cache-Backend"] = self.backend
+            if replica is not None:
+                headers["X-Cache-Replica"] = replica
+        if self.slot is not None:
+            headers["X-Cache-Slot"] = str(self.slot)
+        return headers
 
     def counted(self, usage: Usage | None) -> None:
         """The response's usage, for the log line."""
@@ -73,7 +106,25 @@ class ProtocolLog(logging.LoggerAdapter[logging.Logger]):
         super().exception(msg, *args, **kwargs)
 
 
+class JsonLogFormatter(logging.Formatter):
+    """``log_format: json``: one JSON object per line; an access line's fields are its keys."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+        }
+        fields = getattr(record, "fields", None)
+        line.update(fields if isinstance(fields, dict) else {"message": record.getMessage()})
+        if record.exc_info:
+            line["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(line)
+
+
 RECORD = web.RequestKey("record", RequestRecord)
+SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_PLAIN = re.compile(r"[!#-~]+")  # printable ASCII but space and double quote
 _OWN = {"/healthz", "/readyz", "/metrics", "/admin/slots", "/admin/disk", "/admin/churn"}
 
 
@@ -102,8 +153,10 @@ def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middle
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         started = clock()
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
-        record = RequestRecord(request_id[:64], started)
+        request_id = request.headers.get("X-Request-Id", "")
+        if not SAFE_ID.fullmatch(request_id):
+            request_id = uuid.uuid4().hex[:16]
+        record = RequestRecord(request_id, started)
         request[RECORD] = record
         endpoint = request.path if request.path in ROUTES or request.path in _OWN else "other"
         status = 499
@@ -118,6 +171,8 @@ def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middle
             if not record.relayed:  # (counted by the replica that served it)
                 metrics.requests.labels(endpoint, str(status)).inc()
             metrics.duration.labels(endpoint).observe(elapsed)
+            if status == 499:
+                record.outcome = "client_gone"
             _log(request, record, status, elapsed)
 
     return middleware
@@ -135,6 +190,8 @@ async def _respond(
             raise
         return render(_from_http(exc), record.request_id)
     except Exception:
+        if request.transport is None or request.transport.is_closing():
+            return web.Response(status=499)  # the client left: nobody to answer, no traceback
         log.exception("request_id=%s unexpected error", record.request_id)
         error = ProxyError(f"internal proxy error (request id {record.request_id})")
         return render(error, record.request_id)
@@ -144,17 +201,27 @@ async def _respond(
 
 
 def _log(request: web.Request, record: RequestRecord, status: int, elapsed: float) -> None:
-    log.info(
-        "request_id=%s method=%s path=%s backend=%s slot=%s status=%d "
-        "prompt_tokens=%s cached_tokens=%s queue_ms=%s ms=%.1f",
-        record.request_id,
-        request.method,
-        request.path,
-        record.backend,
-        "-" if record.slot is None else record.slot,
-        status,
-        "-" if record.prompt_tokens is None else record.prompt_tokens,
-        "-" if record.cached_tokens is None else record.cached_tokens,
-        "-" if record.queue_s is None else f"{record.queue_s * 1000:.1f}",
-        elapsed * 1000,
-    )
+    queue_ms = None if record.queue_s is None else round(record.queue_s * 1000, 1)
+    fields = {
+        "request_id": record.request_id,
+        "method": request.method,
+        "path": request.path,
+        "backend": record.backend,
+        "slot": record.slot,
+        "status": status,
+        "outcome": record.outcome,
+        "prompt_tokens": record.prompt_tokens,
+        "cached_tokens": record.cached_tokens,
+        "queue_ms": queue_ms,
+        "ms": round(elapsed * 1000, 1),
+    }
+    line = " ".join(f"{name}={log_value(value)}" for name, value in fields.items())
+    log.info("%s", line, extra={"fields": fields})
+
+
+def log_value(value: object) -> str:
+    """A value for a ``key=value`` log line: as is when plain, else a JSON string."""
+    if value is None:
+        return "-"
+    text = str(value)
+    return text if _PLAIN.fullmatch(text) else json.dumps(text)

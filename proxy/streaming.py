@@ -6,7 +6,8 @@ how they arrive anyway, and usage is read from the JSON.
 
 Mid-stream policy: the status line is already sent, so an upstream failure after the first
 byte cannot change it. The proxy then writes one SSE event ``data: {"error": {...}}`` in
-OpenAI's error shape and ends the stream; the client sees a closed stream, never a hang.
+OpenAI's error shape and ends the stream; the client sees a closed stream, never a hang;
+the access log says ``outcome=upstream_error``.
 A client that goes away makes the write fail (or cancels the handler); the upstream
 connection is then closed so llama-server cancels the generation.
 
@@ -46,6 +47,7 @@ from aiohttp import web
 from proxy.core.headers import client_response_headers
 from proxy.core.usage import Reply, SseScanner, Usage, read_body
 from proxy.errors import sse_error_event
+from proxy.middleware import RECORD
 from proxy.upstream import translate_stream_error
 
 
@@ -118,6 +120,7 @@ async def _relay_stream(
             raise  # the client left: nothing to tell it
         if not recorded:
             on_usage(outcome)
+        request[RECORD].outcome = "upstream_error"  # logged: the status line said 200
         await response.write(sse_error_event(translate_stream_error(exc)))
         await response.write_eof()
         return outcome

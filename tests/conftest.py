@@ -27,6 +27,7 @@ def make_settings(urls: list[str], **over: Any) -> Settings:
         "health": {"interval_seconds": 0.2, "drain_poll_seconds": 0.05},
         "queue": {"max_wait_seconds": 5.0},
         "timeouts": {"connect_seconds": 1.0, "read_seconds": 5.0, "probe_seconds": 1.0},
+        "routing": {"address_headers": True},  # tests read X-Cache-Backend (opt-in)
     }
     for key, value in over.items():
         if isinstance(value, dict):

@@ -25,7 +25,7 @@ def turn(clock: str, n: int) -> dict[str, Any]:
 
 async def test_a_changing_timestamp_is_reported_where_it_churns(fakes: Any, proxy: Any) -> None:
     fake = await fakes(n_slots=2)
-    client = await proxy([fake], admin_token="t")
+    client = await proxy([fake], admin_token="t", admin_churn_text=True)
     for i, clock in enumerate(["09:12:36", "09:12:51", "09:13:07"]):
         assert (await client.post("/v1/chat/completions", json=turn(clock, i))).status == 200
     status = await (await client.get("/admin/churn", headers={"Authorization": "Bearer t"})).json()
@@ -44,3 +44,20 @@ async def test_a_changing_timestamp_is_reported_where_it_churns(fakes: Any, prox
     assert "message 0 system" in text
     assert "09:13:07" in text
     assert await asyncio.to_thread(run_report, url, None, io.StringIO()) == 2  # no token
+
+
+async def test_churn_shows_no_prompt_text_or_session_key_by_default(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=2)
+    client = await proxy([fake], admin_token="t")
+    for i, clock in enumerate(["09:12:36", "09:12:51"]):
+        body = {**turn(clock, i), "prompt_cache_key": "alice@example.com"}
+        assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    answer = await client.get("/admin/churn", headers={"Authorization": "Bearer t"})
+    status, text = await answer.json(), await answer.text()
+    assert status["where"] == {"0 system": 1}  # the diagnosis stays
+    assert "09:12" not in text
+    assert "alice" not in text
+    assert "rule" not in text
+    (top,) = status["top_sessions"]
+    assert top["session"].startswith("key-hash:")
+    assert status["recent"][-1]["session"] == top["session"]

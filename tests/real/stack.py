@@ -168,6 +168,9 @@ def require_real_stack() -> tuple[Path, Path]:
     return binary, model
 
 
+ADDRESS_HEADERS = {"LLAMA_CACHE_PROXY_ROUTING__ADDRESS_HEADERS": "true"}  # tests read them
+
+
 @dataclass
 class ProxyProcess:
     """``llama-cache-proxy serve`` as a subprocess on a free port (``restart`` keeps it)."""
@@ -190,7 +193,12 @@ class ProxyProcess:
             args += ["--backend", backend]
         if self.redis_url:
             args += ["--redis-url", self.redis_url]
-        env = {**os.environ, "LLAMA_CACHE_PROXY_LOG_LEVEL": "WARNING", **self.env}
+        env = {
+            **os.environ,
+            "LLAMA_CACHE_PROXY_LOG_LEVEL": "WARNING",
+            **ADDRESS_HEADERS,
+            **self.env,
+        }
         self.proc = subprocess.Popen(args, env=env)
         _wait_http(self.url + "/healthz", 30, self.proc)
         return self

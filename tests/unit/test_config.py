@@ -150,3 +150,27 @@ def test_yaml_bare_off_means_off(tmp_path: Path) -> None:
     settings = load_settings(cli={}, environ={}, config_file=path)
     assert settings.disk.prefix_cache == "off"
     assert settings.isolation.mode == "off"
+
+
+def test_log_format_json_makes_every_log_line_one_json_object() -> None:
+    import io
+    import json
+    import logging
+
+    from proxy.cli import _configure_logging, _parser, settings_from_args
+
+    args = _parser().parse_args(["serve", "--backend", "http://a:1", "--log-format", "json"])
+    settings = settings_from_args(args, {})
+    assert settings.log_format == "json"
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers.clear()
+    try:
+        _configure_logging("INFO", settings.log_format)
+        out = io.StringIO()
+        root.handlers[0].setStream(out)  # type: ignore[attr-defined]
+        logging.getLogger("proxy.test").info("a\nb")
+    finally:
+        root.handlers[:] = saved
+    (line,) = out.getvalue().splitlines()
+    assert json.loads(line)["message"] == "a\nb"

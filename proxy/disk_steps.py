@@ -64,6 +64,11 @@ class DiskSteps:
         chain = content.hashes[segments - 1]
         if any(s.directory == self._tier.directory(index) for s in dp.lookup_chain(chain)):
             return None  # already on disk
+        charged = kind != "park"  # a park saves another session, not this client's request
+        if charged and not self._tier.quota.allows(dp.client, self._tier.now()):
+            log.info("[disk-cache] %s save skipped: the client is over its write cap", kind)
+            self._metrics.disk_events.labels("capped").inc()
+            return None
         try:
             answer = await self._client.slot_action(
                 self._url(index), slot, "save", file_name(layout, chain)
@@ -76,6 +81,8 @@ class DiskSteps:
         snapshot = self._snapshot(layout, index, content, segments, answer, whole)
         await self._tier.index.put(snapshot)
         dp.saved[chain] = snapshot
+        if charged:
+            self._tier.quota.charge(dp.client, snapshot.nbytes, self._tier.now())
         self._metrics.disk_events.labels("save").inc()
         self._metrics.disk_saves.labels(kind).inc()
         log.info(

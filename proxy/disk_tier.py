@@ -1,7 +1,7 @@
 """The disk tier: KV snapshots of stable prefixes through llama-server's slot save/restore.
 
-Per routed request whose scope is not ``off`` (``--disk-prefix-cache``, or the request's
-``prefix_cache``):
+Per routed request whose scope is not ``off`` (``--disk-prefix-cache``, narrowed by the
+request's ``prefix_cache``: ``core.disk_scope.narrowed``):
 
 1. ``plan`` (before routing): read the window of recent requests of the model and look up
    snapshots of every prefix of the request; routing weighs them (``core.scoring``).
@@ -23,23 +23,26 @@ Snapshots live in the state store's index (``SnapshotIndex``); a backend's layou
 from its ``/props`` (read again whenever the fleet sees it restart). A backend without
 ``--slot-save-path`` answers 501 and is left out of the disk tier until it restarts. The
 disk tier never fails a request: every step that goes wrong is logged and counted, and the
-request goes on as if the disk were empty.
+request goes on as if the disk were empty. A client over its write cap (``core.disk_quota``)
+is served without the save.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from proxy.config import Settings
-from proxy.core.disk_scope import Scope, ScopeMode, parse_scope, select_prefix
+from proxy.core.disk_quota import WriteQuota
+from proxy.core.disk_scope import Scope, ScopeMode, narrowed, parse_scope, select_prefix
 from proxy.core.fingerprint import Fingerprint, continues
 from proxy.core.fleet import BackendPhase, Fleet, Placement
+from proxy.core.isolation import ANONYMOUS, tenant_of
 from proxy.core.request_body import is_chat
 from proxy.core.snapshots import (
     BackendDisk,
@@ -85,6 +88,7 @@ class DiskPlan:
     restored: Snapshot | None = None
     restored_tokens: int = 0  # of the restored tokens, those the request should reuse
     tenant: str | None = None  # writes to slots are this tenant's (cache isolation)
+    client: str = ANONYMOUS  # whose write cap its saves count against
 
     @property
     def offers(self) -> dict[int, Offer]:
@@ -115,7 +119,8 @@ class DiskTier:
         self._wall = wall
         self._clock = clock
         self.backends = [BackendDiskState() for _ in settings.backends]
-        self.index = SnapshotIndex(shared, metrics, settings.disk.max_bytes, self.path)
+        self.index = SnapshotIndex(shared, metrics, settings.disk.max_bytes, self.path, wall)
+        self.quota = WriteQuota(settings.disk.client_max_bytes, settings.disk.client_window_seconds)
         self.windows = RecentWindows(shared, wall, clock)
         self.parking: list[tuple[Fingerprint, asyncio.Future[None]]] = []  # parks in flight
         self.client: LlamaServerClient | None = None  # attached at startup
@@ -133,6 +138,15 @@ class DiskTier:
         backend = self._settings.backends[index]
         path = backend.slot_save_dir or self._disk.slot_save_dir
         return f"dir:{Path(path).resolve()}" if path else f"backend:{backend.label}"
+
+    def client_id(self, headers: Mapping[str, str], tenant: str | None) -> str | None:
+        """A request's identity for the write cap (its tenant; None while there is no cap)."""
+        if tenant is not None or self._disk.client_max_bytes <= 0:
+            return tenant
+        return tenant_of(headers, self._settings.isolation.tenant_header)
+
+    def directories(self) -> list[str]:
+        return sorted({self.directory(i) for i in range(len(self.backends))})
 
     def path(self, directory: str) -> Path | None:
         return Path(directory[4:]) if directory.startswith("dir:") else None
@@ -177,8 +191,9 @@ class DiskTier:
         body: dict[str, Any],
         override: Scope | None,
         tenant: str | None = None,
+        client: str | None = None,
     ) -> DiskPlan | None:
-        scope = override or self.default
+        scope = narrowed(self.default, override)
         if scope.mode is ScopeMode.OFF or not fp.hashes:
             return None
         await self.refresh_layouts()
@@ -193,7 +208,9 @@ class DiskTier:
         window: list[Fingerprint] = []
         if scope.mode is ScopeMode.AUTO and is_chat(body):  # raw prompts have no boundaries
             window = await self.windows.read(model)
-        return DiskPlan(scope, model, fp, lookup, window, lookup.found, tenant=tenant)
+        dp = DiskPlan(scope, model, fp, lookup, window, lookup.found, tenant=tenant)
+        dp.client = client or ANONYMOUS
+        return dp
 
     async def lookup(self, fp: Fingerprint) -> Lookup:
         """The indexed snapshots of the request's prefixes, and each backend's best one."""

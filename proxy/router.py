@@ -62,6 +62,7 @@ class Plan:
     held: bool = False  # waited for a slot held for its session
     disk: DiskPlan | None = None
     tenant: str | None = None  # under cache isolation
+    client: str | None = None  # whose disk write cap its saves count against
     release: tuple[int, tuple[int, ...]] | None = None  # its response's, for its session
     after: Fingerprint | None = None  # what the slot holds after the reply (content_after)
     views: dict[int, RamView] = field(default_factory=dict)  # route's memo while it waits
@@ -151,7 +152,8 @@ class Router:
             if ref is not None and ref[0] in self._labels:
                 hint = (self._labels[ref[0]], ref[1])
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
-        return Plan(fp, chat, key, hint, wait_until, tenant=tenant, segments=segments)
+        who = self._disk.client_id(request.headers, tenant) if self._disk else None
+        return Plan(fp, chat, key, hint, wait_until, tenant=tenant, segments=segments, client=who)
 
     def target(self, plan: Plan, remote: frozenset[int]) -> int | None:
         """The backend the request would be placed on, or wait for, now (disk offers aside;
@@ -197,7 +199,7 @@ class Router:
             self.churn.observe(plan.key, plan.fp, body, plan.segments)
         await self._arrived(plan.fp)
         if self._disk is not None and self._settings.routing.pin_slots:
-            plan.disk = await self._disk.plan(plan.fp, body, scope, plan.tenant)
+            plan.disk = await self._disk.plan(plan.fp, body, scope, plan.tenant, plan.client)
 
     async def _arrived(self, fp: Fingerprint) -> None:
         """How soon this request's session came back (``core.returns``): through the shared

@@ -8,30 +8,68 @@ never fails a request.
 Budget: after every save, the directory's snapshots are summed and the least recently used
 are evicted until they fit ``disk.max_bytes``. The proxy deletes the files of a directory it
 can see (``slot_save_dir`` as the proxy sees it) and otherwise only forgets the entries (the
-files stay where llama-server wrote them).
+files stay where llama-server wrote them). In a directory it can see, ``llp-*.bin`` files the
+index does not list (strays: the store lost its data, or a replica stopped between a save
+and its entry) count toward the budget and are deleted first, oldest first
+(``core.snapshots.stray_evictions``); a file younger than ``STRAY_GRACE_SECONDS`` is left
+alone (its entry may be on its way). ``DiskTier`` runs this at start-up and periodically
+too. Entries are read through ``core.snapshots.unpack_entries``, which drops any name the
+proxy would not generate, and a file is opened or deleted only if its resolved path is
+directly inside the directory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.snapshots import (
     Snapshot,
+    Stray,
     evictions,
     index_key,
     lookup_keys,
     pack_entries,
+    stray_evictions,
     unpack_entries,
+    valid_name,
 )
 from proxy.metrics import ProxyMetrics
 from proxy.shared_state import SharedState
 
 log = logging.getLogger(__name__)
+STRAY_GRACE_SECONDS = 60.0  # a save's file is on disk a moment before its index entry
+
+
+def inside(directory: Path, name: str) -> Path | None:
+    """``directory / name`` when ``name`` is a snapshot name and the path resolves to a
+    file directly inside ``directory`` (no symlink out of it), else None."""
+    if not valid_name(name):
+        return None
+    path = (directory / name).resolve()
+    return path if path.parent == directory.resolve() else None
+
+
+def list_strays(directory: Path, known: set[str], before: float) -> list[Stray]:
+    """Snapshot files in ``directory`` not in ``known`` and last written before ``before``."""
+    out = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if valid_name(entry.name) and entry.name not in known:
+                    with contextlib.suppress(FileNotFoundError):
+                        stat = entry.stat(follow_symlinks=False)
+                        if entry.is_file(follow_symlinks=False) and stat.st_mtime < before:
+                            out.append(Stray(entry.name, stat.st_size, stat.st_mtime))
+    except OSError as exc:
+        log.warning("[disk-cache] cannot list %s: %s", directory, exc)
+    return out
 
 
 class SnapshotIndex:
@@ -41,12 +79,14 @@ class SnapshotIndex:
         metrics: ProxyMetrics,
         budget: int,
         paths: Callable[[str], Path | None],
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._shared = shared
         self._store = shared.store
         self._metrics = metrics
         self._budget = budget
         self._paths = paths  # directory id -> the path the proxy sees, if any
+        self._wall = wall  # the clock of file modification times
 
     async def find(
         self, fp: Fingerprint, model_ids: Sequence[str], min_estimate: int
@@ -86,23 +126,37 @@ class SnapshotIndex:
                 delete = self._store.delete_snapshots([key])
                 await self._shared.call("delete_snapshots", delete, None)
 
-    async def all(self) -> list[Snapshot]:
-        found = await self._shared.call("all_snapshots", self._store.all_snapshots(), {})
+    async def all(self) -> list[Snapshot] | None:
+        """Every indexed snapshot (None when the store cannot be read)."""
+        found = await self._shared.call("all_snapshots", self._store.all_snapshots(), None)
+        if found is None:
+            return None
         unique = {(e.directory, e.name): e for raw in found.values() for e in unpack_entries(raw)}
         return list(unique.values())
 
     async def enforce_budget(self, directory: str) -> int:
-        """Evict least recently used snapshots of ``directory`` over the budget; returns how
-        many were evicted. Also refreshes the size gauges."""
+        """Evict least recently used snapshots of ``directory`` over the budget, strays
+        first; returns how many were evicted. Also refreshes the size gauges."""
         everything = await self.all()
+        if everything is None:
+            return 0  # store down: every file would look like a stray
         mine = [e for e in everything if e.directory == directory]
-        evicted = evictions(mine, self._budget)
         path = self._paths(directory)
+        strays: list[Stray] = []
+        if path is not None:
+            known = {e.name for e in mine}
+            before = self._wall() - STRAY_GRACE_SECONDS
+            strays = await asyncio.to_thread(list_strays, path, known, before)
+        doomed = stray_evictions(mine, strays, self._budget)
+        kept_strays = sum(s.nbytes for s in strays) - sum(s.nbytes for s in doomed)
+        evicted = evictions(mine, max(0, self._budget - kept_strays))
+        for stray in doomed:
+            self._remove(path, stray.name)
+            log.info("[disk-cache] deleted stray %s (%d bytes)", stray.name, stray.nbytes)
+        self._metrics.disk_events.labels("stray").inc(len(doomed))
         for snapshot in evicted:
             await self.forget(snapshot)
-            if path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path / snapshot.name)
+            self._remove(path, snapshot.name)
             log.info(
                 "[disk-cache] evicted %s (%d bytes) from %s",
                 snapshot.name,
@@ -113,9 +167,34 @@ class SnapshotIndex:
         kept = [e for e in everything if e not in evicted]
         self._metrics.disk_entries.set(len(kept))
         self._metrics.disk_bytes.set(sum(e.nbytes for e in kept))
-        return len(evicted)
+        return len(evicted) + len(doomed)
+
+    async def reconcile(self, directories: Sequence[str]) -> None:
+        """Bring every directory within the budget, strays included (start-up)."""
+        for directory in directories:
+            await self.enforce_budget(directory)
+
+    async def maintain(self, directories: Sequence[str], every: float) -> None:
+        """``reconcile`` every ``every`` seconds (a task, cancelled at shutdown)."""
+        while True:
+            await asyncio.sleep(every)
+            await self.reconcile(directories)
+
+    @staticmethod
+    def _remove(directory: Path | None, name: str) -> None:
+        path = inside(directory, name) if directory is not None else None
+        if path is not None:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("[disk-cache] cannot delete %s: %s", path, exc)
 
     def file_exists(self, snapshot: Snapshot) -> bool | None:
         """Whether the file is there, when the proxy can see the directory (else None)."""
-        path = self._paths(snapshot.directory)
-        return None if path is None else (path / snapshot.name).is_file()
+        directory = self._paths(snapshot.directory)
+        if directory is None:
+            return None
+        path = inside(directory, snapshot.name)
+        return path is not None and path.is_file()

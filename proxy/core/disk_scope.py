@@ -23,6 +23,20 @@ every turn), while with ``auto:30`` over interleaved sessions the majority share
 system prompt and tools (a key every session hits). The window does not need every request
 to share the prefix: half of the related ones suffice.
 
+Who decides. The operator's scope (``--disk-prefix-cache``) is the widest a request may
+use; a client's ``prefix_cache`` may only narrow it (``narrowed``), never widen it: a
+client scope that is not narrower is replaced by the operator's. *Narrower or equal*
+(``narrower``), by what the scope can write to disk:
+
+- ``off`` is narrower than everything, and under ``off`` only ``off`` is allowed (final);
+- everything is narrower than ``full`` (scoped saves hold part of the prompt; ``full``
+  the whole slot, prompt and reply);
+- ``N`` is narrower than ``M`` when ``N <= M`` (at most N prompt tokens per snapshot);
+- ``auto:N`` is narrower than ``auto:M`` when ``N >= M``: a larger window selects the
+  prefix a larger share of requests agree on, a shorter and more stable key (see above),
+  while a small window selects most of one session's history, a new file every turn;
+- ``N`` and ``auto:M`` are not comparable (a client cannot trade one for the other).
+
 A selection under ``min_tokens`` (``--kv-cache-min-tokens``) is dropped: small prefixes cost
 more in files than they save. The caller then checks the boundary is *safe* (the rendering
 of the first k messages is a true prefix of the full rendering; some templates rewrite
@@ -91,6 +105,22 @@ def with_window(scope: Scope, window: int | None) -> Scope:
     if not 1 <= window <= MAX_WINDOW:
         raise ValueError(f"window must be in 1..{MAX_WINDOW}")
     return Scope(ScopeMode.AUTO, window=window)
+
+
+def narrower(client: Scope, operator: Scope) -> bool:
+    """Whether ``client`` is narrower than or equal to ``operator`` (module docstring)."""
+    if client.mode is ScopeMode.OFF or operator.mode is ScopeMode.FULL:
+        return True
+    if client.mode is not operator.mode:
+        return False
+    if client.mode is ScopeMode.FIXED:
+        return client.tokens <= operator.tokens
+    return client.window >= operator.window  # both auto
+
+
+def narrowed(operator: Scope, client: Scope | None) -> Scope:
+    """The scope a request uses: the client's when it only narrows the operator's."""
+    return client if client is not None and narrower(client, operator) else operator
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,22 @@ Bad snapshots: a restore that succeeds but is followed by a re-prefill (``cache_
 half of what was restored) means the file does not match what the prompt renders to now;
 it is marked bad and never offered again. Budget: per directory, least recently used
 snapshots are evicted until the total size fits (``evictions``).
+
+The index is untrusted input (anyone who can write to the store can write it):
+``unpack_entries`` keeps only well-formed entries whose name is one the proxy generates
+(``valid_name``: ``llp-`` and 32 lower-case hex digits, ``.bin``), so a stored name is never
+a path (``/etc/passwd``, ``../x``) when it is opened, deleted or sent to llama-server.
+
+Strays: ``llp-*.bin`` files in a directory the index does not list (the index was lost with
+the store, or a save's entry was never written) still take space. ``stray_evictions``
+counts them toward the budget and deletes them first, oldest first, since nothing can
+restore them; files with any other name are never counted or touched.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -119,6 +130,14 @@ def index_key(model_id: str, chain: int) -> str:
     return f"{model_id}:{chain:016x}"
 
 
+_NAME = re.compile(r"llp-[0-9a-f]{32}\.bin")
+
+
+def valid_name(name: object) -> bool:
+    """Whether ``name`` is a file name ``file_name`` makes (and so no path)."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
 def file_name(layout: Layout, chain: int) -> str:
     """A file name made of hashes only (llama-server's filename rules, reference §5)."""
     digest = xxhash.xxh3_128_hexdigest(f"{layout!r}\x00{chain}".encode())
@@ -130,9 +149,36 @@ def pack_entries(entries: Iterable[Snapshot]) -> bytes:
 
 
 def unpack_entries(raw: bytes | str | None) -> list[Snapshot]:
-    if not raw:
+    """The well-formed entries of a stored value; anything else in it is dropped."""
+    try:
+        items = json.loads(raw) if raw else []
+    except (ValueError, RecursionError):
         return []
-    return [Snapshot.unpack(item) for item in json.loads(raw)]
+    out = []
+    for item in items if isinstance(items, list) else []:
+        try:
+            snapshot = Snapshot.unpack(item)
+        except (TypeError, ValueError, KeyError):
+            continue
+        if _sound(snapshot):
+            out.append(snapshot)
+    return out
+
+
+def _sound(s: Snapshot) -> bool:
+    """Field types a stored entry must have to be used (and its name one the proxy makes)."""
+    counts = (s.chain, s.segments, s.tokens, s.estimate, s.nbytes, s.hits, *s.aliases)
+    layout = s.layout
+    return (
+        valid_name(s.name)
+        and isinstance(s.directory, str)
+        and all(type(n) is int and n >= 0 for n in (*counts, layout.n_ctx, layout.slots))
+        and all(type(t) in (int, float) for t in (s.created, s.last_used))
+        and isinstance(s.bad, bool)
+        and isinstance(layout.model, str)
+        and isinstance(layout.ftype, str)
+        and (layout.unified is None or isinstance(layout.unified, bool))
+    )
 
 
 def lookup_keys(fp: Fingerprint, model_id: str, min_estimate: int) -> list[tuple[int, str]]:
@@ -212,4 +258,28 @@ def evictions(entries: Sequence[Snapshot], budget: int) -> list[Snapshot]:
             break
         out.append(entry)
         total -= entry.nbytes
+    return out
+
+
+@dataclass(frozen=True)
+class Stray:
+    """A snapshot file in a directory that the index does not list."""
+
+    name: str
+    nbytes: int
+    mtime: float  # seconds, the file's modification time
+
+
+def stray_evictions(
+    entries: Sequence[Snapshot], strays: Sequence[Stray], budget: int
+) -> list[Stray]:
+    """Strays to delete, oldest first, while indexed snapshots and strays together exceed
+    ``budget`` (the indexed ones are then evicted by ``evictions`` as usual)."""
+    total = sum(e.nbytes for e in entries) + sum(s.nbytes for s in strays)
+    out: list[Stray] = []
+    for stray in sorted(strays, key=lambda s: (s.mtime, s.name)):
+        if total <= budget:
+            break
+        out.append(stray)
+        total -= stray.nbytes
     return out

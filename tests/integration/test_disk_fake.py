@@ -75,25 +75,34 @@ async def test_auto_scope_saves_the_shared_prefix_once_and_restores_it_after_res
     assert metric(text, "llama_cache_proxy_disk_saves_total", kind="scoped") == 1
 
 
-async def test_off_never_touches_slots_and_full_saves_after_each_request(
+async def test_off_is_final_a_client_only_narrows_and_full_saves_after_each_request(
     fakes: Any, proxy: Any, tmp_path: Path
 ) -> None:
     fake = await fakes(n_slots=2, save_dir=tmp_path)
     client = await proxy([fake], disk=disk(tmp_path, prefix_cache="off"))
     for session in range(3):
         assert (await client.post("/v1/chat/completions", json=turn(session, 1))).status == 200
+    for session, scope in enumerate(("full", "auto:1", "100", "auto")):
+        wider = turn(session, 2, prefix_cache={"scope": scope})  # a client cannot widen off
+        assert (await client.post("/v1/chat/completions", json=wider)).status == 200
+        assert "prefix_cache" not in fake.received[-1][1]  # stripped
     assert fake.slot_actions == []
-    full = {"prefix_cache": {"scope": "full"}}  # per-request override, stripped
-    assert (await client.post("/v1/chat/completions", json=turn(5, 2, **full))).status == 200
+    assert not [b for path, b, _ in fake.received if path == "/completion"]  # no warm-up
+
+    fake = await fakes(n_slots=2, save_dir=tmp_path)
+    client = await proxy([fake], disk=disk(tmp_path, prefix_cache="full"))
+    narrower = turn(5, 2, prefix_cache={"scope": "off"})
+    assert (await client.post("/v1/chat/completions", json=narrower)).status == 200
+    assert fake.slot_actions == []
+    assert (await client.post("/v1/chat/completions", json=turn(6, 2))).status == 200
     assert [a[0] for a in fake.slot_actions] == ["save"]
-    assert "prefix_cache" not in fake.received[-1][1]
 
 
 async def test_fixed_scope_aligns_down_to_a_message_boundary(
     fakes: Any, proxy: Any, tmp_path: Path
 ) -> None:
     fake = await fakes(n_slots=1, save_dir=tmp_path)
-    client = await proxy([fake], disk=disk(tmp_path, prefix_cache="off"))
+    client = await proxy([fake], disk=disk(tmp_path, prefix_cache="full"))
     body = turn(0, 2, prefix_cache={"scope": "1500"})
     body["messages"][-1]["content"] = " ".join(f"word{i}" for i in range(2000))
     assert (await client.post("/v1/chat/completions", json=body)).status == 200
@@ -112,7 +121,7 @@ async def test_snapshot_from_another_layout_is_refused(
 ) -> None:
     two = await fakes(n_slots=2, save_dir=tmp_path)
     three = await fakes(n_slots=3, save_dir=tmp_path)
-    client = await proxy([two, three], disk=disk(tmp_path, prefix_cache="off"))
+    client = await proxy([two, three], disk=disk(tmp_path, prefix_cache="full"))
     scoped = {"prefix_cache": {"scope": "1000"}}
     assert (await client.post("/v1/chat/completions", json=turn(0, 1, **scoped))).status == 200
     saved_on = two if two.slot_actions else three
@@ -209,7 +218,7 @@ async def test_a_restore_that_is_not_reused_marks_the_snapshot_bad(
     fake = await fakes(n_slots=1, save_dir=tmp_path)
     client = await proxy(
         [fake],
-        disk=disk(tmp_path, prefix_cache="off"),
+        disk=disk(tmp_path, prefix_cache="full"),
         admin_token="t",
         health={"interval_seconds": 0.05},
     )
@@ -238,7 +247,7 @@ async def test_budget_evicts_least_recently_used_files_it_can_see(
 ) -> None:
     fake = await fakes(n_slots=1, save_dir=tmp_path)
     full = {"prefix_cache": {"scope": "full"}}
-    client = await proxy([fake], disk=disk(tmp_path, prefix_cache="off", max_bytes=9000))
+    client = await proxy([fake], disk=disk(tmp_path, prefix_cache="full", max_bytes=9000))
     for session in range(4):  # each full snapshot is ~4 KB in the fake
         assert (await client.post("/v1/chat/completions", json=turn(session, 1, **full))).status
     names = [a[2] for a in fake.slot_actions]
@@ -255,7 +264,7 @@ async def test_without_a_shared_path_evictions_only_forget_entries(
 ) -> None:
     fake = await fakes(n_slots=1, save_dir=tmp_path)
     full = {"prefix_cache": {"scope": "full"}}
-    settings = {"prefix_cache": "off", "min_tokens": 64, "max_bytes": 9000}
+    settings = {"prefix_cache": "full", "min_tokens": 64, "max_bytes": 9000}
     client = await proxy([fake], disk=settings)  # the proxy does not see the directory
     for session in range(4):
         assert (await client.post("/v1/chat/completions", json=turn(session, 1, **full))).status

@@ -52,7 +52,7 @@ async def test_tenants_do_not_share_disk_snapshots_or_affinities(
     fakes: Any, proxy: Any, tmp_path: Any
 ) -> None:
     fake = await fakes(n_slots=2, save_dir=tmp_path)
-    disk = {"slot_save_dir": str(tmp_path), "min_tokens": 64, "prefix_cache": "off"}
+    disk = {"slot_save_dir": str(tmp_path), "min_tokens": 64, "prefix_cache": "full"}
     client = await proxy([fake], isolation={"mode": "tenant"}, disk=disk)
     scoped = {"prefix_cache": {"scope": "full"}, "prompt_cache_key": "shared-key"}
     body = chat(PROMPT, max_tokens=4, **scoped)

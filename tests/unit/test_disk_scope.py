@@ -2,7 +2,15 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.core.disk_scope import Scope, ScopeMode, parse_scope, select_prefix, with_window
+from proxy.core.disk_scope import (
+    Scope,
+    ScopeMode,
+    narrowed,
+    narrower,
+    parse_scope,
+    select_prefix,
+    with_window,
+)
 from proxy.core.fingerprint import Fingerprint
 
 
@@ -89,3 +97,34 @@ def test_off_and_full_select_no_prefix() -> None:
     request = fp(0, 1, 2)
     assert select_prefix(parse_scope("off"), request, [request], 1).segments == 0
     assert select_prefix(parse_scope("full"), request, [request], 1).segments == 0
+
+
+@pytest.mark.parametrize(
+    ("operator", "client", "used"),
+    [
+        ("off", "full", "off"),  # off is final
+        ("off", "auto:1", "off"),
+        ("off", "100", "off"),
+        ("off", "off", "off"),
+        ("full", "off", "off"),  # everything narrows full
+        ("full", "auto:5", "auto:5"),
+        ("full", "100", "100"),
+        ("full", "full", "full"),
+        ("auto:30", "off", "off"),
+        ("auto:30", "auto:60", "auto:60"),  # a larger window: a shorter, stabler prefix
+        ("auto:30", "auto:30", "auto:30"),
+        ("auto:30", "auto:2", "auto:30"),  # a smaller window widens: the operator's
+        ("auto:30", "full", "auto:30"),
+        ("auto:30", "500", "auto:30"),  # not comparable
+        ("1000", "500", "500"),
+        ("1000", "1000", "1000"),
+        ("1000", "2000", "1000"),
+        ("1000", "auto:100", "1000"),
+        ("1000", "full", "1000"),
+    ],
+)
+def test_a_client_scope_only_narrows_the_operators(operator: str, client: str, used: str) -> None:
+    chosen = narrowed(parse_scope(operator), parse_scope(client))
+    assert str(chosen) == used
+    assert narrower(parse_scope(client), parse_scope(operator)) == (used == client)
+    assert narrowed(parse_scope(operator), None) == parse_scope(operator)

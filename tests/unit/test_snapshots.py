@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+
+import pytest
 
 from proxy.core.fleet import Placement
 from proxy.core.routing import Reason, route
@@ -9,6 +12,7 @@ from proxy.core.snapshots import (
     Layout,
     Offer,
     Snapshot,
+    Stray,
     evictions,
     file_name,
     index_key,
@@ -16,7 +20,9 @@ from proxy.core.snapshots import (
     offers,
     pack_entries,
     restore_failed,
+    stray_evictions,
     unpack_entries,
+    valid_name,
 )
 from tests.unit.test_routing import PARAMS, decided, fleet, fp, hold
 
@@ -76,6 +82,68 @@ def test_entries_roundtrip() -> None:
     entries = [snap(1, 1), snap(2, 2, bad=True)]
     assert unpack_entries(pack_entries(entries)) == entries
     assert unpack_entries(None) == []
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "/etc/passwd",
+        "../x",
+        "llp-zz.bin",
+        "/tmp/victim/llp-" + "0" * 32 + ".bin",
+        "../llp-" + "0" * 32 + ".bin",
+        "llp-" + "A" * 32 + ".bin",
+        "llp-" + "0" * 31 + ".bin",
+        "llp-" + "0" * 32 + ".bin\n",
+        "llp-" + "0" * 32 + ".bin/..",
+        "",
+        5,
+        None,
+    ],
+)
+def test_only_names_the_proxy_makes_are_valid(name: object) -> None:
+    assert not valid_name(name)
+    entry = {**snap(1, 1).pack(), "name": name}
+    assert unpack_entries(json.dumps([entry, snap(2, 2).pack()])) == [snap(2, 2)]
+
+
+def test_generated_names_are_valid() -> None:
+    assert valid_name(file_name(LAYOUT, 7))
+    assert valid_name(snap(3, 3).name)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b'{"name": "x"}',
+        b"[1, null, []]",
+        json.dumps([{**snap(1, 1).pack(), "extra": 1}]),
+        json.dumps([{k: v for k, v in snap(1, 1).pack().items() if k != "layout"}]),
+        json.dumps([{**snap(1, 1).pack(), "layout": "x"}]),
+        json.dumps([{**snap(1, 1).pack(), "nbytes": "9"}]),
+        json.dumps([{**snap(1, 1).pack(), "nbytes": -1}]),
+        json.dumps([{**snap(1, 1).pack(), "directory": 3}]),
+        json.dumps([{**snap(1, 1).pack(), "aliases": 3}]),
+        json.dumps([{**snap(1, 1).pack(), "aliases": ["x"]}]),
+        json.dumps([{**snap(1, 1).pack(), "last_used": "now"}]),
+        json.dumps([{**snap(1, 1).pack(), "bad": "no"}]),
+        json.dumps([{**snap(1, 1).pack(), "layout": {**LAYOUT.__dict__, "n_ctx": True}}]),
+        json.dumps([{**snap(1, 1).pack(), "layout": {**LAYOUT.__dict__, "unified": 1}}]),
+        pytest.param(b"[" * 100_000, id="nested-too-deep"),
+    ],
+)
+def test_malformed_stored_entries_are_dropped(raw: bytes | str) -> None:
+    assert unpack_entries(raw) == []
+
+
+def test_strays_count_toward_the_budget_and_go_first_oldest_first() -> None:
+    indexed = [snap(1, 1), snap(2, 2)]  # 3000 bytes
+    strays = [Stray("b", 1000, 20.0), Stray("a", 1000, 10.0), Stray("c", 1000, 30.0)]
+    assert stray_evictions(indexed, strays, 6000) == []
+    assert [s.name for s in stray_evictions(indexed, strays, 5000)] == ["a"]
+    assert [s.name for s in stray_evictions(indexed, strays, 1000)] == ["a", "b", "c"]
+    assert stray_evictions(indexed, [], 1000) == []  # the index's own: ``evictions``
 
 
 def test_lookup_keys_skip_small_prefixes() -> None:

@@ -126,7 +126,11 @@ def create_app(
                 router.backend_tokens = _backend_counter(client, settings, fleet)
             await prober.probe_all()
             await disk.refresh_layouts()
+            await disk.index.reconcile(disk.directories())
             tasks = [asyncio.create_task(prober.run())] if probe_loop else []
+            if settings.disk.reconcile_seconds > 0:
+                every = settings.disk.reconcile_seconds
+                tasks.append(asyncio.create_task(disk.index.maintain(disk.directories(), every)))
             if shared.enabled:
                 await shared.refresh()
                 tasks.append(asyncio.create_task(shared.maintain(scheduler.wake)))

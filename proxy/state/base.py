@@ -86,9 +86,15 @@ class SlotRecord:
 
     @classmethod
     def unpack(cls, raw: bytes) -> SlotRecord:
+        """The record ``pack`` made; ``ValueError`` when ``raw`` is not one (any bytes
+        someone wrote to the store)."""
+        if len(raw) < 20:
+            raise ValueError("not a slot record: too short")
         count, anchor = struct.unpack_from("<II", raw)
         hashes_end = 8 + 8 * count
         tokens_end = hashes_end + 4 * count
+        if len(raw) != tokens_end + 12:
+            raise ValueError("not a slot record: its length does not match its count")
         hashes = array("Q")
         hashes.frombytes(raw[8:hashes_end])
         tokens = array("I")

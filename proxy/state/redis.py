@@ -140,6 +140,14 @@ def _bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
+def _record(value: bytes | str | None) -> SlotRecord | None:
+    """A slot record as read, or None: none there, or bytes that are not one (ignored)."""
+    try:
+        return None if value is None else SlotRecord.unpack(_bytes(value))
+    except ValueError:
+        return None
+
+
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
@@ -190,14 +198,11 @@ class RedisStateStore:
         have = known or {}
         stamps = [stamp_ms(have[ref]) if ref in have else -1 for ref in refs]
         values = await _call(self._view(keys=names, args=stamps))
-        owners, records = values[: len(refs)], values[len(refs) : 2 * len(refs)]
+        owners = dict(zip(refs, values[: len(refs)], strict=True))
+        records = dict(zip(refs, values[len(refs) : 2 * len(refs)], strict=True))
         return SlotView(
-            {ref: _bytes(v).decode() for ref, v in zip(refs, owners, strict=True) if v is not None},
-            {
-                ref: SlotRecord.unpack(_bytes(v))
-                for ref, v in zip(refs, records, strict=True)
-                if v is not None
-            },
+            {ref: _bytes(v).decode(errors="replace") for ref, v in owners.items() if v is not None},
+            {ref: r for ref, v in records.items() if (r := _record(v)) is not None},
             float(_bytes(values[-1])),
         )
 

@@ -71,10 +71,8 @@ class Plan:
 
 def cache_key(sources: tuple[str, ...], body: dict[str, Any], headers: Any) -> str | None:
     for source in sources:
-        if source.startswith("header:"):
-            value = header_text(headers, source[len("header:") :])
-        else:
-            value = body.get(source)
+        name = source.removeprefix("header:")
+        value = header_text(headers, name) if name != source else body.get(source)
         if isinstance(value, str) and value:
             return value[:256]
     return None

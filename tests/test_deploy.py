@@ -9,6 +9,7 @@ manifests structurally, and the dashboard's and alert rules' metric names agains
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -33,12 +34,20 @@ def _tool(name: str) -> str:
     return found
 
 
-@pytest.mark.parametrize("profiles", PROFILES, ids=["+".join(p) for p in PROFILES])
-def test_compose_file_validates(profiles: list[str]) -> None:
+SECRETS = {"REDIS_PASSWORD": "redis-password-hex", "REPLICA_SECRET": "replica-secret-hex"}
+
+
+def _compose_config(profiles: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     args = [_tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml")]
     for profile in profiles:
         args += ["--profile", profile]
-    done = subprocess.run([*args, "config"], capture_output=True, text=True, cwd=ROOT)
+    environ = {k: v for k, v in os.environ.items() if k not in SECRETS} | env
+    return subprocess.run([*args, "config"], capture_output=True, text=True, cwd=ROOT, env=environ)
+
+
+@pytest.mark.parametrize("profiles", PROFILES, ids=["+".join(p) for p in PROFILES])
+def test_compose_file_validates(profiles: list[str]) -> None:
+    done = _compose_config(profiles, SECRETS)
     assert done.returncode == 0, done.stderr
     services = yaml.safe_load(done.stdout)["services"]  # compose 1.29 lists every profile
     assert {"lb", "proxy", "proxy-metal", "redis", "prometheus", "grafana"} <= set(services)
@@ -59,6 +68,29 @@ def test_compose_file_validates(profiles: list[str]) -> None:
         ("http://llama-0:8080", False),
         ("http://llama-1:8080", False),
     ]
+
+
+def test_compose_redis_needs_a_password_and_only_the_proxies_reach_it() -> None:
+    """Redis requires AUTH, publishes no port and sits on an internal network only the
+    proxies join; the proxies get its password and the replicas' secret. Neither may be
+    left unset: compose refuses the file."""
+    for missing in SECRETS:
+        done = _compose_config(["cpu", "redis"], {k: v for k, v in SECRETS.items() if k != missing})
+        assert done.returncode != 0
+        assert f"set {missing}" in done.stderr
+    config = yaml.safe_load(_compose_config(["cpu", "redis"], SECRETS).stdout)
+    services = config["services"]
+    redis = services["redis"]
+    assert "--requirepass" in " ".join(redis["command"])
+    assert redis["environment"]["REDIS_PASSWORD"] == SECRETS["REDIS_PASSWORD"]
+    assert "ports" not in redis
+    assert set(redis["networks"]) == {"state"}
+    assert config["networks"]["state"]["internal"] is True
+    on_state = {name for name, s in services.items() if "state" in (s.get("networks") or {})}
+    assert on_state == {"redis", "proxy"}
+    env = services["proxy"]["environment"]
+    assert env["LLAMA_CACHE_PROXY_REDIS_URL"] == "redis://:redis-password-hex@redis:6379/0"
+    assert env["LLAMA_CACHE_PROXY_REPLICAS__SECRET"] == SECRETS["REPLICA_SECRET"]
 
 
 def test_prometheus_config_and_alert_rules_check() -> None:
@@ -113,6 +145,44 @@ def test_kubernetes_manifests_are_well_formed() -> None:
     ]
     llama = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "llama")
     assert "--no-cache-idle-slots" in llama["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_kubernetes_redis_takes_tls_and_a_password_and_only_proxies_reach_it() -> None:
+    """Redis listens on TLS only, with a password from a Secret; the proxy connects with
+    rediss:// and that password, and signs with the replicas' secret from the same Secret;
+    NetworkPolicies let only the proxy's pods reach Redis and llama-server."""
+    docs = _manifests()
+    pods = {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
+    redis = pods["redis"]["containers"][0]
+    args = redis["args"]
+    assert args[args.index("--port") + 1] == "0"  # no plain-text port
+    assert args[args.index("--tls-port") + 1] == "6380"
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    ref = {"secretKeyRef": {"name": "llama-cache-proxy", "key": "redis-password"}}
+    assert _env(redis)["REDIS_PASSWORD"] == ref
+    proxy = _env(pods["llama-cache-proxy"]["containers"][0])
+    assert proxy["REDIS_PASSWORD"] == ref
+    assert proxy["LLAMA_CACHE_PROXY_REDIS_URL"].startswith(
+        "rediss://:$(REDIS_PASSWORD)@redis:6380/"
+    )
+    secret = {"secretKeyRef": {"name": "llama-cache-proxy", "key": "replica-secret"}}
+    assert proxy["LLAMA_CACHE_PROXY_REPLICAS__SECRET"] == secret
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    only_proxies = [{"podSelector": {"matchLabels": {"app": "llama-cache-proxy"}}}]
+    for name, port in (("redis", 6380), ("llama", 8080)):
+        spec = policies[name]
+        assert spec["podSelector"] == {"matchLabels": {"app": name}}
+        assert spec["policyTypes"] == ["Ingress"]
+        assert [rule["from"] for rule in spec["ingress"]] == [only_proxies]
+        assert [rule["ports"] for rule in spec["ingress"]] == [[{"port": port}]]
 
 
 def test_grafana_provisioning_parses() -> None:

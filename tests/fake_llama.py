@@ -126,8 +126,10 @@ class FakeLlamaServer:
         save_dir: Path | None = None,
         unified: bool = False,
         cache_idle_slots: bool = True,
+        empty_pin_loads_ram: bool = False,
     ) -> None:
         self.save_dir = save_dir
+        self.empty_pin_loads_ram = empty_pin_loads_ram  # True: as if upstream #28139 were fixed
         self.unified = unified
         self.tokens_restored = 0
         self.slot_actions: list[tuple[str, int, str]] = []
@@ -386,7 +388,8 @@ class FakeLlamaServer:
         """The slot, and whether the RAM-cache hook runs (``update_cache``)."""
         if isinstance(pinned, int) and pinned >= 0:
             slot = self.slots[pinned % len(self.slots)]
-            keep = _lcp(slot.tokens, prompt) / len(slot.tokens) if slot.tokens else float("nan")
+            empty = 0.0 if self.empty_pin_loads_ram else float("nan")
+            keep = _lcp(slot.tokens, prompt) / len(slot.tokens) if slot.tokens else empty
             return slot, keep < 0.5  # NaN (empty slot) compares False: no cache load
         idle = [s for s in self.slots if not s.busy]
         best, best_sim = None, 0.1

@@ -10,11 +10,13 @@ of a configured header; requests without one share the anonymous tenant. Then:
   across tenants and the disk tier never restores another tenant's file;
 - llama-server itself would still reuse any common prefix it finds in the slot it is given,
   and its host-RAM prompt cache may load another tenant's entry into a pinned slot that
-  would lose over half its content. So a request may reuse a slot's KV
-  (``cache_prompt: true``) only when ``may_reuse``: the slot is empty (a pinned empty slot
-  skips the RAM cache), or it holds this tenant's content and the request keeps at least
-  ``KEEP`` of it (well above the server's 0.5 RAM-cache threshold). Otherwise it is sent
-  with ``cache_prompt: false``: computed from scratch, so its timing says nothing.
+  would lose over half its content, or into an empty one once upstream #28139 is fixed
+  (today a pinned empty slot skips the RAM cache: a bug, not a guarantee). So a request may
+  reuse a slot's KV (``cache_prompt: true``) only when ``may_reuse``: the slot provably
+  holds this tenant's own content and the request keeps at least ``KEEP`` of it (well
+  above the server's 0.5 RAM-cache threshold). Otherwise, an empty slot included (which
+  has nothing to reuse anyway), it is sent with ``cache_prompt: false``: computed from
+  scratch, whatever the server loaded, so its timing says nothing.
 
 Tenant ids are hashes; the key itself is never stored.
 """
@@ -58,9 +60,7 @@ def may_reuse(
 ) -> bool:
     """Whether a request of ``tenant`` may reuse the KV of a slot holding ``content``
     (written by ``owner``) without any chance of reusing another tenant's tokens."""
-    if content is None or owner != tenant:
-        return content is None and n_tokens == 0
-    if content.total <= 0:
-        return n_tokens == 0
+    if content is None or owner != tenant or content.total <= 0 or n_tokens <= 0:
+        return False
     kept = fp.tokens_at(common_segments(fp.hashes, content.hashes))
     return kept / content.total >= KEEP

@@ -64,3 +64,19 @@ async def test_tenants_do_not_share_disk_snapshots_or_affinities(
     assert probe.headers["X-Cache-Route"] != "disk"
     assert "restore" not in [a[0] for a in fake.slot_actions]
     assert (await probe.json())["timings"]["cache_n"] == 0
+
+
+async def test_an_empty_slot_gets_no_reuse_should_the_server_load_its_ram_cache_there(
+    fakes: Any, proxy: Any
+) -> None:
+    """A pinned empty slot skips llama-server's RAM cache only through a bug (upstream
+    #28139); on a server without it, another tenant's parked prompt would load there."""
+    fake = await fakes(n_slots=3, empty_pin_loads_ram=True)
+    client = await proxy([fake], isolation={"mode": "tenant"}, disk={"prefix_cache": "off"})
+    body = chat(PROMPT, max_tokens=4)
+    await client.post("/v1/chat/completions", json=body, headers=as_tenant("a"))
+    await client.post("/v1/chat/completions", json=chat("hello"), headers=as_tenant("c"))
+    assert any(len(entry) > 300 for entry in fake.ram)  # A's prompt parked in the RAM cache
+    probe = await client.post("/v1/chat/completions", json=body, headers=as_tenant("b"))
+    assert fake.received[-1][1]["cache_prompt"] is False
+    assert (await probe.json())["timings"]["cache_n"] == 0

@@ -31,13 +31,15 @@ def test_salted_fingerprints_never_match_across_tenants() -> None:
     assert fingerprint_chat(BODY, words, salt("a")) == a
 
 
-def test_may_reuse_only_own_content_kept_mostly_or_an_empty_slot() -> None:
+def test_may_reuse_only_own_content_kept_mostly() -> None:
     fp = fingerprint_chat(BODY, words, salt("a"))
     prefix = Fingerprint(fp.hashes[:2], fp.tokens[:2], fp.anchor)
     assert may_reuse("a", prefix, 60, fp, "a")  # own content, all of it kept
     assert not may_reuse("b", prefix, 60, fp, "a")  # another tenant's KV
     assert not may_reuse(None, prefix, 60, fp, "a")  # unknown writer
-    assert may_reuse(None, None, 0, fp, "a")  # empty: nothing to reuse, no RAM-cache load
+    # empty: nothing to reuse, and a fixed server (upstream #28139) would load its RAM cache
+    assert not may_reuse(None, None, 0, fp, "a")
+    assert not may_reuse("a", None, 0, fp, "a")
     assert not may_reuse("a", None, 60, fp, "a")  # KV of unknown content
     other = fingerprint_chat(
         {"messages": [{"role": "user", "content": "x " * 500}]}, words, salt("a")

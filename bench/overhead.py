@@ -32,14 +32,15 @@ import aiohttp
 
 from bench.results_io import print_markdown
 from tests.conftest import metric, until_listed
-from tests.real.stack import RedisServer, _wait_http, free_port
+from tests.real.stack import REPLICA_SECRET, RedisServer, _wait_http, free_port
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 
 @contextmanager
 def _process(args: list[str], ready_url: str) -> Iterator[None]:
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, **REPLICA_SECRET}  # replicas on one Redis forward to each other
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         _wait_http(ready_url, 30, proc)
         yield

@@ -26,7 +26,9 @@ async def serve_replicas(settings: Settings, count: int) -> AsyncIterator[Callab
     """``async with serve_replicas(settings, 2) as next_url``: the base URL for each request."""
     redis = RedisServer().start()
     try:
-        shared = Settings.model_validate({**settings.model_dump(), "redis_url": redis.url})
+        secret = {"secret": "bench replicas' shared secret"}  # (they forward to each other)
+        data = {**settings.model_dump(), "redis_url": redis.url, "replicas": secret}
+        shared = Settings.model_validate(data)
         async with AsyncExitStack() as stack:
             urls = [await stack.enter_async_context(serve(shared)) for _ in range(count)]
             await until_listed(urls)  # replicas run for days, a replay lasts seconds

@@ -169,6 +169,7 @@ def require_real_stack() -> tuple[Path, Path]:
 
 
 ADDRESS_HEADERS = {"LLAMA_CACHE_PROXY_ROUTING__ADDRESS_HEADERS": "true"}  # tests read them
+REPLICA_SECRET = {"LLAMA_CACHE_PROXY_REPLICAS__SECRET": "real replicas' shared secret"}
 
 
 @dataclass
@@ -197,6 +198,7 @@ class ProxyProcess:
             **os.environ,
             "LLAMA_CACHE_PROXY_LOG_LEVEL": "WARNING",
             **ADDRESS_HEADERS,
+            **(REPLICA_SECRET if self.redis_url else {}),  # replicas forward to each other
             **self.env,
         }
         self.proc = subprocess.Popen(args, env=env)

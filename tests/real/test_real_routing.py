@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import delta_text, events_to_done, metric, until_listed
-from tests.real.stack import _wait_http, free_port
+from tests.real.stack import REPLICA_SECRET, _wait_http, free_port
 
 SYSTEM = (
     "You are a careful assistant for a small software team. Answer briefly, use plain "
@@ -199,7 +199,7 @@ def test_two_proxy_processes_share_redis_and_keep_a_session(
                 redis_server.url,
                 *[arg for s in servers for arg in ("--backend", s.url)],
             ],
-            env={**os.environ, "LLAMA_CACHE_PROXY_LOG_LEVEL": "WARNING"},
+            env={**os.environ, "LLAMA_CACHE_PROXY_LOG_LEVEL": "WARNING", **REPLICA_SECRET},
         )
         for port in ports
     ]

@@ -73,7 +73,8 @@ def test_the_target_is_the_backend_placed_on_or_waited_for() -> None:
 
 
 def _settings(**over: object) -> Settings:
-    return Settings.model_validate({"backends": ["http://a:1"], **over})
+    data = {"backends": ["http://a:1"], "replicas": {"secret": "shared"}, **over}
+    return Settings.model_validate(data)
 
 
 @pytest.mark.parametrize(
@@ -88,6 +89,7 @@ def _settings(**over: object) -> Settings:
          "http://p1:8000"),
         ({"redis_url": "redis://127.0.0.1:6379", "replica_url": "off"}, None),
         ({"redis_url": "unix:///run/redis.sock"}, "http://127.0.0.1:8000"),
+        ({"redis_url": "redis://127.0.0.1:6379", "replicas": {}}, None),  # no secret: none
     ],
 )  # fmt: skip
 def test_the_url_a_replica_advertises(over: dict[str, object], url: str | None) -> None:

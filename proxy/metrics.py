@@ -153,7 +153,8 @@ class ProxyMetrics:
         self.forwards = counter(
             "forwarded_requests",
             "Requests sent to the replica that schedules their backend (sent), that could not"
-            " reach it and were routed here (unreachable), and received from another (received)",
+            " reach it and were routed here (unreachable), received from another (received), and"
+            " carrying a forwarding mark that did not verify, served as a client's (rejected)",
             ["outcome"],
         )
         self.replicas_live = gauge(

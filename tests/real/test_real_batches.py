@@ -1,0 +1,49 @@
+"""A batch ``prompt`` through the proxy on the real llama-server.
+
+llama-server makes one task of each element of a batch and gives every one the request's
+``id_slot``; pinned, every element after the first waits for a busy slot (where the
+server's RAM-cache hook may swap state under a running generation). The proxy sends a batch
+unpinned on a backend of its own: the elements run on distinct slots, each answer equal to
+the element's own answer from the server.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+PROMPTS = ["Count with me: 1, 2, 3, 4,", "The three primary colours are"]
+GREEDY = {"n_predict": 12, "temperature": 0, "seed": 1}
+
+
+async def _alone(url: str, prompt: str) -> str:
+    body = {"prompt": prompt, **GREEDY, "cache_prompt": False}
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return str((await resp.json())["content"])
+
+
+async def test_batch_elements_run_on_distinct_slots_with_their_own_answers(
+    llama_servers: Any, proxy: Any
+) -> None:
+    server = llama_servers(slots=2)
+    client = await proxy([server])
+    expected = [await _alone(server.url + "/completion", p) for p in PROMPTS]
+    resp = await client.post("/completion", json={"prompt": PROMPTS, **GREEDY})
+    assert resp.status == 200, await resp.text()
+    results = await resp.json()
+    assert [r["content"] for r in results] == expected
+    assert len({r["id_slot"] for r in results}) == 2  # pinned, both ran on one slot
+
+    body = {"prompt": PROMPTS, **GREEDY, "stream": True, "max_tokens": 12}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200
+    texts = ["", ""]
+    for event in (await resp.text()).split("\n\n"):
+        payload = event.removeprefix("data: ").strip()
+        if payload and payload != "[DONE]":
+            for choice in json.loads(payload).get("choices", []):
+                texts[choice["index"]] += choice.get("text") or ""
+    assert texts == expected

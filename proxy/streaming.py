@@ -28,6 +28,10 @@ event and the end of the chunked body (``SseScanner`` holds them back), so a cli
 its next turn as soon as it reads ``[DONE]``, perhaps to another replica, finds the slot free
 and recorded.
 
+``anthropic``: the upstream answer is a chat completion sent for an Anthropic Messages request;
+the client gets it translated (``core.anthropic_reply``), while usage and reply are read from
+the chat completion as for any other.
+
 ``on_usage`` (the caller's metrics) runs once per response, as soon as its usage is known and
 before the bytes that carry it reach the client: a client that reads ``/metrics`` right after
 its stream ends finds its own request counted.
@@ -44,6 +48,7 @@ from typing import TypeVar
 import aiohttp
 from aiohttp import web
 
+from proxy.core.anthropic_reply import StreamReply, reply_body, sse_error
 from proxy.core.headers import client_response_headers
 from proxy.core.usage import Reply, SseScanner, Usage, read_body
 from proxy.errors import sse_error_event
@@ -71,18 +76,23 @@ async def relay(
     clock: Callable[[], float],
     on_usage: Callable[[Outcome], None],
     before_eof: Callable[[Outcome], Awaitable[None]] | None = None,
+    anthropic: bool = False,
 ) -> Outcome:
     headers = client_response_headers(upstream.headers.items())
     if not _is_stream(upstream):
         body = await upstream.read()
-        response = web.Response(status=upstream.status, body=body, headers=headers)
+        sent = reply_body(upstream.status, body) if anthropic else body
+        response = web.Response(status=upstream.status, body=sent, headers=headers)
         response.headers.update(extra_headers)
+        if anthropic:
+            response.content_type = "application/json"
         usage, reply = read_body(body) if upstream.status == 200 else (None, None)
         outcome = Outcome(response, usage, reply, complete=True)
         on_usage(outcome)
         return outcome
+    translator = StreamReply() if anthropic else None
     return await _relay_stream(
-        request, upstream, headers, extra_headers, clock, on_usage, before_eof
+        request, upstream, headers, extra_headers, clock, on_usage, before_eof, translator
     )
 
 
@@ -94,6 +104,7 @@ async def _relay_stream(
     clock: Callable[[], float],
     on_usage: Callable[[Outcome], None],
     before_eof: Callable[[Outcome], Awaitable[None]] | None = None,
+    translator: StreamReply | None = None,
 ) -> Outcome:
     response = web.StreamResponse(status=upstream.status, headers=headers)
     response.headers.update(extra_headers)
@@ -109,6 +120,8 @@ async def _relay_stream(
             if scanner.usage is not None and not recorded:
                 recorded = True  # the chunk that ends the stream carries it: count it first
                 on_usage(replace(outcome, usage=scanner.usage))
+            if ready and translator is not None:
+                ready = translator.lines(ready)
             if ready:
                 await response.write(ready)
             if scanner.done:
@@ -121,7 +134,11 @@ async def _relay_stream(
         if not recorded:
             on_usage(outcome)
         request[RECORD].outcome = "upstream_error"  # logged: the status line said 200
-        await response.write(sse_error_event(translate_stream_error(exc)))
+        error = translate_stream_error(exc)
+        if translator is not None:
+            await response.write(sse_error(error.status, error.message))
+        else:
+            await response.write(sse_error_event(error))
         await response.write_eof()
         return outcome
     except asyncio.CancelledError:
@@ -130,6 +147,8 @@ async def _relay_stream(
         _uncancel()
         return _completed(outcome, scanner)
     tail = scanner.close()
+    if translator is not None:
+        tail = translator.end(tail)
     outcome = _completed(outcome, scanner)
     if not recorded:
         on_usage(outcome)

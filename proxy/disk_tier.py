@@ -216,7 +216,9 @@ class DiskTier:
         """The indexed snapshots of the request's prefixes, and each backend's best one."""
         usable = self._usable()
         models = sorted({b.layout.model_id for b in usable if b.layout is not None})
-        return offers(fp, await self.index.find(fp, models, 1), usable)
+        # no snapshot holds more than a slot's context; twice it leaves room for estimates
+        most = max((2 * b.layout.n_ctx for b in usable if b.layout and b.layout.n_ctx), default=0)
+        return offers(fp, await self.index.find(fp, models, 1, most or None), usable)
 
     async def _after_parks(self, fp: Fingerprint) -> None:
         """A park of this request's conversation in flight (another request took its slot as

@@ -89,10 +89,19 @@ class SnapshotIndex:
         self._wall = wall  # the clock of file modification times
 
     async def find(
-        self, fp: Fingerprint, model_ids: Sequence[str], min_estimate: int
+        self,
+        fp: Fingerprint,
+        model_ids: Sequence[str],
+        min_estimate: int,
+        max_estimate: int | None = None,
     ) -> dict[int, list[Snapshot]]:
-        """segments -> snapshots of that prefix of ``fp`` (any directory, any listed model)."""
-        wanted = {key: seg for m in model_ids for seg, key in lookup_keys(fp, m, min_estimate)}
+        """segments -> snapshots of that prefix of ``fp`` (any directory, any listed model),
+        of prefixes estimated at ``min_estimate`` to ``max_estimate`` tokens."""
+        wanted = {
+            key: seg
+            for m in model_ids
+            for seg, key in lookup_keys(fp, m, min_estimate, max_estimate)
+        }
         if not wanted:
             return {}
         found = await self._shared.call(

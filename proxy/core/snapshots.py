@@ -181,13 +181,19 @@ def _sound(s: Snapshot) -> bool:
     )
 
 
-def lookup_keys(fp: Fingerprint, model_id: str, min_estimate: int) -> list[tuple[int, str]]:
-    """(segments, index key) for every prefix of ``fp`` big enough to be a snapshot."""
-    return [
-        (i + 1, index_key(model_id, h))
-        for i, (h, t) in enumerate(zip(fp.hashes, fp.tokens, strict=True))
-        if t >= min_estimate
-    ]
+def lookup_keys(
+    fp: Fingerprint, model_id: str, min_estimate: int, max_estimate: int | None = None
+) -> list[tuple[int, str]]:
+    """(segments, index key) for every prefix of ``fp`` big enough to be a snapshot and, with
+    ``max_estimate``, small enough to fit a slot (a prompt of many thousand short messages
+    would otherwise ask for a key per message)."""
+    out = []
+    for i, (h, t) in enumerate(zip(fp.hashes, fp.tokens, strict=True)):
+        if max_estimate is not None and t > max_estimate:
+            break  # cumulative: every later prefix is larger
+        if t >= min_estimate:
+            out.append((i + 1, index_key(model_id, h)))
+    return out
 
 
 @dataclass(frozen=True)

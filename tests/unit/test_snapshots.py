@@ -152,6 +152,13 @@ def test_lookup_keys_skip_small_prefixes() -> None:
     assert [segments for segments, _ in keys] == [2, 3]
 
 
+def test_lookup_keys_stop_at_prefixes_no_slot_holds() -> None:
+    request = fp(11, 12, 13)
+    tokens = request.tokens
+    keys = lookup_keys(request, "m", 1, tokens[1])
+    assert [segments for segments, _ in keys] == [1, 2]
+
+
 def test_offers_take_the_longest_compatible_snapshot_per_backend() -> None:
     request = fp(1, 2, 3, 4)
     found = {

@@ -3,7 +3,9 @@ llama-server (SmolLM2-135M), configured as in ../shared/reference/openclaw.md (c
 OpenAI-compatible provider, lean setup for a small context: minimal tools profile, no
 bootstrap, no context injection). Turns after the first must reuse the session's prefix:
 cached tokens at least 80 % of the prompt, from the proxy's own metrics. Also with
-``compat.supportsPromptCacheKey``, where OpenClaw's ``prompt_cache_key`` drives affinity.
+``compat.supportsPromptCacheKey``, where OpenClaw's ``prompt_cache_key`` drives affinity, and
+with ``compat.sendSessionAffinityHeaders``, where its ``session_id`` and ``x-session-affinity``
+headers do.
 
 OpenClaw and Node 24 are installed from the npm registry into ~/.cache (about 40 s once);
 the test is skipped, loudly, only when the registry cannot be reached.
@@ -46,7 +48,9 @@ def install() -> None:
     subprocess.run(app, env=env, capture_output=True, timeout=600, check=True)
 
 
-def configure(home: Path, proxy_url: str, cache_key: bool, minimal: bool = True) -> dict[str, str]:
+def configure(
+    home: Path, proxy_url: str, cache_key: bool, minimal: bool = True, headers: bool = False
+) -> dict[str, str]:
     state = home / ".openclaw"
     state.mkdir(parents=True)
     (home / "ws").mkdir()
@@ -60,6 +64,8 @@ def configure(home: Path, proxy_url: str, cache_key: bool, minimal: bool = True)
         "maxTokens": 64,
         "compat": {"toolSchemaProfile": "llamacpp", "supportsPromptCacheKey": cache_key},
     }
+    if headers:
+        model["compat"]["sendSessionAffinityHeaders"] = True
     config = {
         "update": {"checkOnStart": False},
         "telemetry": {"enabled": False},
@@ -129,8 +135,14 @@ def three_turns(
     return turns
 
 
-@pytest.mark.parametrize("cache_key", [False, True], ids=["no-session-key", "prompt-cache-key"])
-def test_openclaw_turns_reuse_the_session_prefix(llama_servers: Any, cache_key: bool) -> None:
+@pytest.mark.parametrize(
+    ("cache_key", "headers"),
+    [(False, False), (True, False), (False, True)],
+    ids=["no-session-key", "prompt-cache-key", "session-affinity-headers"],
+)
+def test_openclaw_turns_reuse_the_session_prefix(
+    llama_servers: Any, cache_key: bool, headers: bool
+) -> None:
     install()
     server = llama_servers(slots=2, ctx_per_slot=8192)
     proxy = ProxyProcess(
@@ -138,13 +150,13 @@ def test_openclaw_turns_reuse_the_session_prefix(llama_servers: Any, cache_key: 
     ).start()
     home = Path(tempfile.mkdtemp(prefix="openclaw-"))
     try:
-        env = configure(home, proxy.url, cache_key)
+        env = configure(home, proxy.url, cache_key, headers=headers)
         for turn, (prompt, cached) in enumerate(three_turns(proxy, env, "s1")):
             assert prompt > 1000  # OpenClaw's real system prompt and tools
             if turn:
                 assert cached >= 0.8 * prompt, (turn, cached, prompt)
         page = scrape(proxy)
-        if cache_key:
+        if cache_key or headers:  # (the key read from the body, or from the headers)
             assert metric(page, "llama_cache_proxy_cache_key_total", outcome="reuse") >= 2
         else:
             assert metric(page, "llama_cache_proxy_cache_key_total") == 0

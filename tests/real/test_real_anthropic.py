@@ -1,0 +1,130 @@
+"""Anthropic Messages (the ``anthropic`` SDK, Claude-Code-shaped requests) through the proxy to
+a real llama-server (SmolLM2-135M): served as a pinned chat completion, the answers match what
+llama-server gives for ``/v1/messages`` directly, and a second turn reuses the first's KV."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+from anthropic import AsyncAnthropic
+
+GREEDY: dict[str, Any] = {"model": "m", "temperature": 0, "top_k": 1, "max_tokens": 24}
+SYSTEM = [
+    {
+        "type": "text",
+        "text": "x-anthropic-billing-header: cc_version=2.1; cc_entrypoint=cli; cch=a5145;",
+    },
+    {
+        "type": "text",
+        "text": "You are a terse assistant. " * 20,
+        "cache_control": {"type": "ephemeral"},
+    },
+]
+TOOLS = [
+    {
+        "name": "Read",
+        "description": "Read a file of the repository.",
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+    }
+]
+FIRST = [{"role": "user", "content": [{"type": "text", "text": "Name three colours."}]}]
+TOOL_TURN = [
+    *FIRST,
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "Let me read it."},
+            {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "README"}},
+        ],
+    },
+    {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Red, green, blue."},
+            {"type": "text", "text": "Thanks.", "cache_control": {"type": "ephemeral"}},
+        ],
+    },
+]
+
+
+def sdk(client: Any) -> AsyncAnthropic:
+    return AsyncAnthropic(base_url=str(client.make_url("")), api_key="sk-x", max_retries=0)
+
+
+async def post(url: str, body: dict[str, Any]) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+        return resp.status, await resp.text()
+
+
+def blocks(content: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """Content blocks without the server's random tool call ids."""
+    return [(b["type"], b.get("text"), b.get("name"), b.get("input")) for b in content]
+
+
+def events(raw: str) -> tuple[list[str], str]:
+    names, text = [], []
+    for event in raw.split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in event.strip().split("\n") if ": " in line)
+        if "event" in lines and lines["event"] != "ping":
+            names.append(lines["event"])
+            delta = json.loads(lines["data"]).get("delta") or {}
+            text.append(delta.get("text") or delta.get("partial_json") or "")
+    return names, "".join(text)
+
+
+def total(usage: dict[str, Any]) -> int:
+    return int(usage["input_tokens"]) + int(usage.get("cache_read_input_tokens") or 0)
+
+
+async def test_answers_match_llama_servers_own_messages_endpoint(
+    llama_servers: Any, proxy: Any
+) -> None:
+    server = llama_servers(slots=2)
+    client = await proxy([server.url])
+    for messages in (FIRST, TOOL_TURN):
+        body = {**GREEDY, "system": SYSTEM, "tools": TOOLS, "messages": messages}
+        status, direct = await post(server.url + "/v1/messages", body)
+        assert status == 200, direct
+        ref = json.loads(direct)
+        via = (await sdk(client).messages.create(**body)).model_dump()
+        assert blocks(via["content"]) == blocks(ref["content"])
+        assert (via["stop_reason"], via["type"], via["role"]) == (
+            ref["stop_reason"], "message", "assistant")  # fmt: skip
+        assert via["usage"]["output_tokens"] == ref["usage"]["output_tokens"]
+        assert total(via["usage"]) == total(ref["usage"])
+        streamed = {**body, "stream": True}
+        status, via_raw = await post(str(client.make_url("/v1/messages")), streamed)
+        assert status == 200, via_raw
+        assert events(via_raw) == events((await post(server.url + "/v1/messages", streamed))[1])
+    counted = await sdk(client).messages.count_tokens(model="m", messages=FIRST)  # type: ignore[arg-type]
+    status, direct = await post(
+        server.url + "/v1/messages/count_tokens", {"model": "m", "messages": FIRST}
+    )
+    assert counted.input_tokens == json.loads(direct)["input_tokens"]
+
+
+async def test_a_second_turn_reuses_the_first_turns_kv(llama_servers: Any, proxy: Any) -> None:
+    server = llama_servers(slots=2)
+    client = await proxy([server.url])
+    anthropic = sdk(client)
+    first = await anthropic.messages.create(
+        **GREEDY,
+        system=SYSTEM,
+        tools=TOOLS,
+        messages=FIRST,  # type: ignore[arg-type]
+    )
+    assert first.usage.input_tokens > 100
+    async with anthropic.messages.stream(
+        **GREEDY,
+        system=SYSTEM,
+        tools=TOOLS,
+        messages=TOOL_TURN,  # type: ignore[arg-type]
+    ) as stream:
+        second = await stream.get_final_message()
+    cached = second.usage.cache_read_input_tokens
+    assert cached is not None
+    assert cached > 0.8 * first.usage.input_tokens  # system, tools and the first user turn
+    assert second.usage.input_tokens > 0
+    await anthropic.close()

@@ -47,3 +47,17 @@ async def test_batch_elements_run_on_distinct_slots_with_their_own_answers(
             for choice in json.loads(payload).get("choices", []):
                 texts[choice["index"]] += choice.get("text") or ""
     assert texts == expected
+
+
+async def test_the_server_pins_every_element_to_the_requests_slot(llama_servers: Any) -> None:
+    """What the fake models (``tests/integration/test_batches.py``): sent straight to the
+    server with ``id_slot``, every element runs on that slot, one after another."""
+    server = llama_servers(slots=2)
+    body = {"prompt": PROMPTS, **GREEDY, "id_slot": 0}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(server.url + "/completion", json=body) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        results = await resp.json()
+    assert [r["id_slot"] for r in results] == [0, 0]

@@ -10,43 +10,10 @@ from typing import Any
 import aiohttp
 from anthropic import AsyncAnthropic
 
+from tests.integration.test_anthropic_sdk import FIRST, SYSTEM, TOOLS
+from tests.integration.test_anthropic_sdk import SECOND as TOOL_TURN
+
 GREEDY: dict[str, Any] = {"model": "m", "temperature": 0, "top_k": 1, "max_tokens": 24}
-SYSTEM = [
-    {
-        "type": "text",
-        "text": "x-anthropic-billing-header: cc_version=2.1; cc_entrypoint=cli; cch=a5145;",
-    },
-    {
-        "type": "text",
-        "text": "You are a terse assistant. " * 20,
-        "cache_control": {"type": "ephemeral"},
-    },
-]
-TOOLS = [
-    {
-        "name": "Read",
-        "description": "Read a file of the repository.",
-        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
-    }
-]
-FIRST = [{"role": "user", "content": [{"type": "text", "text": "Name three colours."}]}]
-TOOL_TURN = [
-    *FIRST,
-    {
-        "role": "assistant",
-        "content": [
-            {"type": "text", "text": "Let me read it."},
-            {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "README"}},
-        ],
-    },
-    {
-        "role": "user",
-        "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Red, green, blue."},
-            {"type": "text", "text": "Thanks.", "cache_control": {"type": "ephemeral"}},
-        ],
-    },
-]
 
 
 def sdk(client: Any) -> AsyncAnthropic:

@@ -16,9 +16,10 @@ The mapping is llama-server's own for ``/v1/messages`` (``to_json_anthropic`` an
 Streams: ``message_start`` at the first chunk, then per delta a ``content_block_start`` when a
 block opens and its ``thinking_delta``, ``text_delta`` or ``input_json_delta``; at the end
 event the blocks close (a thinking block after a ``signature_delta``), then ``message_delta``
-and ``message_stop``. The prompt's token counts arrive with the last chunk only, so
-``message_start`` reports zeros and ``message_delta`` carries the whole ``usage``, as
-Anthropic's own API may (clients take the later values).
+and ``message_stop``; the server's keep-alive comments become ``ping`` events. The prompt's
+token counts arrive with the last chunk only, so ``message_start`` reports zeros and
+``message_delta`` carries the whole ``usage``, as Anthropic's own API may (clients take the
+later values).
 
 Errors take Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``, the type
 chosen by HTTP status; in a stream, as an ``error`` event.
@@ -159,6 +160,8 @@ class StreamReply:
         for line in data.split(b"\n"):
             if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
                 out += self._chunk(line[6:])
+            elif line.startswith(b":"):  # the server's keep-alive while it computes the prompt
+                out += sse_event("ping", {"type": "ping"})
         return bytes(out)
 
     def end(self, tail: bytes) -> bytes:

@@ -284,3 +284,7 @@ def test_an_error_event_in_a_stream_is_anthropics() -> None:
     got = events(stream.lines(sse(delta(content="a"), {"error": {"message": "boom"}})))
     assert got[-1] == ("error", error_body(500, "boom"))
     assert stream.end(b"") == b""
+
+
+def test_keep_alive_comments_become_pings() -> None:
+    assert events(StreamReply().lines(b":\n\n")) == [("ping", {"type": "ping"})]

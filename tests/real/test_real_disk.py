@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 import urllib.request
 from typing import Any
 
@@ -150,8 +152,8 @@ async def test_shared_directory_restores_on_another_backend_unless_its_layout_di
 ) -> None:
     two = llama_servers(slots=2)
     other = llama_servers(slots=other_slots, save_dir=two.save_dir)  # one shared directory
-    client = await proxy([two, other], disk=disk(two, prefix_cache="off"))
-    scoped = {"prefix_cache": {"scope": "2000"}}
+    client = await proxy([two, other], disk=disk(two, prefix_cache="full"))
+    scoped = {"prefix_cache": {"scope": "2000"}}  # narrows full
     _, headers = await post(client, turn(0, **scoped))
     assert list(two.save_dir.glob("llp-*.bin"))
     saved_on = two if headers["X-Cache-Backend"].endswith(f":{two.port}") else other
@@ -170,12 +172,17 @@ async def test_shared_directory_restores_on_another_backend_unless_its_layout_di
         assert refused >= 1
 
 
-async def test_policy_modes_and_per_request_override(llama_servers: Any, proxy: Any) -> None:
+async def test_policy_modes_and_per_request_narrowing(llama_servers: Any, proxy: Any) -> None:
     server = llama_servers(slots=2)
     client = await proxy([server], disk=disk(server, prefix_cache="off"))
     await post(client, turn(0))
     await post(client, turn(1))
+    for session, scope in ((5, "full"), (6, "auto:2"), (7, "300")):  # off is final
+        await post(client, turn(session, prefix_cache={"scope": scope}))
     assert not list(server.save_dir.glob("llp-*.bin"))  # off: nothing saved
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_disk_saves_total") == 0
+    client = await proxy([server], disk=disk(server, prefix_cache="full"))
     await post(client, turn(2, prefix_cache={"scope": "full"}))
     files = list(server.save_dir.glob("llp-*.bin"))
     assert len(files) == 1  # full: the slot after the request
@@ -210,3 +217,26 @@ async def test_sessions_arriving_together_save_the_shared_prefix_once(
     saved = min(a["timings"]["cache_n"] for a, _ in answers)
     assert saved > 300
     assert extra <= saved + tails + 2
+
+
+async def test_snapshots_the_index_lost_are_deleted_for_the_budget_at_start_up(
+    llama_servers: Any, proxy: Any
+) -> None:
+    server = llama_servers(slots=2)
+    (server.save_dir / "notes.txt").write_text("not a snapshot")
+    client = await proxy([server], disk=disk(server, prefix_cache="full"))
+    for session in range(3):
+        await post(client, turn(session))
+    files = sorted(server.save_dir.glob("llp-*.bin"), key=lambda p: p.stat().st_mtime)
+    assert len(files) == 3
+    now = time.time()
+    for i, path in enumerate(files):  # written an hour ago, oldest first
+        os.utime(path, (now - 3600 + i, now - 3600 + i))
+    budget = files[-1].stat().st_size + files[-2].stat().st_size
+    await client.close()  # a restart with the in-memory store: the index is gone
+    client = await proxy([server], disk=disk(server, prefix_cache="full", max_bytes=budget))
+    assert (await client.get("/healthz")).status == 200
+    assert sorted(server.save_dir.glob("llp-*.bin")) == sorted(files[1:])  # oldest deleted
+    assert (server.save_dir / "notes.txt").read_text() == "not a snapshot"
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_disk_events_total", event="stray") == 1

@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry
 
 from proxy.admin import AdminHandlers
+from proxy.api_keys import make_key_check
 from proxy.churn_tracker import ChurnTracker
 from proxy.config import Settings
 from proxy.core.fleet import BackendPhase, Fleet
@@ -34,7 +36,7 @@ from proxy.state import InMemoryStateStore, StateStore
 from proxy.state.redis import RedisStateStore
 from proxy.status import StatusHandlers
 from proxy.tokenizer import TokenCounter
-from proxy.upstream import ROUTES, LlamaServerClient
+from proxy.upstream import HEALTH, PUBLIC, REFUSED, ROUTES, LlamaServerClient
 
 HANDLERS = web.AppKey("handlers", ProxyHandlers)
 PROBER = web.AppKey("prober", Prober)
@@ -94,7 +96,7 @@ def create_app(
 
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[make_middleware(metrics, clock)],
+        middlewares=_middlewares(settings, metrics, clock),
         handler_args={
             "logger": ProtocolLog(logging.getLogger("aiohttp.server")),
             "auto_decompress": False,  # an encoded body is refused (415), never inflated
@@ -106,17 +108,23 @@ def create_app(
     app.router.add_get("/healthz", status.healthz)
     app.router.add_get("/readyz", status.readyz)
     app.router.add_get("/metrics", status.metrics)
+    for path in HEALTH:
+        app.router.add_get(path, status.health)
+    for method, path in REFUSED:
+        app.router.add_route(method, path, status.refused)
     admin = AdminHandlers(settings, fleet, clock, disk, churn)
     app.router.add_get("/admin/slots", admin.slots)
     app.router.add_get("/admin/disk", admin.disk)
     app.router.add_get("/admin/churn", admin.churn)
     for path, route in ROUTES.items():
-        app.router.add_route(route.method, path, handlers.forward)
+        for method in route.methods:
+            app.router.add_route(method, path, handlers.forward)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            client = LlamaServerClient(session, settings.timeouts)
+            keys = {b.base_url: b.key for b in settings.backends}
+            client = LlamaServerClient(session, settings.timeouts, keys)
             prober = Prober(settings, client, scheduler, metrics, clock, shared.forget_backend)
             handlers.client, handlers.prober, app[PROBER] = client, prober, prober
             forwarder.client = client
@@ -148,6 +156,16 @@ def create_app(
 
     app.cleanup_ctx.append(upstream_ctx)
     return app
+
+
+def _middlewares(
+    settings: Settings, metrics: ProxyMetrics, clock: Callable[[], float]
+) -> list[Middleware]:
+    """Request records, logging and errors; then the API key check, when keys are set."""
+    keys = tuple(key.get_secret_value() for key in settings.api_key)
+    own = frozenset({"/healthz", "/readyz"})
+    checks = [make_key_check(keys, PUBLIC | own)] if keys else []
+    return [make_middleware(metrics, clock), *checks]
 
 
 def _backend_counter(

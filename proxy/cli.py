@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-format", choices=["text", "json"], help="json: one object a line")
     serve.add_argument("--admin-token", help="bearer token for /admin/*; none = admin off")
+    serve.add_argument(
+        "--api-key", metavar="KEYS", help="clients' keys, comma-separated, as llama-server's"
+    )
     serve.add_argument("--tokenizer", choices=["tiktoken", "backend"])
     serve.add_argument("--slot-cache-key-similarity", type=float, metavar="F")
     serve.add_argument("--slot-cache-key-min-prefix", type=int, metavar="TOKENS")
@@ -84,6 +87,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Set
         "log_level": args.log_level,
         "log_format": args.log_format,
         "admin_token": args.admin_token,
+        "api_key": args.api_key,
         "routing": {k: v for k, v in routing.items() if v is not None} or None,
         "disk": {k: v for k, v in disk.items() if v is not None} or None,
         "isolation": {

@@ -71,6 +71,11 @@ class Settings(_Frozen):
         default="text", description="json: one JSON object per log line (log shippers)"
     )
     admin_token: SecretStr | None = None
+    api_key: tuple[SecretStr, ...] = Field(
+        default=(),
+        description="keys clients must present, as llama-server's --api-key (comma-separated "
+        "or a list): Authorization: Bearer KEY or X-Api-Key; none: no key is checked",
+    )
     admin_churn_text: bool = Field(
         default=False,
         description="/admin/churn shows prompt excerpts and session keys; false: redacted "
@@ -97,6 +102,13 @@ class Settings(_Frozen):
             value = [part for part in value.split(",") if part.strip()]
         if isinstance(value, list | tuple):
             return [{"url": item.strip()} if isinstance(item, str) else item for item in value]
+        return value
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
         return value
 
     @field_validator("listen")

@@ -46,6 +46,11 @@ class BackendSettings(_Frozen):
     kv_unified: bool | None = Field(
         default=None, description="started with unified KV (-kvu); recorded with snapshots"
     )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="its --api-key: sent on the proxy's own calls and, in place of the "
+        "client's key, on every forwarded request; none: clients' keys pass through",
+    )
 
     @property
     def label(self) -> str:
@@ -56,6 +61,11 @@ class BackendSettings(_Frozen):
     @property
     def base_url(self) -> str:
         return str(self.url).rstrip("/")
+
+    @property
+    def key(self) -> str | None:
+        """Its API key, or None."""
+        return None if self.api_key is None else self.api_key.get_secret_value()
 
 
 class QueueSettings(_Frozen):
@@ -124,8 +134,17 @@ class RoutingSettings(_Frozen):
     balance_abs: int = Field(default=2, ge=0)
     balance_rel: float = Field(default=1.5, ge=1)
     cache_key_sources: tuple[str, ...] = Field(
-        default=("prompt_cache_key", "header:x-session-id", "user"),
-        description="where a session key comes from, first found wins",
+        default=(
+            "prompt_cache_key",
+            "header:x-session-id",
+            "header:session_id",
+            "header:x-session-affinity",
+            "header:x-claude-code-session-id",
+            "user",
+        ),
+        description="where a session key comes from, first found wins (body fields, or "
+        "header:NAME; OpenClaw sends session_id and x-session-affinity, Claude Code "
+        "x-claude-code-session-id)",
     )
     slot_cache_key_similarity: float = Field(default=0.5, ge=0, le=1)
     slot_cache_key_min_prefix: int = Field(default=64, ge=0)

@@ -5,6 +5,7 @@
     ├── NotFound                    404  path the proxy does not serve
     ├── MethodNotAllowed            405
     ├── Unauthorized                401  admin endpoints without the bearer token
+    ├── Refused                     403  a llama-server route the proxy does not serve, and why
     ├── PayloadTooLarge             413  body over ``max_body_bytes`` (closes the connection)
     ├── UnsupportedEncoding         415  body with a Content-Encoding (closes the connection)
     ├── ServiceUnavailable          503  no ready backend / queue full / wait too long (Retry-After)
@@ -12,7 +13,9 @@
     └── GatewayTimeout              504  backend silent past the read timeout
 
 Upstream llama-server error bodies are already OpenAI-shaped and pass through unchanged;
-errors the proxy itself originates carry the header ``X-Proxy-Error: 1``.
+errors the proxy itself originates carry the header ``X-Proxy-Error: 1``. Where the proxy
+answers in llama-server's place (a wrong API key, ``/health`` while no backend is ready),
+``LlamaShaped`` errors carry llama-server's own bytes.
 No aiohttp import here: the middleware does the rendering.
 """
 
@@ -45,6 +48,38 @@ class ProxyError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.code, self.param)
 
+    def text(self) -> str:
+        return json.dumps(self.body())
+
+
+class LlamaShaped(ProxyError):
+    """An answer llama-server gives itself, in its bytes: compact JSON, keys sorted (nlohmann
+    json), the status as ``code``."""
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"code": self.status, "message": self.message, "type": self.type}}
+
+    def text(self) -> str:
+        return json.dumps(self.body(), separators=(",", ":"), sort_keys=True)
+
+
+class InvalidApiKey(LlamaShaped):
+    status = 401
+    type = "authentication_error"
+
+    def __init__(self) -> None:
+        super().__init__("Invalid API Key")
+
+
+class LoadingModel(LlamaShaped):
+    """``/health`` while no backend is ready."""
+
+    status = 503
+    type = "unavailable_error"
+
+    def __init__(self) -> None:
+        super().__init__("Loading model")
+
 
 class InvalidRequest(ProxyError):
     status = 400
@@ -70,6 +105,14 @@ class Unauthorized(ProxyError):
     status = 401
     type = "authentication_error"
     code = "unauthorized"
+
+
+class Refused(ProxyError):
+    """A route llama-server serves that the proxy refuses on purpose (the message says why)."""
+
+    status = 403
+    type = "feature_disabled"
+    code = "refused_by_proxy"
 
 
 class NotFound(ProxyError):
@@ -112,6 +155,17 @@ class UnsupportedEncoding(ProxyError):
     def __init__(self) -> None:
         message = "request body must not be encoded (Content-Encoding), as llama-server requires"
         super().__init__(message, headers={"Connection": "close"})
+
+
+class NoContent(ProxyError):
+    """Not an error: the backend answered 204 and then a chunked body, which HTTP forbids on
+    a 204 (llama-server's MCP CORS proxy does it). aiohttp's client reads that body's end as
+    the next response's status line and fails; the client gets a plain 204 instead."""
+
+    status = 204
+
+    def __init__(self) -> None:
+        super().__init__("no content")
 
 
 class ServiceUnavailable(ProxyError):

@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.config import Settings
+from proxy.core.anthropic_request import chat_body
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import NoPlacement, Placement
 from proxy.core.headers import upstream_request_headers
@@ -30,7 +31,6 @@ from proxy.errors import (
     InvalidRequest,
     PayloadTooLarge,
     RequestTimeout,
-    ServiceUnavailable,
     UnreadableBody,
     UnsupportedEncoding,
 )
@@ -72,16 +72,14 @@ class ProxyHandlers:
     # -- proxied endpoints ---------------------------------------------------------------
     async def forward(self, request: web.Request) -> web.StreamResponse:
         route = ROUTES[request.path]
-        raw = await self._read_body(request) if route.method == "POST" else None
+        raw = await self._read_body(request) if request.method == "POST" else None
         if route.slot_use is SlotUse.NONE:
-            if raw is not None:
+            if raw is not None and route.json:
                 decode_json_object(raw)
             return await self._unpinned(request, raw)
         assert raw is not None
-        parsed = parse_body(raw, chat=route.chat, batches=route.batches)
-        if request.path == "/v1/messages" and self._settings.isolation.mode != "off":
-            # llama-server ignores cache_prompt there, so reuse across tenants can't be ruled out
-            raise InvalidRequest("/v1/messages is not served under cache isolation")
+        sent = chat_body(raw) if route.via else raw  # (forwarded to replicas as the client's)
+        parsed = parse_body(sent, chat=route.chat, batches=route.batches)
         return await self._pinned(request, raw, parsed, self._need(route, parsed))
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -190,9 +188,8 @@ class ProxyHandlers:
     async def _unpinned(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
         avoid: frozenset[int] = frozenset()
         for attempt in (1, 2):
-            index = pick_backend(self._fleet.backends, avoid)
-            if isinstance(index, NoPlacement):
-                raise ServiceUnavailable("no backend is ready", code="no_backend")
+            pick = partial(pick_backend, self._fleet.backends, avoid)
+            index = await self._scheduler.backend(pick)
             try:
                 return await self._send(request, index, body, None)
             except UpstreamConnectError:
@@ -218,6 +215,7 @@ class ProxyHandlers:
         backend = self._settings.backends[index]
         record = request[RECORD]
         record.backend, record.slot = backend.label, (placement.pin if placement else None)
+        via = ROUTES[request.path].via
         outcome: Outcome | None = None
         released, finished = placement is None, [False]
 
@@ -229,7 +227,7 @@ class ProxyHandlers:
         try:
             async with self.client.send(
                 backend.base_url,
-                request.path,
+                via or request.rel_url.raw_path_qs,  # (the query string too)
                 method=request.method,
                 body=body,
                 headers=upstream_request_headers(request.headers.items()),
@@ -241,6 +239,7 @@ class ProxyHandlers:
                     self._clock,
                     lambda done: self._record(index, done, request),
                     before_eof,
+                    anthropic=via is not None,
                 )
         except UpstreamConnectError:
             released = True  # nothing reached the backend; the caller retries and releases

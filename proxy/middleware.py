@@ -1,6 +1,7 @@
 """Request id, in-flight accounting, error rendering and the one log line per request.
 
-Every error leaves as OpenAI-shaped JSON: ``ProxyError`` as itself, aiohttp's own HTTP
+Every error leaves as OpenAI-shaped JSON (Anthropic-shaped on ``/v1/messages``, whose clients
+expect that: ``core.anthropic_reply``): ``ProxyError`` as itself, aiohttp's own HTTP
 errors (405, 413 from the body limit) mapped onto the same vocabulary, and anything
 unexpected as a 500 that names the request id (the traceback goes to the log, never to the
 client). A request aiohttp cannot parse as HTTP never reaches the middleware: aiohttp
@@ -30,9 +31,12 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
 from proxy.config_sections import RoutingSettings
+from proxy.core.anthropic_reply import error_body as anthropic_error
 from proxy.core.usage import Usage
 from proxy.errors import (
+    LlamaShaped,
     MethodNotAllowed,
+    NoContent,
     NotFound,
     PayloadTooLarge,
     ProxyError,
@@ -128,8 +132,16 @@ _PLAIN = re.compile(r"[!#-~]+")  # printable ASCII but space and double quote
 _OWN = {"/healthz", "/readyz", "/metrics", "/admin/slots", "/admin/disk", "/admin/churn"}
 
 
-def render(error: ProxyError, request_id: str) -> web.Response:
-    response = web.json_response(error.body(), status=error.status, headers=error.headers)
+def render(error: ProxyError, request_id: str, path: str = "") -> web.Response:
+    if isinstance(error, NoContent):
+        return web.Response(status=204, headers={"X-Request-Id": request_id})
+    route = ROUTES.get(path)
+    text = error.text()  # (llama-server's own answers keep its shape on every path)
+    if route and route.via and not isinstance(error, LlamaShaped):
+        text = json.dumps(anthropic_error(error.status, error.message))
+    response = web.Response(
+        text=text, status=error.status, headers=error.headers, content_type="application/json"
+    )
     response.headers["X-Proxy-Error"] = "1"
     response.headers["X-Request-Id"] = request_id
     if error.headers.get("Connection") == "close":
@@ -184,17 +196,17 @@ async def _respond(
     try:
         response = await handler(request)
     except ProxyError as exc:
-        return render(exc, record.request_id)
+        return render(exc, record.request_id, request.path)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return render(_from_http(exc), record.request_id)
+        return render(_from_http(exc), record.request_id, request.path)
     except Exception:
         if request.transport is None or request.transport.is_closing():
             return web.Response(status=499)  # the client left: nobody to answer, no traceback
         log.exception("request_id=%s unexpected error", record.request_id)
         error = ProxyError(f"internal proxy error (request id {record.request_id})")
-        return render(error, record.request_id)
+        return render(error, record.request_id, request.path)
     if not response.prepared:
         response.headers["X-Request-Id"] = record.request_id
     return response

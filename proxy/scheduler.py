@@ -7,9 +7,10 @@ adds the waiting. A request that cannot be placed joins a FIFO queue (at most
 evaluated again on every release and probe (``wake``, in queue order: a request that does not
 fit yet does not block one that does) and every ``recheck_seconds`` (a routing decision
 that chose to wait for a busy slot changes its mind when its own wait bound passes). A full
-queue or an expired wait answers 503 with ``Retry-After``; when no backend is up at all the
-answer is immediate. A waiter cancelled (client gone) at the moment it was granted a slot
-gives the slot straight back, so no claim leaks.
+queue or an expired wait answers 503 with ``Retry-After``. While no backend is ready (start-up,
+a restart, an outage) requests wait the same way, and go as soon as a probe finds a backend
+ready (``wake``); so do requests that use no slot (``backend``). A waiter cancelled (client
+gone) at the moment it was granted a slot gives the slot straight back, so no claim leaks.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 
 from proxy.config import QueueSettings
 from proxy.core.fingerprint import Fingerprint
-from proxy.core.fleet import Fleet, NoPlacement, Placement
+from proxy.core.fleet import BackendPhase, Fleet, NoPlacement, Placement
 from proxy.errors import ServiceUnavailable
 from proxy.metrics import ProxyMetrics
 
@@ -42,6 +43,7 @@ class Scheduler:
         self._clock = clock
         self._recheck = recheck_seconds
         self._waiters: list[_Waiter] = []
+        self._ready: list[asyncio.Future[None]] = []  # requests that use no slot, waiting
 
     def waiting(self) -> int:
         """Requests waiting for a slot."""
@@ -64,11 +66,38 @@ class Scheduler:
         result = self._try(decide, content)
         if isinstance(result, Placement):
             return result
-        if result is NoPlacement.DOWN:
-            raise self._unavailable("no backend is available", "no_backend")
-        if len(self._waiters) >= self._settings.max_waiting:
-            raise self._unavailable("all slots are busy and the queue is full", "queue_full")
+        self._room()
         return await self._wait(decide, content)
+
+    def _room(self) -> None:
+        if len(self._waiters) + len(self._ready) >= self._settings.max_waiting:
+            raise self._unavailable("all slots are busy and the queue is full", "queue_full")
+
+    def _expired(self) -> ServiceUnavailable:
+        if not self._any_ready():
+            return self._unavailable("no backend became ready in time", "no_backend")
+        return self._unavailable("timed out waiting for a free slot", "wait_timeout")
+
+    def _any_ready(self) -> bool:
+        return any(b.phase is BackendPhase.READY for b in self.fleet.backends)
+
+    async def backend(self, pick: Callable[[], int | NoPlacement]) -> int:
+        """A backend for a request that uses no slot (``pick``): now, or as soon as one is
+        ready (``wake``), within the queue's bounds."""
+        deadline = self._clock() + self._settings.max_wait_seconds
+        while isinstance(index := pick(), NoPlacement):
+            if self._clock() >= deadline:
+                raise self._expired()
+            self._room()
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._ready.append(future)
+            self._metrics.queued.inc()
+            try:
+                await asyncio.wait([future], timeout=deadline - self._clock())
+            finally:
+                self._metrics.queued.dec()
+                self._ready.remove(future)
+        return index
 
     async def _wait(self, decide: Decide, content: Fingerprint | None) -> Placement:
         future: asyncio.Future[Placement] = asyncio.get_running_loop().create_future()
@@ -90,7 +119,7 @@ class Scheduler:
         if future.done():
             return future.result()
         future.cancel()
-        raise self._unavailable("timed out waiting for a free slot", "wait_timeout")
+        raise self._expired()
 
     def _give_back(self, future: asyncio.Future[Placement]) -> None:
         if future.done() and not future.cancelled() and future.exception() is None:
@@ -124,14 +153,15 @@ class Scheduler:
         result = self._try(decide, content)
         if isinstance(result, Placement):
             future.set_result(result)
-        elif result is NoPlacement.DOWN:
-            future.set_exception(self._unavailable("no backend is available", "no_backend"))
 
     def wake(self) -> None:
         """Place waiting requests in FIFO order wherever they now fit. Once every slot of the
         ready backends is taken, the rest wait as they are: deciding again would only say so
-        (on Mooncake's replay, four re-decisions in five; a backend's outage still fails
-        its waiters at their next recheck)."""
+        (on Mooncake's replay, four re-decisions in five)."""
+        if self._ready and self._any_ready():
+            for waiter in self._ready:
+                if not waiter.done():
+                    waiter.set_result(None)
         for decide, content, future in list(self._waiters):
             if self.fleet.full():
                 return

@@ -1,12 +1,20 @@
 """The only module that knows llama-server's endpoints and the aiohttp client API.
 
 ``ROUTES`` lists every path a client may reach and how it uses slots (see the reference,
-llama-server.md §1): completion endpoints honour ``id_slot`` and are pinned; ``/v1/messages``
-and embeddings run on a slot the server picks, so they need a whole idle backend (so does a
-completion whose ``prompt`` is a batch, an array holding no token id: the server makes a task
-of each element and gives each the request's ``id_slot``); tokenizer
-and template endpoints and the GET metadata endpoints use no slot. Nothing else (notably
-``/slots`` and its save/restore/erase actions) is reachable by clients.
+llama-server.md §1): completion endpoints honour ``id_slot`` and are pinned, and so is
+``/v1/messages``, sent as a chat completion (``via``: the server ignores ``id_slot`` on it);
+embeddings, reranking and decisions run on a slot the server picks, so they need a whole idle
+backend (so does a completion whose ``prompt`` is a batch, an array holding no token id: the
+server makes a task of each element and gives each the request's ``id_slot``); tokenizer,
+template and token-counting endpoints, server tools, the MCP CORS proxy and the GET metadata
+endpoints use no slot. ``REFUSED`` lists the routes the proxy answers itself with a refusal
+and why; any other path is a 404. ``HEALTH`` and ``PUBLIC`` are llama-server's readiness paths
+(served by the proxy, no API key needed).
+
+Each backend may have an API key (``BackendSettings.api_key``): the proxy's own calls carry
+it, and so does every forwarded request in place of the client's credential
+(``core.headers.with_credential``). A backend whose ``/slots`` and ``/props`` answer 401
+(a key the proxy lacks) stays ready, probed by the public ``/health``, as one slot.
 
 aiohttp client errors are translated here: a failed connect (no byte sent) is
 ``UpstreamConnectError`` so the caller may retry elsewhere; silence past the read timeout is
@@ -20,17 +28,19 @@ server's message, so the caller never handles aiohttp errors.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from proxy.config import TimeoutSettings
 from proxy.core.fleet import BackendPhase, Probe, SlotProbe
-from proxy.errors import BadGateway, GatewayTimeout, ProxyError
+from proxy.core.headers import with_credential
+from proxy.errors import BadGateway, GatewayTimeout, NoContent, ProxyError
 
 
 class SlotUse(Enum):
@@ -41,34 +51,85 @@ class SlotUse(Enum):
 
 @dataclass(frozen=True)
 class Route:
-    method: str
+    methods: tuple[str, ...]
     slot_use: SlotUse
     chat: bool = False  # body carries ``messages``
     batches: bool = False  # a ``prompt`` array may be a batch: one task per element
+    json: bool = True  # body is a JSON object (checked before it is forwarded)
+    via: str | None = None  # sent to this path instead, translated (``core.anthropic_*``)
+
+    @property
+    def method(self) -> str:
+        return self.methods[0]
+
+
+def _route(method: str, slot_use: SlotUse, **flags: Any) -> Route:
+    return Route(tuple(method.split("+")), slot_use, **flags)
+
+
+_PIN, _EXCLUSIVE, _NONE = SlotUse.PIN, SlotUse.EXCLUSIVE, SlotUse.NONE
 
 
 ROUTES: dict[str, Route] = {
-    "/v1/chat/completions": Route("POST", SlotUse.PIN, chat=True),
-    "/chat/completions": Route("POST", SlotUse.PIN, chat=True),
-    "/v1/completions": Route("POST", SlotUse.PIN, batches=True),
-    "/completion": Route("POST", SlotUse.PIN, batches=True),
-    "/completions": Route("POST", SlotUse.PIN, batches=True),
-    "/v1/responses": Route("POST", SlotUse.PIN),
-    "/infill": Route("POST", SlotUse.PIN),
-    "/v1/messages": Route("POST", SlotUse.EXCLUSIVE),
-    "/v1/embeddings": Route("POST", SlotUse.EXCLUSIVE),
-    "/embeddings": Route("POST", SlotUse.EXCLUSIVE),
-    "/tokenize": Route("POST", SlotUse.NONE),
-    "/detokenize": Route("POST", SlotUse.NONE),
-    "/apply-template": Route("POST", SlotUse.NONE),
-    "/v1/models": Route("GET", SlotUse.NONE),
-    "/models": Route("GET", SlotUse.NONE),
-    "/props": Route("GET", SlotUse.NONE),
+    "/v1/chat/completions": _route("POST", _PIN, chat=True),
+    "/chat/completions": _route("POST", _PIN, chat=True),
+    "/v1/completions": _route("POST", _PIN, batches=True),
+    "/completion": _route("POST", _PIN, batches=True),
+    "/completions": _route("POST", _PIN, batches=True),
+    "/v1/responses": _route("POST", _PIN),
+    "/responses": _route("POST", _PIN),
+    "/infill": _route("POST", _PIN),
+    "/v1/messages": Route(("POST",), _PIN, chat=True, via="/v1/chat/completions"),
+    "/v1/embeddings": _route("POST", _EXCLUSIVE),
+    "/embeddings": _route("POST", _EXCLUSIVE),
+    "/embedding": _route("POST", _EXCLUSIVE),
+    **{path: _route("POST", _EXCLUSIVE) for path in ("/rerank", "/reranking")},
+    **{path: _route("POST", _EXCLUSIVE) for path in ("/v1/rerank", "/v1/reranking")},
+    "/v1/systemone": _route("POST", _EXCLUSIVE),
+    "/tokenize": _route("POST", _NONE),
+    "/detokenize": _route("POST", _NONE),
+    "/apply-template": _route("POST", _NONE),
+    "/chat/completions/input_tokens": _route("POST", _NONE),
+    "/v1/chat/completions/input_tokens": _route("POST", _NONE),
+    "/responses/input_tokens": _route("POST", _NONE),
+    "/v1/responses/input_tokens": _route("POST", _NONE),
+    "/v1/messages/count_tokens": _route("POST", _NONE),
+    "/v1/models": _route("GET", _NONE),
+    "/models": _route("GET", _NONE),
+    "/props": _route("GET", _NONE),
+    "/slots": _route("GET", _NONE),
+    "/lora-adapters": _route("GET", _NONE),
+    "/tools": _route("GET+POST", _NONE),
+    "/cors-proxy": _route("GET+POST", _NONE, json=False),
+}
+HEALTH = ("/health", "/v1/health")  # answered by the proxy: is any backend ready
+PUBLIC = frozenset(HEALTH)  # llama-server checks no API key there (server-http.cpp)
+_SLOTS_OWNED = (
+    "the proxy manages slots itself (pins, saves and restores); a client's slot action "
+    "would change a slot's contents under it"
+)
+_BACKEND_BOUND = (
+    "it names a completion or stream running on one backend, and the proxy does not track which"
+)
+REFUSED: dict[tuple[str, str], str] = {
+    ("POST", "/slots/{id_slot}"): _SLOTS_OWNED,
+    ("POST", "/props"): "it changes one backend's global properties under the proxy",
+    ("POST", "/lora-adapters"): "it changes one backend's global adapter scales for every "
+    "client; send a request's own lora field instead",
+    ("POST", "/v1/chat/completions/control"): _BACKEND_BOUND,
+    ("GET", "/v1/stream"): _BACKEND_BOUND,
+    ("DELETE", "/v1/stream"): _BACKEND_BOUND,
+    ("POST", "/v1/streams/lookup"): _BACKEND_BOUND,
 }
 
 
 class UpstreamConnectError(BadGateway):
     """The backend refused or could not be reached; nothing was sent."""
+
+
+def _no_content(exc: aiohttp.ClientResponseError) -> bool:
+    """``exc`` is aiohttp failing on a bodiless answer followed by an empty chunked body."""
+    return exc.message.startswith("Bad status line") and "b'0'" in exc.message
 
 
 class SlotActionFailed(Exception):
@@ -78,8 +139,14 @@ class SlotActionFailed(Exception):
 class LlamaServerClient:
     """One shared ``ClientSession`` with explicit timeouts from Settings."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeouts: TimeoutSettings) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        timeouts: TimeoutSettings,
+        keys: Mapping[str, str | None] | None = None,
+    ) -> None:
         self._session = session
+        self._keys = keys or {}  # base URL -> that backend's API key
         self._timeouts = timeouts
         self._request_timeout = aiohttp.ClientTimeout(
             total=None, connect=timeouts.connect_seconds, sock_read=timeouts.read_seconds
@@ -96,15 +163,22 @@ class LlamaServerClient:
         body: bytes | None,
         headers: list[tuple[str, str]],
     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """Open a request; yields the response with its headers read, body not yet."""
+        """Open a request; yields the response with its headers read, body not yet.
+        ``path`` is as the client sent it, query string included, still percent-encoded."""
+        url = URL(base_url + path, encoded=True)
+        headers = with_credential(headers, self._keys.get(base_url))
         try:
             response = await self._session.request(
-                method, base_url + path, data=body, headers=headers, timeout=self._request_timeout
+                method, url, data=body, headers=headers, timeout=self._request_timeout
             )
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamConnectError(f"backend unreachable: {exc.os_error}") from None
         except (TimeoutError, aiohttp.ServerTimeoutError):
             raise GatewayTimeout("backend did not answer in time") from None
+        except aiohttp.ClientResponseError as exc:
+            if _no_content(exc):
+                raise NoContent from None
+            raise BadGateway(f"backend failed: {type(exc).__name__}") from None
         except aiohttp.ClientError as exc:
             raise BadGateway(f"backend failed: {type(exc).__name__}") from None
         try:
@@ -113,13 +187,16 @@ class LlamaServerClient:
             response.close()  # unfinished: drop the connection so the server cancels the task
             raise
         else:
-            response.release()
+            if response.status == 204:  # a chunked body may follow it (``NoContent``)
+                response.close()
+            else:
+                response.release()
 
     async def probe(self, base_url: str) -> Probe:
         """``/health`` then ``/slots`` (``/props`` when ``/slots`` is disabled)."""
         try:
             async with self._session.get(
-                base_url + "/health", timeout=self._probe_timeout
+                base_url + "/health", timeout=self._probe_timeout, headers=self._auth(base_url)
             ) as health:
                 if health.status == 503:
                     return Probe(BackendPhase.LOADING)
@@ -134,7 +211,10 @@ class LlamaServerClient:
         body = {"content": text, "add_special": False}
         try:
             async with self._session.post(
-                base_url + "/tokenize", json=body, timeout=self._probe_timeout
+                base_url + "/tokenize",
+                json=body,
+                timeout=self._probe_timeout,
+                headers=self._auth(base_url),
             ) as resp:
                 if resp.status != 200:
                     return None
@@ -142,14 +222,19 @@ class LlamaServerClient:
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
             return None
 
+    def _auth(self, base_url: str) -> dict[str, str]:
+        """The headers that carry the backend's API key on the proxy's own calls."""
+        key = self._keys.get(base_url)
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
+
     async def _call(self, base_url: str, path: str, body: dict[str, Any] | None) -> Any:
+        options: dict[str, Any] = {"timeout": self._request_timeout}
+        options["headers"] = self._auth(base_url)
         try:
             if body is None:
-                request = self._session.get(base_url + path, timeout=self._request_timeout)
+                request = self._session.get(base_url + path, **options)
             else:
-                request = self._session.post(
-                    base_url + path, json=body, timeout=self._request_timeout
-                )
+                request = self._session.post(base_url + path, json=body, **options)
             async with request as resp:
                 answer = await resp.json(content_type=None)
                 if resp.status != 200:
@@ -196,10 +281,14 @@ class LlamaServerClient:
         return answer
 
     async def _slots(self, base_url: str) -> tuple[SlotProbe, ...]:
-        async with self._session.get(base_url + "/slots", timeout=self._probe_timeout) as resp:
+        options: dict[str, Any] = {"timeout": self._probe_timeout}
+        options["headers"] = self._auth(base_url)
+        async with self._session.get(base_url + "/slots", **options) as resp:
             if resp.status == 200:
                 return tuple(_slot_probe(item) for item in await resp.json())
-        async with self._session.get(base_url + "/props", timeout=self._probe_timeout) as resp:
+        async with self._session.get(base_url + "/props", **options) as resp:
+            if resp.status == 401:  # --api-key and no key here: run it as one slot
+                return (SlotProbe(0, False, 0, -1),)
             props = await resp.json()
         total = int(props.get("total_slots", 0))
         return tuple(SlotProbe(i, False, 0, -1) for i in range(total))

@@ -111,6 +111,16 @@ def _lcp(a: list[str], b: list[str]) -> int:
     return n
 
 
+INVALID_KEY = '{"error":{"code":401,"message":"Invalid API Key","type":"authentication_error"}}'
+COUNT_PATHS = (
+    "/v1/messages/count_tokens",
+    "/chat/completions/input_tokens",
+    "/v1/chat/completions/input_tokens",
+    "/responses/input_tokens",
+    "/v1/responses/input_tokens",
+)
+
+
 class FakeLlamaServer:
     def __init__(
         self,
@@ -146,6 +156,8 @@ class FakeLlamaServer:
         self.linger_s = 0.0
         self.model = model
         self.loading = False
+        self.api_key: str | None = None  # --api-key: every path but /health needs it
+        self.ui_mcp_proxy = False  # --ui-mcp-proxy: /cors-proxy relays (else 403)
         self.received: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.violations: list[str] = []
         self.faults: list[tuple[str, Any]] = []
@@ -164,9 +176,10 @@ class FakeLlamaServer:
 
     # -- lifecycle ------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._key_check])
         r = app.router
         r.add_get("/health", self.health)
+        r.add_get("/v1/health", self.health)
         r.add_get("/props", self.props)
         r.add_get("/slots", self.slots_view)
         for path in ("/v1/models", "/models"):
@@ -179,11 +192,20 @@ class FakeLlamaServer:
             "/v1/chat/completions",
             "/chat/completions",
             "/v1/responses",
+            "/responses",
             "/v1/messages",
             "/v1/embeddings",
             "/embeddings",
+            "/embedding",
         ):
             r.add_post(path, self.complete)
+        for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
+            r.add_post(path, self.rerank)
+        for path in COUNT_PATHS:
+            r.add_post(path, self.count_tokens)
+        r.add_get("/lora-adapters", self.lora_adapters)
+        r.add_route("*", "/tools", self.disabled)
+        r.add_route("*", "/cors-proxy", self.cors_proxy)
         r.add_post("/slots/{id}", self.slot_action)
         r.add_get("/debug/violations", self.debug_violations)
         r.add_post("/tokenize", self.tokenize)
@@ -217,6 +239,52 @@ class FakeLlamaServer:
 
     def drop_next(self, after_chunks: int = 2) -> None:
         self.faults.append(("drop", after_chunks))
+
+    # -- API key, and routes that run no completion ----------------------------------------
+    @web.middleware
+    async def _key_check(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """As llama-server: Authorization (Bearer optional), else X-Api-Key."""
+        given = request.headers.get("Authorization", "") or request.headers.get("X-Api-Key", "")
+        if self.api_key is None or request.path in ("/health", "/v1/health"):
+            return await handler(request)
+        if given.removeprefix("Bearer ") != self.api_key:
+            return web.Response(status=401, text=INVALID_KEY, content_type="application/json")
+        return await handler(request)
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        """A task on a slot the server picks; no KV reuse (scores: documents' order)."""
+        body = await request.json()
+        self.received.append((request.path, body, dict(request.headers)))
+        documents = body.get("documents") or []
+        slots = await self._take_slots(tokenize(str(body.get("query", ""))), -1, 1)
+        await self._free(slots, slots[0].task_id)
+        results = [{"index": i, "relevance_score": -float(i)} for i in range(len(documents))]
+        return web.json_response({"model": self.model, "object": "list", "results": results})
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.received.append((request.path, body, dict(request.headers)))
+        return web.json_response({"input_tokens": len(tokenize(self._prompt("", body)))})
+
+    async def lora_adapters(self, request: web.Request) -> web.Response:
+        return web.json_response([])
+
+    async def disabled(self, request: web.Request) -> web.Response:
+        text = '{"error":{"message":"this feature is disabled","type":"feature_disabled"}}'
+        return web.Response(status=403, text=text, content_type="application/json")
+
+    async def cors_proxy(self, request: web.Request) -> web.StreamResponse:
+        """``url=...no-content`` answers as llama-server relays a 204: with a chunked body."""
+        if not self.ui_mcp_proxy:
+            return await self.disabled(request)
+        self.received.append((request.path_qs, {}, dict(request.headers)))
+        if request.query.get("url", "").endswith("no-content"):
+            assert request.transport is not None
+            head = b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+            request.transport.write(head)
+            request.transport.close()
+            return web.Response()
+        return web.Response(text=f"relayed {request.method} {request.query.get('url')}")
 
     # -- metadata endpoints ---------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -332,7 +400,7 @@ class FakeLlamaServer:
     def _prompt(self, path: str, body: dict[str, Any]) -> str:
         if "messages" in body:
             return render_chat(body)
-        if path == "/v1/responses":
+        if path in ("/v1/responses", "/responses"):
             text = body.get("input")
             return text if isinstance(text, str) else json.dumps(text)
         prompt = body.get("prompt", "")

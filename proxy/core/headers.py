@@ -12,6 +12,12 @@ aiohttp decodes header bytes as UTF-8 with surrogate escapes, so a byte that is 
 becomes a lone surrogate that fails any later ``encode()`` (hashing, Redis, logging).
 ``header_text`` reads a header the proxy itself interprets and refuses such a value as a
 400 naming the header; headers merely relayed upstream keep their bytes.
+
+API keys: ``presented_key`` reads a client's key as llama-server does (``Authorization``,
+else ``X-Api-Key``, minus a ``Bearer `` prefix). ``with_credential`` puts a backend's own key
+in place of the client's credentials: the proxy's key authenticates the client to the proxy,
+the backend's key the proxy to the backend. Without a backend key, the client's headers
+cross unchanged.
 """
 
 from __future__ import annotations
@@ -65,6 +71,20 @@ def upstream_request_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[s
 
 def client_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     return _filter(headers, _RESPONSE_DROP)
+
+
+def presented_key(headers: Mapping[str, str]) -> str:
+    """The API key a request presents, read as llama-server reads it."""
+    key = headers.get("Authorization", "") or headers.get("X-Api-Key", "")
+    return key.removeprefix("Bearer ")
+
+
+def with_credential(headers: list[tuple[str, str]], key: str | None) -> list[tuple[str, str]]:
+    """``headers`` carrying ``key`` (a backend's API key) instead of the client's own."""
+    if key is None:
+        return headers
+    kept = [(k, v) for k, v in headers if k.lower() not in ("authorization", "x-api-key")]
+    return [*kept, ("Authorization", f"Bearer {key}")]
 
 
 def header_text(headers: Mapping[str, str], name: str) -> str:

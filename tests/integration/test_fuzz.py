@@ -261,7 +261,7 @@ def test_smuggling_and_traversal_never_reach_a_backend(served: Served) -> None:
         "/v1/chat/completions%00",
     ):
         status, _, _ = served.request("POST", path, body, {"Content-Type": "application/json"})
-        assert status in (400, 404), path
+        assert status in (400, 403, 404), path
     assert len(served.fake_server.slot_actions) == actions  # no client reached a slot action
     forwarded = [p for p, _, _ in served.fake_server.received[before:]]
     assert set(forwarded) <= {p for p, r in ROUTES.items()}

@@ -174,3 +174,12 @@ def test_log_format_json_makes_every_log_line_one_json_object() -> None:
         root.handlers[:] = saved
     (line,) = out.getvalue().splitlines()
     assert json.loads(line)["message"] == "a\nb"
+
+
+def test_api_keys_from_the_environment_and_per_backend() -> None:
+    backends = '[{"url": "http://a:1", "api_key": "s3cret-b"}]'
+    env = {"LLAMA_CACHE_PROXY_BACKENDS": backends, "LLAMA_CACHE_PROXY_API_KEY": "k1, k2"}
+    settings = load_settings(cli={}, environ=env)
+    assert [k.get_secret_value() for k in settings.api_key] == ["k1", "k2"]
+    assert settings.backends[0].key == "s3cret-b"
+    assert "s3cret-b" not in repr(settings)

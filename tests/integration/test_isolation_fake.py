@@ -40,12 +40,22 @@ async def test_without_isolation_the_probe_would_work(fakes: Any, proxy: Any) ->
     assert (await probe.json())["timings"]["cache_n"] > 300
 
 
-async def test_messages_endpoint_is_refused_under_isolation(fakes: Any, proxy: Any) -> None:
+async def test_messages_endpoint_is_served_pinned_under_isolation(fakes: Any, proxy: Any) -> None:
     fake = await fakes(n_slots=1)
-    client = await proxy([fake], isolation={"mode": "tenant"})
-    resp = await client.post("/v1/messages", json={**chat("hi"), "max_tokens": 4})
-    assert resp.status == 400
-    assert "isolation" in (await resp.json())["error"]["message"]
+    client = await proxy([fake], isolation={"mode": "tenant"}, disk={"prefix_cache": "off"})
+    body = {**chat(PROMPT), "max_tokens": 4}
+    first = await client.post("/v1/messages", json=body, headers=as_tenant("a"))
+    assert first.status == 200
+    assert (await first.json())["type"] == "message"
+    path, sent, _ = fake.received[-1]
+    assert path == "/v1/chat/completions"
+    assert (sent["id_slot"], sent["cache_prompt"]) == (0, False)  # an empty slot: no reuse
+    again = await client.post("/v1/messages", json=body, headers=as_tenant("a"))
+    assert fake.received[-1][1]["cache_prompt"] is True  # the tenant's own KV
+    assert (await again.json())["usage"]["cache_read_input_tokens"] > 300
+    other = await client.post("/v1/messages", json=body, headers=as_tenant("b"))
+    assert fake.received[-1][1]["cache_prompt"] is False
+    assert (await other.json())["usage"]["cache_read_input_tokens"] == 0
 
 
 async def test_tenants_do_not_share_disk_snapshots_or_affinities(

@@ -8,6 +8,8 @@
     ├── Refused                     403  a llama-server route the proxy does not serve, and why
     ├── PayloadTooLarge             413  body over ``max_body_bytes`` (closes the connection)
     ├── UnsupportedEncoding         415  body with a Content-Encoding (closes the connection)
+    ├── NoContent                   204  not an error: a backend's malformed 204, answered plain
+    ├── InvalidApiKey, LoadingModel 401, 503  llama-server's own answers, in its bytes
     ├── ServiceUnavailable          503  no ready backend / queue full / wait too long (Retry-After)
     ├── BadGateway                  502  backend failed before answering
     └── GatewayTimeout              504  backend silent past the read timeout
@@ -53,14 +55,14 @@ class ProxyError(Exception):
 
 
 class LlamaShaped(ProxyError):
-    """An answer llama-server gives itself, in its bytes: compact JSON, keys sorted (nlohmann
-    json), the status as ``code``."""
+    """An answer llama-server gives itself, in its bytes: compact JSON, its keys in its order
+    (``message``, ``type``, then the status as ``code``)."""
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"code": self.status, "message": self.message, "type": self.type}}
+        return {"error": {"message": self.message, "type": self.type, "code": self.status}}
 
     def text(self) -> str:
-        return json.dumps(self.body(), separators=(",", ":"), sort_keys=True)
+        return json.dumps(self.body(), separators=(",", ":"))
 
 
 class InvalidApiKey(LlamaShaped):

@@ -111,7 +111,7 @@ def _lcp(a: list[str], b: list[str]) -> int:
     return n
 
 
-INVALID_KEY = '{"error":{"code":401,"message":"Invalid API Key","type":"authentication_error"}}'
+INVALID_KEY = '{"error":{"message":"Invalid API Key","type":"authentication_error","code":401}}'
 COUNT_PATHS = (
     "/v1/messages/count_tokens",
     "/chat/completions/input_tokens",

@@ -13,7 +13,7 @@ from tests.conftest import chat
 from tests.fake_llama import COUNT_PATHS, INVALID_KEY
 from tests.real.stack import free_port
 
-LOADING = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+LOADING = b'{"error":{"message":"Loading model","type":"unavailable_error","code":503}}'
 
 
 async def _until(condition: Any, seconds: float = 5.0) -> None:

@@ -54,7 +54,8 @@ def test_fuzzed_requests_on_the_real_server(served_real: Served, path: str, body
 def test_get_routes_on_the_real_server(served_real: Served, path: str) -> None:
     status, headers, payload = served_real.request("GET", path + "?x=%00%ff", None)
     _check(status, headers, payload)
-    assert status == 200, payload[:200]
+    disabled = path in ("/tools", "/cors-proxy")  # (the server runs without those features)
+    assert status == (403 if disabled else 200), payload[:200]
 
 
 def test_afterwards_nothing_is_left_running_and_it_still_serves(served_real: Served) -> None:

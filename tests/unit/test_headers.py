@@ -2,7 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.core.headers import client_response_headers, header_text, upstream_request_headers
+from proxy.core.headers import (
+    client_response_headers,
+    header_text,
+    presented_key,
+    upstream_request_headers,
+    with_credential,
+)
 from proxy.errors import InvalidRequest
 
 
@@ -32,3 +38,16 @@ def test_header_text_refuses_bytes_that_are_not_utf8() -> None:
     assert (caught.value.status, caught.value.param) == (400, "X-Session-Id")
     assert header_text(headers, "X-Ok") == "caf\u00e9"
     assert header_text(headers, "X-Absent") == ""
+
+
+def test_presented_key_as_llama_server_reads_it() -> None:
+    assert presented_key({"Authorization": "Bearer k", "X-Api-Key": "x"}) == "k"
+    assert presented_key({"Authorization": "k"}) == "k"
+    assert presented_key({"X-Api-Key": "x"}) == "x"
+    assert presented_key({}) == ""
+
+
+def test_with_credential_replaces_the_clients_key_only_when_the_backend_has_one() -> None:
+    headers = [("Authorization", "Bearer client"), ("x-api-key", "client"), ("Accept", "*/*")]
+    assert with_credential(headers, None) == headers
+    assert with_credential(headers, "b") == [("Accept", "*/*"), ("Authorization", "Bearer b")]

@@ -1,0 +1,106 @@
+"""The proxy as a drop-in llama-server, against real llama-servers: /health, API keys, and
+the routes it forwards answering as the server answers directly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import chat
+from tests.real.stack import LlamaServer
+
+KEY = {"Authorization": "Bearer k"}
+
+
+async def _direct(server: LlamaServer, method: str, path: str, body: Any, headers: Any) -> Any:
+    url = server.url + path
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, url, json=body, headers=headers) as resp,
+    ):
+        return resp.status, await resp.read()
+
+
+async def _until_ready(client: Any) -> None:
+    deadline = time.monotonic() + 30
+    while (await client.get("/readyz")).status != 200:
+        assert time.monotonic() < deadline, "proxy not ready"
+        await asyncio.sleep(0.1)
+
+
+async def test_health_through_the_proxy_equals_the_servers(llama_servers: Any, proxy: Any) -> None:
+    server = llama_servers(slots=2)
+    client = await proxy([server.url])
+    await _until_ready(client)
+    for path in ("/health", "/v1/health"):
+        resp = await client.get(path)
+        assert (resp.status, await resp.read()) == await _direct(server, "GET", path, None, {})
+
+
+async def test_backend_with_api_key_works_with_the_key_and_stays_up_without(
+    llama_servers: Any, proxy: Any
+) -> None:
+    server = llama_servers(slots=2, extra=("--api-key", "k"))
+    keyed = await proxy([{"url": server.url, "api_key": "k"}])
+    await _until_ready(keyed)
+    body = chat("Say hi.", max_tokens=4, temperature=0)
+    assert (await keyed.post("/v1/chat/completions", json=body)).status == 200
+    bare = await proxy([server.url])
+    await _until_ready(bare)  # /slots and /props answer 401: ready all the same
+    assert (await bare.post("/v1/chat/completions", json=body, headers=KEY)).status == 200
+    resp = await bare.post("/v1/chat/completions", json=body)
+    assert (resp.status, await resp.read()) == await _direct(
+        server, "POST", "/v1/chat/completions", body, {}
+    )
+
+
+async def test_proxy_api_key_answers_as_llama_servers(llama_servers: Any, proxy: Any) -> None:
+    server = llama_servers(slots=2, extra=("--api-key", "k"))
+    client = await proxy([{"url": server.url, "api_key": "k"}], api_key="k")
+    await _until_ready(client)
+    for headers in ({}, {"X-Api-Key": "no"}, {"Authorization": "Bearer no"}):
+        resp = await client.post("/tokenize", json={"content": "a"}, headers=headers)
+        direct = await _direct(server, "POST", "/tokenize", {"content": "a"}, headers)
+        assert (resp.status, await resp.read()) == direct
+    for headers in (KEY, {"X-Api-Key": "k"}):
+        resp = await client.post("/tokenize", json={"content": "a"}, headers=headers)
+        direct = await _direct(server, "POST", "/tokenize", {"content": "a"}, headers)
+        assert (resp.status, await resp.read()) == direct
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        (
+            "POST",
+            "/v1/messages/count_tokens",
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        ),
+        ("POST", "/chat/completions/input_tokens", chat("hi")),
+        ("POST", "/v1/responses/input_tokens", {"input": "hi"}),
+        ("POST", "/embedding", {"content": "hi"}),
+        ("POST", "/rerank", {"query": "q", "documents": ["a", "b"]}),
+        ("POST", "/v1/reranking", {"query": "q", "documents": ["a"]}),
+        ("GET", "/lora-adapters", None),
+        ("GET", "/tools", None),
+        ("POST", "/tools", {}),
+        ("GET", "/cors-proxy", None),
+        ("POST", "/responses", {"input": "Say hi.", "max_output_tokens": 4, "temperature": 0}),
+    ],
+)
+async def test_new_routes_answer_as_the_server_directly(
+    llama_servers: Any, proxy: Any, method: str, path: str, body: Any
+) -> None:
+    server = llama_servers(slots=2)
+    client = await proxy([server.url])
+    await _until_ready(client)
+    resp = await client.request(method, path, json=body)
+    status, direct = await _direct(server, method, path, body, {})
+    got = await resp.read()
+    assert resp.status == status, got
+    if path != "/responses":  # (ids and timestamps differ from call to call)
+        assert got == direct

@@ -44,7 +44,8 @@ async def test_batch_elements_run_on_distinct_slots_with_their_own_answers(
     for event in (await resp.text()).split("\n\n"):
         payload = event.removeprefix("data: ").strip()
         if payload and payload != "[DONE]":
-            for choice in json.loads(payload).get("choices", []):
+            data = json.loads(payload)  # (the server sends "data: null" between elements)
+            for choice in data.get("choices", []) if data else []:
                 texts[choice["index"]] += choice.get("text") or ""
     assert texts == expected
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import aiohttp
 import pytest
 
 from tests.conftest import chat
@@ -50,3 +51,57 @@ async def test_timing_probe_across_tenants(llama_servers: Any, proxy: Any, mode:
     else:
         assert probe_cached == 0  # computed from scratch
         assert probe > 2 * warm  # as slow as a cold prompt: the probe learns nothing
+
+
+MEMO = "Tenant A's memo on the merger. " * 40  # within one batch of embeddings (512)
+EMBEDDINGS = ("--embeddings", "--pooling", "mean")  # completions are served too
+
+
+async def _cache_n(url: str, headers: dict[str, str]) -> int:
+    """``cache_n`` of a completion of MEMO sent to ``url`` (the proxy or the server)."""
+    body = {"prompt": MEMO, "n_predict": 1, "temperature": 0}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/completion", json=body, headers=headers) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        return int((await resp.json())["timings"]["cache_n"])
+
+
+async def _embed(url: str, headers: dict[str, str]) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/embeddings", json={"input": MEMO}, headers=headers) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        assert len((await resp.json())["data"][0]["embedding"]) > 0
+
+
+async def test_an_embedding_leaves_its_tokens_for_the_next_completion(
+    llama_servers: Any,
+) -> None:
+    """The server side: an embedding is computed from scratch (stateless, ``cache_prompt``
+    ignored), but its tokens stay in the slot, and a completion sharing them reuses them."""
+    server = llama_servers(slots=1, extra=EMBEDDINGS)
+    await _embed(server.url, {})
+    assert await _cache_n(server.url, {}) > 250
+
+
+async def test_embeddings_leave_nothing_another_tenant_reuses(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """Through the proxy under isolation: after tenant A's embedding the proxy does not know
+    what the slot holds, so tenant B's completion is sent with ``cache_prompt: false``."""
+    server = llama_servers(slots=1, extra=EMBEDDINGS)
+    client = await proxy([server], isolation={"mode": "tenant"}, disk={"prefix_cache": "off"})
+    tenant_a = {"Authorization": "Bearer tenant-a"}
+    resp = await client.post("/v1/embeddings", json={"input": MEMO}, headers=tenant_a)
+    assert resp.status == 200, await resp.text()
+    body = {"prompt": MEMO, "n_predict": 1, "temperature": 0}
+    cached = []
+    for _ in range(2):
+        resp = await client.post("/completion", json=body, headers={"Authorization": "Bearer b"})
+        assert resp.status == 200, await resp.text()
+        cached.append((await resp.json())["timings"]["cache_n"])
+    assert cached[0] == 0  # nothing of A's reused
+    assert cached[1] > 250  # within B: reused

@@ -13,7 +13,8 @@ from anthropic import AsyncAnthropic
 from tests.integration.test_anthropic_sdk import FIRST, SYSTEM, TOOLS
 from tests.integration.test_anthropic_sdk import SECOND as TOOL_TURN
 
-GREEDY: dict[str, Any] = {"model": "m", "temperature": 0, "top_k": 1, "max_tokens": 24}
+SAMPLING = {"temperature": 0, "top_k": 1}  # (not parameters of this SDK: sent as extra_body)
+GREEDY: dict[str, Any] = {"model": "m", "max_tokens": 24}
 
 
 def sdk(client: Any) -> AsyncAnthropic:
@@ -50,26 +51,28 @@ async def test_answers_match_llama_servers_own_messages_endpoint(
 ) -> None:
     server = llama_servers(slots=2)
     client = await proxy([server.url])
+    anthropic = sdk(client)
     for messages in (FIRST, TOOL_TURN):
         body = {**GREEDY, "system": SYSTEM, "tools": TOOLS, "messages": messages}
-        status, direct = await post(server.url + "/v1/messages", body)
+        status, direct = await post(server.url + "/v1/messages", {**body, **SAMPLING})
         assert status == 200, direct
         ref = json.loads(direct)
-        via = (await sdk(client).messages.create(**body)).model_dump()
+        via = (await anthropic.messages.create(**body, extra_body=SAMPLING)).model_dump()
         assert blocks(via["content"]) == blocks(ref["content"])
         assert (via["stop_reason"], via["type"], via["role"]) == (
             ref["stop_reason"], "message", "assistant")  # fmt: skip
         assert via["usage"]["output_tokens"] == ref["usage"]["output_tokens"]
         assert total(via["usage"]) == total(ref["usage"])
-        streamed = {**body, "stream": True}
+        streamed = {**body, **SAMPLING, "stream": True}
         status, via_raw = await post(str(client.make_url("/v1/messages")), streamed)
         assert status == 200, via_raw
         assert events(via_raw) == events((await post(server.url + "/v1/messages", streamed))[1])
-    counted = await sdk(client).messages.count_tokens(model="m", messages=FIRST)  # type: ignore[arg-type]
+    counted = await anthropic.messages.count_tokens(model="m", messages=FIRST)  # type: ignore[arg-type]
     status, direct = await post(
         server.url + "/v1/messages/count_tokens", {"model": "m", "messages": FIRST}
     )
     assert counted.input_tokens == json.loads(direct)["input_tokens"]
+    await anthropic.close()
 
 
 async def test_a_second_turn_reuses_the_first_turns_kv(llama_servers: Any, proxy: Any) -> None:
@@ -78,6 +81,7 @@ async def test_a_second_turn_reuses_the_first_turns_kv(llama_servers: Any, proxy
     anthropic = sdk(client)
     first = await anthropic.messages.create(
         **GREEDY,
+        extra_body=SAMPLING,
         system=SYSTEM,
         tools=TOOLS,
         messages=FIRST,  # type: ignore[arg-type]
@@ -85,6 +89,7 @@ async def test_a_second_turn_reuses_the_first_turns_kv(llama_servers: Any, proxy
     assert first.usage.input_tokens > 100
     async with anthropic.messages.stream(
         **GREEDY,
+        extra_body=SAMPLING,
         system=SYSTEM,
         tools=TOOLS,
         messages=TOOL_TURN,  # type: ignore[arg-type]

@@ -41,7 +41,7 @@ def served_real() -> Iterator[Served]:
 
 
 @settings(
-    max_examples=120,
+    max_examples=400,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -70,12 +70,13 @@ def test_afterwards_nothing_is_left_running_and_it_still_serves(served_real: Ser
             processing = [s["id"] for s in json.load(resp) if s["is_processing"]]
         _, _, page = served_real.request("GET", "/metrics", None)
         in_flight = metric(page.decode(), "llama_cache_proxy_requests_in_flight")
-        if (not processing and in_flight == 0) or time.monotonic() > deadline:
+        if (not processing and in_flight == 1) or time.monotonic() > deadline:  # 1: this scrape
             break
         time.sleep(0.2)
     assert processing == []
-    assert in_flight == 0
+    assert in_flight == 1
 
 
 def test_the_save_dir_holds_only_the_proxys_files(served_real: Served) -> None:
-    assert all(p.name.startswith("llp-") for p in Path(served_real.save_dir).iterdir())
+    names = {p.name for p in Path(served_real.save_dir).iterdir()} - {"server.log"}
+    assert all(name.startswith("llp-") for name in names)

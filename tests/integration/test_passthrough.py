@@ -97,16 +97,15 @@ async def test_detokenize_roundtrip(fakes: Any, proxy: Any) -> None:
     assert (await resp.json())["content"] == "a b c"
 
 
-async def test_messages_endpoint_gets_a_whole_backend_and_no_id_slot(
-    fakes: Any, proxy: Any
-) -> None:
+async def test_messages_endpoint_is_pinned_as_a_chat_completion(fakes: Any, proxy: Any) -> None:
     fake = await fakes(n_slots=2)
     client = await proxy([fake])
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     resp = await client.post("/v1/messages", json=body)
     assert resp.status == 200
-    assert "id_slot" not in fake.received[-1][1]
-    assert "X-Cache-Slot" not in resp.headers
+    path, sent, _ = fake.received[-1]
+    assert path == "/v1/chat/completions"
+    assert sent["id_slot"] == int(resp.headers["X-Cache-Slot"])
 
 
 async def test_n_above_one_claims_the_backend_and_lets_the_server_choose(

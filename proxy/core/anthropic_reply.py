@@ -71,7 +71,7 @@ def reply_body(status: int, body: bytes) -> bytes:
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return _dumps(error_body(502, "backend answered without a choice"))
-    message = choices[0].get("message") or {}
+    message = _dict(choices[0].get("message"))
     return _dumps(
         {
             "id": answer.get("id", ""),
@@ -94,8 +94,8 @@ def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
         )
     if message.get("content"):
         blocks.append({"type": "text", "text": message["content"]})
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
+    for call in _dicts(message.get("tool_calls")):
+        function = _dict(call.get("function"))
         blocks.append(
             {
                 "type": "tool_use",
@@ -105,6 +105,14 @@ def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     return blocks
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
 
 
 def _input(arguments: Any) -> Any:
@@ -230,14 +238,13 @@ class StreamReply:
                 self._text = int(self._thinking)
                 out += _block_start(self._text, {"type": "text", "text": ""})
             out += _block_delta(self._text, {"type": "text_delta", "text": content})
-        for call in delta.get("tool_calls") or []:
-            if isinstance(call, dict):
-                out += self._tool(call)
+        for call in _dicts(delta.get("tool_calls")):
+            out += self._tool(call)
         return out
 
     def _tool(self, call: dict[str, Any]) -> bytes:
-        out, function = b"", call.get("function") or {}
-        position = call.get("index", 0)
+        out, function = b"", _dict(call.get("function"))
+        position = _count(call.get("index"))
         if position not in self._tools:
             self._tools[position] = (
                 int(self._thinking) + int(self._text is not None) + len(self._tools)

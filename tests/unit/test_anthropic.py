@@ -2,15 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.core.anthropic_reply import StreamReply, error_body, reply_body
 from proxy.core.anthropic_request import chat_body, normalize_billing_header, to_chat
 from proxy.errors import InvalidRequest
 
+KEYS = [
+    "messages",
+    "system",
+    "role",
+    "content",
+    "type",
+    "text",
+    "tools",
+    "tool_choice",
+    "source",
+    "input",
+    "metadata",
+    "user_id",
+    "thinking",
+    "choices",
+    "delta",
+    "message",
+    "tool_calls",
+    "function",
+    "arguments",
+    "index",
+    "timings",
+    "usage",
+    "error",
+]
 BILLING = "x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=a5145;"
 
 
@@ -288,3 +316,25 @@ def test_an_error_event_in_a_stream_is_anthropics() -> None:
 
 def test_keep_alive_comments_become_pings() -> None:
     assert events(StreamReply().lines(b":\n\n")) == [("ping", {"type": "ping"})]
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYS), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(KEYS), JSON, max_size=6))
+def test_any_body_is_converted_or_refused_with_a_400(body: dict[str, Any]) -> None:
+    with contextlib.suppress(InvalidRequest):
+        to_chat(body)
+    answer = {"choices": [body], "id": "x"}
+    assert json.loads(reply_body(200, json.dumps(answer).encode()))["type"] in ("message", "error")
+    stream = StreamReply()
+    chunk = b"data: " + json.dumps(answer).encode() + b"\n"
+    assert stream.lines(chunk).startswith(b"event: ")
+    assert stream.end(b"").endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')

@@ -11,7 +11,7 @@ of a configured header; requests without one share the anonymous tenant. Then:
 - llama-server itself would still reuse any common prefix it finds in the slot it is given,
   and its host-RAM prompt cache may load another tenant's entry into a pinned slot that
   would lose over half its content, or into an empty one once upstream #28139 is fixed
-  (today a pinned empty slot skips the RAM cache: a bug, not a guarantee). So a request may
+  (that a pinned empty slot skips the RAM cache is that bug, not a guarantee). So a request may
   reuse a slot's KV (``cache_prompt: true``) only when ``may_reuse``: the slot provably
   holds this tenant's own content and the request keeps at least ``KEEP`` of it (well
   above the server's 0.5 RAM-cache threshold). Otherwise, an empty slot included (which

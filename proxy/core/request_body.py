@@ -128,7 +128,8 @@ def parse_body(raw: bytes, *, chat: bool, batches: bool = False) -> ParsedBody:
     one whose ``prompt`` may be a batch)."""
     data = decode_json_object(raw)
     _check_types(data, chat=chat)
-    completions = data.get("n_cmpl", data.get("n"))
+    # the server reads n_cmpl, else its alias n, and takes a null as absent
+    completions = next((data[k] for k in ("n_cmpl", "n") if data.get(k) is not None), None)
     if completions is not None and completions < 1:
         raise InvalidRequest("'n' must be at least 1", param="n", code="invalid_value")
     return ParsedBody(

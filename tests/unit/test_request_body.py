@@ -125,3 +125,21 @@ def test_a_prompt_array_without_token_ids_is_a_batch(prompt: object, tasks: int)
     raw = json.dumps({"prompt": prompt}).encode()
     assert parse_body(raw, chat=False, batches=True).tasks == tasks
     assert parse_body(raw, chat=False).tasks == 1  # endpoints that take no batch
+
+
+@pytest.mark.parametrize(
+    ("body", "completions"),
+    [
+        ({"n": 2}, 2),
+        ({"n_cmpl": 3, "n": 2}, 3),
+        ({"n_cmpl": None, "n": 2}, 2),  # null is absent to the server: n counts
+        ({"n_cmpl": 2, "n": None}, 2),
+        ({"n": None}, 1),
+        ({}, 1),
+    ],
+)
+def test_completions_read_as_the_server_reads_them(
+    body: dict[str, object], completions: int
+) -> None:
+    raw = json.dumps({"prompt": "x", **body}).encode()
+    assert parse_body(raw, chat=False).completions == completions

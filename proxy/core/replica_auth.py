@@ -28,17 +28,38 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import math
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 # IP literals in private and loopback networks: the default allowlist (never a public
 # address, never a host name)
 PRIVATE = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "fc00::/7", "::1/128")
+_HEX = frozenset("0123456789abcdef")  # the digits of ``hexdigest``
 
 
 def _mac(secret: bytes, *parts: str) -> str:
     message = "\n".join(parts).encode("utf-8", "surrogateescape")
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def _signed(secret: bytes, text: str, sep: str, kind: str, *bound: str) -> tuple[str, float] | None:
+    """The signer and time of ``<signer><sep><time><sep><hex HMAC of kind, signer, time,
+    bound>`` when that HMAC holds; None otherwise, for any text at all (a MAC that is not
+    64 hex digits is refused before it is compared; so is text that cannot be encoded, or a
+    time that is not a finite number)."""
+    head, _, mac = text.rpartition(sep)
+    signer, _, stamp = head.rpartition(sep)
+    if not signer or len(mac) != 64 or not all(c in _HEX for c in mac):
+        return None
+    try:
+        expected = _mac(secret, kind, signer, stamp, *bound)
+        at = float(stamp)
+    except ValueError:  # (UnicodeEncodeError too: a lone surrogate)
+        return None
+    if not math.isfinite(at) or not hmac.compare_digest(mac.encode(), expected.encode()):
+        return None
+    return signer, at
 
 
 def sign_entry(secret: bytes, replica: str, expires: float) -> str:
@@ -50,19 +71,8 @@ def sign_entry(secret: bytes, replica: str, expires: float) -> str:
 def verify_entry(secret: bytes, entry: str, score: float) -> str | None:
     """The replica id of a heartbeat entry whose signature holds and whose ``score`` (when
     the store drops it) is not past the expiry it signed; None otherwise."""
-    head, _, mac = entry.rpartition("|")
-    replica, _, stamp = head.rpartition("|")
-    if not replica or not hmac.compare_digest(mac, _mac(secret, "beat", replica, stamp)):
-        return None
-    try:
-        expires = float(stamp)
-    except ValueError:
-        return None
-    return replica if score <= expires + 0.001 else None
-
-
-def _request_mac(secret: bytes, sender: str, stamp: str, request: Sequence[str]) -> str:
-    return _mac(secret, "forward", sender, stamp, *request)
+    signed = _signed(secret, entry, "|", "beat")
+    return signed[0] if signed is not None and score <= signed[1] + 0.001 else None
 
 
 def request_parts(request_id: str, method: str, path: str, body: bytes) -> tuple[str, ...]:
@@ -73,7 +83,7 @@ def request_parts(request_id: str, method: str, path: str, body: bytes) -> tuple
 def sign_forward(secret: bytes, sender: str, now: float, request: Sequence[str]) -> str:
     """The ``X-Cache-Forwarded-By`` value for ``request`` (``request_parts``) sent now."""
     stamp = f"{now:.3f}"
-    return f"{sender};{stamp};{_request_mac(secret, sender, stamp, request)}"
+    return f"{sender};{stamp};{_mac(secret, 'forward', sender, stamp, *request)}"
 
 
 def verify_forward(
@@ -81,25 +91,25 @@ def verify_forward(
 ) -> str | None:
     """The sender of a forwarding mark that verifies for ``request`` and was sent within
     ``window`` seconds of ``now``; None otherwise."""
-    head, _, mac = mark.rpartition(";")
-    sender, _, stamp = head.rpartition(";")
-    if not sender or not hmac.compare_digest(mac, _request_mac(secret, sender, stamp, request)):
-        return None
-    try:
-        sent = float(stamp)
-    except ValueError:
-        return None
-    return sender if abs(now - sent) <= window else None
+    signed = _signed(secret, mark, ";", "forward", *request)
+    return signed[0] if signed is not None and abs(now - signed[1]) <= window else None
+
+
+def _origin(url: str) -> tuple[str, str | None, int]:
+    """A URL's scheme, host and port (the scheme's default when none is written); raises
+    ValueError for a port that is not one."""
+    parts = urlsplit(url)
+    return parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def allowed(url: str, allow: Sequence[str]) -> bool:
     """Whether a replica at ``url`` may be forwarded to (see the module docstring)."""
     try:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+        origin = _origin(url)
     except ValueError:
         return False
-    if parts.scheme not in ("http", "https") or not host:
+    scheme, host, _ = origin
+    if scheme not in ("http", "https") or not host:
         return False
     try:
         address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
@@ -107,9 +117,7 @@ def allowed(url: str, allow: Sequence[str]) -> bool:
         address = None
     for rule in allow:
         if "://" in rule:
-            origin = urlsplit(rule)
-            port_of = origin.port or (443 if origin.scheme == "https" else 80)
-            if (origin.scheme, origin.hostname, port_of) == (parts.scheme, host, port):
+            if _origin(rule) == origin:
                 return True
         elif address is not None and address in ipaddress.ip_network(rule, strict=False):
             return True

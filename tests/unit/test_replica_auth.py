@@ -76,6 +76,31 @@ def test_a_mark_whose_time_is_not_a_number_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
+    "text",
+    [
+        "x|99999999999|\ufffd",  # a store's undecodable bytes, as read
+        "x|99999999999|" + "\u00e9" * 64,  # not hex, of the MAC's length
+        "x|1.0|" + "0" * 63 + "\u00e9",
+        "\ud800|1.0|" + "0" * 64,  # a lone surrogate: cannot be encoded
+        "x|1.0|" + "A" * 64,  # upper-case hex: never what is signed
+    ],
+)
+def test_any_text_is_refused_never_an_error(text: str) -> None:
+    """A MAC that is not hex was compared as text, which raises TypeError for non-ASCII."""
+    assert verify_entry(KEY, text, 0.0) is None
+    mark = text.replace("|", ";")
+    assert verify_forward(KEY, mark, request_parts("r", "GET", "/", b""), 1.0, 10.0) is None
+
+
+@pytest.mark.parametrize("stamp", ["nan", "inf", "-inf"])
+def test_a_signed_time_that_is_not_finite_is_refused(stamp: str) -> None:
+    assert verify_entry(KEY, f"a|{stamp}|{_mac('beat', 'a', stamp)}", 0.0) is None
+    parts = request_parts("r1", "GET", "/", b"")
+    mark = f"a;{stamp};{_mac('forward', 'a', stamp, *parts)}"
+    assert verify_forward(KEY, mark, parts, 0.0, float("inf")) is None
+
+
+@pytest.mark.parametrize(
     ("url", "allow", "expected"),
     [
         ("http://10.1.2.3:8000", PRIVATE, True),
@@ -92,6 +117,8 @@ def test_a_mark_whose_time_is_not_a_number_is_refused() -> None:
         ("http://", PRIVATE, False),
         ("http://10.0.0.1:8000", ("192.168.0.0/16",), False),
         ("http://10.0.0.1:8000", (), False),
+        ("https://peer:443", ("https://peer",), True),  # the default port either side
+        ("http://peer:443", ("https://peer",), False),  # another scheme
     ],
 )
 def test_only_allowlisted_replica_urls_are_forwarded_to(

@@ -13,8 +13,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from math import ceil
 from typing import TYPE_CHECKING, Any
 
+from proxy.core.disk_quota import WriteQuota
 from proxy.core.fingerprint import Fingerprint, common_segments, continues
 from proxy.core.isolation import may_reuse
 from proxy.core.snapshots import Layout, Offer, Snapshot, file_name
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SAFE_BOUNDARY_TRIES = 3  # boundaries stepped down when a template rewrites earlier turns
 LOOKAHEAD_CHARS = 256  # text after a boundary tokenized with it to check the cut is clean
+UNCAPPED = WriteQuota(limit=0, window=1.0)
 
 
 def prefix_of(fp: Fingerprint, segments: int) -> Fingerprint:
@@ -39,6 +42,7 @@ class DiskSteps:
         self._tier = tier
         self._metrics = metrics
         self._saving: dict[tuple[str, int], asyncio.Future[None]] = {}  # scoped saves in flight
+        self._bytes_per_token: dict[str, float] = {}  # layout's model id -> of its last save
 
     def _url(self, index: int) -> str:
         return self._tier.settings.backends[index].base_url
@@ -64,11 +68,43 @@ class DiskSteps:
         chain = content.hashes[segments - 1]
         if any(s.directory == self._tier.directory(index) for s in dp.lookup_chain(chain)):
             return None  # already on disk
-        charged = kind != "park"  # a park saves another session, not this client's request
-        if charged and not self._tier.quota.allows(dp.client, self._tier.now()):
+        # a park saves another session, not this client's request: it is not charged
+        quota = UNCAPPED if kind == "park" else self._tier.quota
+        estimate = self._estimate(layout, content, segments)
+        key = quota.reserve(dp.client, estimate, self._tier.now())
+        if key is None:
             log.info("[disk-cache] %s save skipped: the client is over its write cap", kind)
             self._metrics.disk_events.labels("capped").inc()
             return None
+        snapshot = None
+        try:
+            snapshot = await self._save(dp, content, segments, index, slot, layout, kind)
+        finally:  # the reservation becomes what was written
+            written = snapshot.nbytes if snapshot is not None else 0
+            quota.settle(key, estimate, written, self._tier.now())
+        if snapshot is not None:
+            await self._tier.index.enforce_budget(snapshot.directory)
+        return snapshot
+
+    def _estimate(self, layout: Layout, content: Fingerprint, segments: int) -> int:
+        """A save's size reserved against the write cap: from the bytes per token of the
+        layout's last save, or the whole cap while unknown."""
+        per_token = self._bytes_per_token.get(layout.model_id)
+        if per_token is None:
+            return self._tier.quota.limit
+        return ceil(per_token * content.tokens_at(segments))
+
+    async def _save(
+        self,
+        dp: DiskPlan,
+        content: Fingerprint,
+        segments: int,
+        index: int,
+        slot: int,
+        layout: Layout,
+        kind: str,
+    ) -> Snapshot | None:
+        chain = content.hashes[segments - 1]
         try:
             answer = await self._client.slot_action(
                 self._url(index), slot, "save", file_name(layout, chain)
@@ -79,10 +115,10 @@ class DiskSteps:
             return None
         whole = kind != "scoped"  # the slot as it is: prompt and reply
         snapshot = self._snapshot(layout, index, content, segments, answer, whole)
+        if snapshot.estimate > 0:
+            self._bytes_per_token[layout.model_id] = snapshot.nbytes / snapshot.estimate
         await self._tier.index.put(snapshot)
         dp.saved[chain] = snapshot
-        if charged:
-            self._tier.quota.charge(dp.client, snapshot.nbytes, self._tier.now())
         self._metrics.disk_events.labels("save").inc()
         self._metrics.disk_saves.labels(kind).inc()
         log.info(
@@ -92,7 +128,6 @@ class DiskSteps:
             snapshot.nbytes,
             snapshot.name,
         )
-        await self._tier.index.enforce_budget(snapshot.directory)
         return snapshot
 
     async def park(

@@ -3,20 +3,32 @@ sliding window of time.
 
 A client is the identity the proxy already derives for tenants (``core.isolation.tenant_of``:
 a hash of its API key, or of the configured tenant header; clients without one share the
-``anonymous`` identity). Each client has a log of (time, bytes) of the snapshots its
-requests wrote: scoped and full saves (a park is written by the operator's policy for the
-session being evicted, not for the request, and is not charged). A save is allowed while
-the bytes logged in the last ``window`` seconds are under ``limit``; the save that crosses
-the limit is allowed (a file's size is known only once written), later ones are skipped
-until old writes leave the window. ``limit`` 0: no cap. Each replica counts its own writes.
+``anonymous`` identity). The cap binds a client only if it cannot pick a new identity at
+will: with the proxy's ``api_key`` set, every accepted key is one of the operator's.
 
-Memory: a log holds only writes inside the window, and logs left empty are dropped (at
-most once per window, so each call stays O(1) amortized).
+Each client has a log of (time, bytes) of the snapshots its requests wrote (scoped and
+full saves; a park is written by the operator's policy for the session being evicted, not
+for the request, and is not charged) and the bytes of its saves in flight. A save first
+``reserve``s its estimated size: it is allowed while the logged bytes in the last
+``window`` seconds plus those in flight are under ``limit`` (the save that crosses the
+limit is allowed: a file's size is known only once written), so saves that run at once
+count against each other. ``settle`` then replaces the estimate with the bytes written (0
+for a failed save). ``limit`` 0: no cap. Each replica counts its own writes.
+
+Memory is bounded. A client's writes are logged in at most ``BUCKETS`` records per window
+(writes within ``window / BUCKETS`` seconds of a record's time add to it, so they leave
+the window up to that much early). At most ``MAX_CLIENTS`` clients are logged; while the
+table is full, new clients share one ``OVERFLOW`` log and cap. Logs left empty are dropped
+(at most once per window, so each call stays O(1) amortized).
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+BUCKETS = 16  # records per client and window
+MAX_CLIENTS = 4096  # clients logged at once (beyond: they share OVERFLOW)
+OVERFLOW = "overflow"
 
 
 class WriteQuota:
@@ -24,29 +36,48 @@ class WriteQuota:
         self.limit = limit  # bytes per window; 0 = no cap
         self.window = window  # seconds
         self._logs: dict[str, deque[tuple[float, int]]] = {}
+        self._pending: dict[str, int] = {}  # client -> bytes reserved by saves in flight
         self._pruned = 0.0
 
-    def allows(self, client: str, now: float) -> bool:
-        """Whether ``client`` may write another snapshot now."""
+    def reserve(self, client: str, nbytes: int, now: float) -> str | None:
+        """Reserve ``nbytes`` for a save by ``client``: the key to ``settle`` it with, or
+        None when the client is over its cap (nothing reserved)."""
         if self.limit <= 0:
-            return True
-        log = self._logs.get(client)
-        if log is None:
-            return True
+            return client
+        self._prune(now)
+        if client not in self._logs and len(self._logs) >= MAX_CLIENTS:
+            client = OVERFLOW
+        log = self._logs.setdefault(client, deque())
         self._expire(log, now)
-        return sum(n for _, n in log) < self.limit
+        pending = self._pending.get(client, 0)
+        if sum(n for _, n in log) + pending >= self.limit:
+            return None
+        self._pending[client] = pending + nbytes
+        return client
 
-    def charge(self, client: str, nbytes: int, now: float) -> None:
-        """Record a snapshot of ``nbytes`` written for ``client``."""
+    def settle(self, key: str, reserved: int, written: int, now: float) -> None:
+        """A save reserved under ``key`` ended: ``written`` bytes (0 if it failed)."""
         if self.limit <= 0:
             return
-        self._logs.setdefault(client, deque()).append((now, nbytes))
-        if now - self._pruned >= self.window:
-            self._pruned = now
-            for name, log in list(self._logs.items()):
-                self._expire(log, now)
-                if not log:
-                    del self._logs[name]
+        pending = self._pending.pop(key, 0) - reserved
+        if pending > 0:
+            self._pending[key] = pending
+        if written <= 0:
+            return
+        log = self._logs.setdefault(key, deque())
+        if log and log[-1][0] > now - self.window / BUCKETS:
+            log[-1] = (log[-1][0], log[-1][1] + written)
+        else:
+            log.append((now, written))
+
+    def _prune(self, now: float) -> None:
+        if now - self._pruned < self.window:
+            return
+        self._pruned = now
+        for name, log in list(self._logs.items()):
+            self._expire(log, now)
+            if not log and name not in self._pending:
+                del self._logs[name]
 
     def _expire(self, log: deque[tuple[float, int]], now: float) -> None:
         while log and log[0][0] <= now - self.window:

@@ -190,5 +190,25 @@ async def test_a_client_over_its_write_cap_is_served_without_saves(
     assert metric(text, "llama_cache_proxy_disk_events_total", event="capped") == 2
 
 
+async def test_saves_of_one_client_at_once_count_against_each_other(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    fake = await fakes(n_slots=4, save_dir=tmp_path)
+    fake.save_s = 0.2  # every save is in flight while the others are asked for
+    capped = disk(tmp_path, prefix_cache="full", client_max_bytes=5000)
+    client = await proxy([fake], disk=capped)
+
+    async def ask(session: int) -> int:
+        body = turn(session, 1)
+        resp = await client.post("/v1/chat/completions", json=body, headers=bearer("a"))
+        return resp.status
+
+    assert await asyncio.gather(*(ask(s) for s in range(4))) == [200] * 4
+    saves = [a for a in fake.slot_actions if a[0] == "save"]
+    assert 1 <= len(saves) <= 2  # ~4 KB each: as many as one after the other, at most
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "llama_cache_proxy_disk_events_total", event="capped") == 4 - len(saves)
+
+
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}

@@ -66,7 +66,11 @@ class Roster:
         assert self._secret is not None
         found, rejected = [], set()
         for entry, score in beat.entries:
-            replica = verify_entry(self._secret, entry, score)
+            try:
+                replica = verify_entry(self._secret, entry, score)
+            except Exception:  # (any entry at all is refused, never the whole read)
+                log.exception("cannot check replica entry %r", entry[:120])
+                replica = None
             if replica is None:
                 rejected.add(entry)
             else:

@@ -238,21 +238,27 @@ class SharedState:
         await self.call("clear_slots", self.store.clear_slots(refs), None)
 
     async def maintain(self, on_change: Callable[[], None], every: float = 0.5) -> None:
-        """Background: renew held leases, refresh the view, detect recovery and resync.
-        Ends on ``stopped`` as well as on cancellation: redis-py 8.1 can swallow a
-        cancellation that lands inside a command (the task then runs on), which hung a
-        proxy's shutdown on SIGTERM in CI."""
+        """Background: renew held leases, refresh the view, detect recovery and resync; a
+        round that raises is logged (again when its error changes) and the next one runs.
+        Ends on ``stopped`` too: redis-py 8.1 can swallow a cancel (a SIGTERM hung in CI)."""
+        failed = ""  # the last round's error
         while not self.stopped:
             await asyncio.sleep(every)
-            if not self.up:
-                await self._recover()
-                continue
-            for ref in list(self._held):
-                renew = self.store.renew_lease(ref, self.owner, self._lease_ttl, self.wall())
-                await self.call("renew_lease", renew, True)
-            await self.refresh()
-            on_change()
-            await self.heartbeat()  # after: two round trips first cost 2-replica hit rate
+            try:
+                if not self.up:
+                    await self._recover()
+                    continue
+                for ref in list(self._held):
+                    renew = self.store.renew_lease(ref, self.owner, self._lease_ttl, self.wall())
+                    await self.call("renew_lease", renew, True)
+                await self.refresh()
+                on_change()
+                await self.heartbeat()  # after: two round trips first cost 2-replica hit rate
+                failed = ""
+            except Exception as exc:
+                if repr(exc) != failed:
+                    log.exception("shared-state maintenance round failed: retrying")
+                failed = repr(exc)
 
     async def heartbeat(self) -> None:
         entry, expires = self.roster.entry(HEARTBEAT_TTL)

@@ -29,6 +29,7 @@ from proxy.handlers import ProxyHandlers
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import ProtocolLog, make_middleware
+from proxy.offload import Offload
 from proxy.router import Router
 from proxy.scheduler import Scheduler
 from proxy.shared_state import SharedState
@@ -83,7 +84,8 @@ def create_app(
         secret=settings.replicas.key,
     )
     disk = DiskTier(settings, fleet, shared, metrics, wall, clock)
-    router = Router(settings, fleet, shared, TokenCounter(), metrics, clock, disk)
+    offload = Offload()  # large bodies: parsed, fingerprinted and encoded in worker threads
+    router = Router(settings, fleet, shared, TokenCounter(), metrics, clock, offload, disk)
     router.queued = scheduler.waiting
 
     def wake_later(delay: float) -> None:
@@ -92,7 +94,9 @@ def create_app(
     router.wake_later = wake_later
     router.churn = churn = ChurnTracker(metrics, wall)
     forwarder = Forwarder(shared, fleet, metrics, clock, settings.replicas)
-    handlers = ProxyHandlers(settings, scheduler, router, shared, metrics, clock, disk, forwarder)
+    handlers = ProxyHandlers(
+        settings, scheduler, router, shared, metrics, clock, disk, forwarder, offload
+    )
 
     app = web.Application(
         client_max_size=settings.max_body_bytes,
@@ -152,7 +156,7 @@ def create_app(
             with contextlib.suppress(TimeoutError):  # a hung store must not hang shutdown
                 await asyncio.wait_for(shared.leave(), timeout=STOP_SECONDS)
             await store.close()
-            router.offload.close()
+            offload.close()
 
     app.cleanup_ctx.append(upstream_ctx)
     return app

@@ -8,36 +8,27 @@ another backend; every other failure is reported, and an unfinished request's sl
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.config import Settings
-from proxy.core.anthropic_request import chat_body
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import NoPlacement, Placement
 from proxy.core.headers import upstream_request_headers
 from proxy.core.isolation import may_reuse
 from proxy.core.placement import Need, pick_backend, place
-from proxy.core.request_body import ParsedBody, decode_json_object, parse_body, pin_body
+from proxy.core.request_body import ParsedBody, decode_json_object, pin_body
 from proxy.disk_tier import DiskTier
-from proxy.errors import (
-    BadGateway,
-    GatewayTimeout,
-    InvalidRequest,
-    PayloadTooLarge,
-    RequestTimeout,
-    UnreadableBody,
-    UnsupportedEncoding,
-)
+from proxy.errors import BadGateway, GatewayTimeout, InvalidRequest
 from proxy.forwarding import Forwarder
 from proxy.health import Prober
+from proxy.intake import parse_for, read_body
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RECORD
+from proxy.offload import Offload
 from proxy.router import Plan, Router
 from proxy.scheduler import Scheduler
 from proxy.shared_state import SharedState
@@ -56,8 +47,10 @@ class ProxyHandlers:
         clock: Callable[[], float],
         disk: DiskTier,
         forwarder: Forwarder,
+        offload: Offload,
     ) -> None:
         self._settings = settings
+        self._offload = offload  # large bodies: parsed and encoded in worker threads
         self._forwarder = forwarder
         self._disk = disk
         self._scheduler = scheduler
@@ -72,32 +65,20 @@ class ProxyHandlers:
     # -- proxied endpoints ---------------------------------------------------------------
     async def forward(self, request: web.Request) -> web.StreamResponse:
         route = ROUTES[request.path]
-        raw = await self._read_body(request) if request.method == "POST" else None
+        post = request.method == "POST"
+        raw = await read_body(request, self._settings) if post else None
         if route.slot_use is SlotUse.NONE:
             if raw is not None and route.json:
-                decode_json_object(raw)
+                await self._offload.run(len(raw), partial(decode_json_object, raw))
             return await self._unpinned(request, raw)
         assert raw is not None
-        sent = chat_body(raw) if route.via else raw  # (forwarded to replicas as the client's)
-        parsed = parse_body(sent, chat=route.chat, batches=route.batches)
-        return await self._pinned(request, raw, parsed, self._need(route, parsed))
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self._settings.max_body_bytes
-        if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
-            raise UnsupportedEncoding  # as llama-server; not decoded (app.py: auto_decompress)
-        if request.content_length is not None and request.content_length > limit:
-            raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
-        try:
-            async with asyncio.timeout(self._settings.timeouts.client_body_seconds):
-                return await request.read()
-        except TimeoutError:
-            raise RequestTimeout("the request body did not arrive in time") from None
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
-        except RequestPayloadError:  # read no more of it (aiohttp would log that as unhandled)
-            request.content.feed_eof()
-            raise UnreadableBody from None
+        size, routing = len(raw), self._settings.routing
+        async with self._offload.admitted(size):  # (a few large bodies at once)
+            parsed = await self._offload.run(size, partial(parse_for, route, raw))
+            need = self._need(route, parsed)
+            routed = routing.prefix_aware and not need.exclusive and need.slot is None
+            plan = await self._router.plan(request, parsed.data, size) if routed else None
+        return await self._pinned(request, raw, parsed, need, plan)
 
     def _need(self, route: Route, parsed: ParsedBody) -> Need:
         # several tasks would all get one id_slot, every one after the first pinning a busy
@@ -112,11 +93,10 @@ class ProxyHandlers:
         return Need(slot=wanted)
 
     async def _pinned(
-        self, request: web.Request, raw: bytes, parsed: ParsedBody, need: Need
+        self, request: web.Request, raw: bytes, parsed: ParsedBody, need: Need, plan: Plan | None
     ) -> web.StreamResponse:
-        plan, record = None, request[RECORD]
-        if self._settings.routing.prefix_aware and not need.exclusive and need.slot is None:
-            plan = await self._router.plan(request, parsed.data)
+        record = request[RECORD]
+        if plan is not None:
             target = partial(self._router.target, plan)
             forwarded = await self._forwarder.forward(request, raw, target)
             if forwarded is not None:  # (its backend's home replica scheduled it)
@@ -132,7 +112,8 @@ class ProxyHandlers:
             pin = placement.pin if self._settings.routing.pin_slots or plan is None else None
             try:
                 await self._prepare(plan, placement, parsed)
-                body = pin_body(parsed.data, pin, self._may_reuse(plan, placement, pin))
+                work = partial(pin_body, parsed.data, pin, self._may_reuse(plan, placement, pin))
+                body = await self._offload.run(len(raw), work)
             except BaseException:
                 # disk-tier work may have reached the slot: drain it, let the lease expire
                 self._shared.abandon(placement)

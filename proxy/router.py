@@ -87,16 +87,15 @@ class Router:
         counter: TokenCounter,
         metrics: ProxyMetrics,
         clock: Callable[[], float],
+        offload: Offload,  # a large prompt is fingerprinted in a worker thread
         disk: DiskTier | None = None,
     ) -> None:
         self._settings = settings
         self._disk = disk
         self._fleet = fleet
         self._shared = shared
-        self._counter = counter
-        self.offload = Offload()  # a large prompt is fingerprinted in a worker thread
-        self._metrics = metrics
-        self._clock = clock
+        self._counter, self._offload = counter, offload
+        self._metrics, self._clock = metrics, clock
         self._waiting: weakref.WeakValueDictionary[int, Plan] = weakref.WeakValueDictionary()
         self.params = settings.routing.params()
         self._labels = {b.label: b.index for b in fleet.backends}
@@ -130,16 +129,16 @@ class Router:
         except OverflowError:  # 32-bit ids (llama-server silently wraps a wider one)
             raise type_error("prompt", "text or 32-bit token ids") from None
 
-    async def plan(self, request: web.Request, body: dict[str, Any]) -> Plan:
+    async def plan(self, request: web.Request, body: dict[str, Any], size: int) -> Plan:
         """The request's fingerprint, session key and affinity (no side effects but reading
-        the shared view): enough to tell where it would go (``target``)."""
-        chat, size = is_chat(body), request.content_length or 0
-        segments = await self.offload.run(size, partial(chat_segments, body)) if chat else None
+        the shared view): enough to tell where it would go (``target``); ``size``: its bytes."""
+        chat = is_chat(body)
+        segments = await self._offload.run(size, partial(chat_segments, body)) if chat else None
         if segments is not None and self.backend_tokens is not None:
             await self._counter.prepare([s.text for s in segments], self.backend_tokens)
         tenant = self.tenant(request)
         seed = salt(tenant) if tenant is not None else 0
-        fp = await self.offload.run(size, partial(self.fingerprint, body, segments, seed))
+        fp = await self._offload.run(size, partial(self.fingerprint, body, segments, seed))
         key = cache_key(self._settings.routing.cache_key_sources, body, request.headers)
         if key is not None and tenant is not None:
             key = f"{tenant}:{key}"

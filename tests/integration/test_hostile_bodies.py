@@ -1,5 +1,6 @@
 """Hostile bodies: an encoded body or one over the limit is answered unread and its
-connection closed; a large prompt is fingerprinted off the event loop."""
+connection closed; a large body is parsed, fingerprinted and encoded off the event loop,
+and only a few large bodies at once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import json
 import threading
 from typing import Any
 
+from proxy import handlers as handlers_module
+from proxy import intake
 from proxy.app import HANDLERS
+from proxy.offload import LARGE_BODIES
 from tests.conftest import chat
 
 LIMIT = 1024 * 1024
@@ -74,7 +78,7 @@ async def test_a_large_prompt_is_fingerprinted_in_a_worker_thread(fakes: Any, pr
     it is), a small one on it."""
     fake = await fakes()
     client = await proxy([fake])
-    offload = client.app[HANDLERS]._router.offload
+    offload = client.app[HANDLERS]._offload
     small = await client.post("/v1/chat/completions", json=chat("hello", max_tokens=2))
     assert small.status == 200
     assert offload.threads == set()
@@ -88,3 +92,85 @@ async def test_a_large_prompt_is_fingerprinted_in_a_worker_thread(fakes: Any, pr
     assert len(fake.received) == 2  # routed, then forwarded
     assert offload.threads
     assert threading.get_ident() not in offload.threads
+
+
+def _many_messages(count: int) -> bytes:
+    messages = [{"role": "user", "content": f"message {i}"} for i in range(count)]
+    return json.dumps({"messages": messages, "max_tokens": 2}).encode()
+
+
+def _threads_of(monkeypatch: Any, owner: Any, name: str) -> list[int]:
+    """The threads ``owner.name`` runs in, from now on, one entry per call."""
+    real, threads = getattr(owner, name), []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return threads
+
+
+def _off_the_loop(threads: list[int]) -> bool:
+    return bool(threads) and threading.get_ident() not in threads
+
+
+async def test_a_large_chunked_prompt_is_fingerprinted_in_a_worker_thread(
+    fakes: Any, proxy: Any, monkeypatch: Any
+) -> None:
+    """Without a Content-Length the body's own length decides, not a size of 0."""
+    fake = await fakes()
+    client = await proxy([fake])
+    threads = _threads_of(monkeypatch, client.app[HANDLERS]._router, "fingerprint")
+    raw = _many_messages(20_000)
+
+    async def chunks() -> Any:
+        for start in range(0, len(raw), 64 * 1024):
+            yield raw[start : start + 64 * 1024]
+
+    headers = {"Content-Type": "application/json"}
+    resp = await client.post("/v1/chat/completions", data=chunks(), headers=headers)
+    await resp.read()
+    assert resp.request_info.headers.get("Transfer-Encoding") == "chunked"
+    assert len(fake.received) == 1
+    assert _off_the_loop(threads)
+
+
+async def test_a_large_body_is_parsed_and_encoded_in_a_worker_thread(
+    fakes: Any, proxy: Any, monkeypatch: Any
+) -> None:
+    fake = await fakes()
+    client = await proxy([fake])
+    parsed = _threads_of(monkeypatch, intake, "parse_body")
+    encoded = _threads_of(monkeypatch, handlers_module, "pin_body")
+    headers = {"Content-Type": "application/json"}
+    resp = await client.post("/v1/chat/completions", data=_many_messages(20_000), headers=headers)
+    await resp.read()
+    assert len(fake.received) == 1
+    assert _off_the_loop(parsed)
+    assert _off_the_loop(encoded)
+
+
+async def test_only_a_few_large_bodies_are_parsed_and_routed_at_once(
+    fakes: Any, proxy: Any, monkeypatch: Any
+) -> None:
+    fake = await fakes(n_slots=4)
+    client = await proxy([fake])
+    router = client.app[HANDLERS]._router
+    plan, inside, most = router.plan, [0], [0]
+
+    async def slow_plan(*args: Any) -> Any:
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        try:
+            await asyncio.sleep(0.2)
+            return await plan(*args)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(router, "plan", slow_plan)
+    raw, headers = _many_messages(20_000), {"Content-Type": "application/json"}
+    posts = [client.post("/v1/chat/completions", data=raw, headers=headers) for _ in range(5)]
+    for resp in await asyncio.gather(*posts):
+        await resp.read()
+    assert most[0] == LARGE_BODIES

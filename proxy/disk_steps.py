@@ -159,7 +159,7 @@ class DiskSteps:
 
     async def restore(self, dp: DiskPlan, offer: Offer, index: int, slot_id: int) -> None:
         snapshot = offer.snapshot
-        exists = self._tier.index.file_exists(snapshot)
+        exists = await self._tier.index.file_exists(snapshot)
         slot = self._tier.fleet.backends[index].slots[slot_id]
         if exists is False:
             log.warning("[disk-cache] %s is gone from disk: forgotten", snapshot.name)

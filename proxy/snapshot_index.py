@@ -15,7 +15,8 @@ and its entry) count toward the budget and are deleted first, oldest first
 alone (its entry may be on its way). ``DiskTier`` runs this at start-up and periodically
 too. Entries are read through ``core.snapshots.unpack_entries``, which drops any name the
 proxy would not generate, and a file is opened or deleted only if its resolved path is
-directly inside the directory.
+directly inside the directory. File operations (listing, checking, deleting) run in a worker
+thread, off the event loop; a periodic round that fails is logged and the next one runs.
 """
 
 from __future__ import annotations
@@ -70,6 +71,25 @@ def list_strays(directory: Path, known: set[str], before: float) -> list[Stray]:
     except OSError as exc:
         log.warning("[disk-cache] cannot list %s: %s", directory, exc)
     return out
+
+
+def remove_files(directory: Path, names: Sequence[str]) -> None:
+    """Delete the snapshot files ``names`` of ``directory`` (file I/O: run in a thread)."""
+    for name in names:
+        path = inside(directory, name)
+        if path is not None:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("[disk-cache] cannot delete %s: %s", path, exc)
+
+
+def is_snapshot_file(directory: Path, name: str) -> bool:
+    """Whether ``name`` is a snapshot file directly inside ``directory`` (file I/O)."""
+    path = inside(directory, name)
+    return path is not None and path.is_file()
 
 
 class SnapshotIndex:
@@ -159,19 +179,19 @@ class SnapshotIndex:
         doomed = stray_evictions(mine, strays, self._budget)
         kept_strays = sum(s.nbytes for s in strays) - sum(s.nbytes for s in doomed)
         evicted = evictions(mine, max(0, self._budget - kept_strays))
+        await self._remove(path, [stray.name for stray in doomed])
         for stray in doomed:
-            self._remove(path, stray.name)
             log.info("[disk-cache] deleted stray %s (%d bytes)", stray.name, stray.nbytes)
         self._metrics.disk_events.labels("stray").inc(len(doomed))
         for snapshot in evicted:
             await self.forget(snapshot)
-            self._remove(path, snapshot.name)
             log.info(
                 "[disk-cache] evicted %s (%d bytes) from %s",
                 snapshot.name,
                 snapshot.nbytes,
                 directory,
             )
+        await self._remove(path, [snapshot.name for snapshot in evicted])
         self._metrics.disk_events.labels("eviction").inc(len(evicted))
         kept = [e for e in everything if e not in evicted]
         self._metrics.disk_entries.set(len(kept))
@@ -184,26 +204,23 @@ class SnapshotIndex:
             await self.enforce_budget(directory)
 
     async def maintain(self, directories: Sequence[str], every: float) -> None:
-        """``reconcile`` every ``every`` seconds (a task, cancelled at shutdown)."""
+        """``reconcile`` every ``every`` seconds (a task, cancelled at shutdown); a round
+        that fails is logged and the next one runs."""
         while True:
             await asyncio.sleep(every)
-            await self.reconcile(directories)
+            try:
+                await self.reconcile(directories)
+            except Exception:
+                log.exception("[disk-cache] reconciling the save directories failed")
 
     @staticmethod
-    def _remove(directory: Path | None, name: str) -> None:
-        path = inside(directory, name) if directory is not None else None
-        if path is not None:
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.warning("[disk-cache] cannot delete %s: %s", path, exc)
+    async def _remove(directory: Path | None, names: Sequence[str]) -> None:
+        if directory is not None and names:
+            await asyncio.to_thread(remove_files, directory, names)
 
-    def file_exists(self, snapshot: Snapshot) -> bool | None:
+    async def file_exists(self, snapshot: Snapshot) -> bool | None:
         """Whether the file is there, when the proxy can see the directory (else None)."""
         directory = self._paths(snapshot.directory)
         if directory is None:
             return None
-        path = inside(directory, snapshot.name)
-        return path is not None and path.is_file()
+        return await asyncio.to_thread(is_snapshot_file, directory, snapshot.name)

@@ -65,10 +65,12 @@ async def test_poisoned_replica_entries_never_redirect_traffic(
 ) -> None:
     """Entries a Redis writer adds to the replicas' list, each with a far-future score:
     unsigned, signed with another secret, a genuine entry replayed with a later score,
-    undecodable bytes, and one signed with the secret for an address off the allowlist (a
-    host name); plus garbage slot records and leases. No request reaches the attacker, every
-    one is answered, and the replicas list only each other. Before, one unsigned ``ZADD``
-    made the replicas forward part of their requests, headers included, to its URL."""
+    undecodable bytes (one shaped as a signed entry: its signature was compared as text,
+    whose TypeError ended the replicas' background task), and one signed with the secret
+    for an address off the allowlist (a host name); plus garbage slot records and leases. No
+    request reaches the attacker, every one is answered, and the replicas list only each
+    other. Before, one unsigned ``ZADD`` made the replicas forward part of their requests,
+    headers included, to its URL."""
     attacker = await fakes(n_slots=4)
     port = attacker.url.rsplit(":", 1)[1]
     backends, pair = await _pair(fakes, proxy, redis_server.url)
@@ -83,6 +85,7 @@ async def test_poisoned_replica_entries_never_redirect_traffic(
         sign_entry(b"another secret", f"z@http://127.0.0.1:{port}", far): far,
         genuine: far,  # a real replica's entry kept alive for good
         b"\xff\xfe@http://127.0.0.1:" + port.encode(): far,
+        b"x|99999999999|\xff": far,
     }
     try:
         await redis.zadd(keys.REPLICAS, poison)
@@ -114,10 +117,11 @@ async def test_a_client_cannot_pass_for_a_replica(
     fakes: Any, proxy: Any, redis_server: Any
 ) -> None:
     """A client's ``X-Cache-Forwarded-By`` (made up, signed with another secret, or a
-    replica's mark replayed for another body or after its window) is not believed: the
-    request is forwarded to its backend's home like any other, counted ``rejected``, never
-    ``received``, and the header reaches no backend. Before, any value was believed: the
-    request skipped forwarding and counted as received from a replica."""
+    replica's mark replayed for another body or after its window, or one whose signature is
+    not ASCII, once a 500) is not believed: the request is forwarded to its backend's home
+    like any other, counted ``rejected``, never ``received``, and the header reaches no
+    backend. Before, any value was believed: the request skipped forwarding and counted as
+    received from a replica."""
     backends, pair = await _pair(fakes, proxy, redis_server.url)
     await until_listed([str(c.make_url("")).rstrip("/") for c in pair])
     secret, bodies = REPLICA_SECRET.encode(), []
@@ -128,12 +132,13 @@ async def test_a_client_cannot_pass_for_a_replica(
         history.append({"role": "assistant", "content": "ok"})
         bodies.append(json.dumps(_turn(session, history)).encode())
     for n, body in enumerate(bodies):  # their next turns reach b, with a client's marks
-        now, ids = time.time(), [f"r{n}-{i}" for i in range(4)]
+        now, ids = time.time(), [f"r{n}-{i}" for i in range(5)]
         marks = [
             "another replica",
             sign_forward(b"another secret", "x", now, _parts(ids[1], body)),
             sign_forward(secret, "x", now, _parts(ids[2], bodies[(n + 1) % 4])),
             sign_forward(secret, "x", now - 60, _parts(ids[3], body)),
+            "a;1;\u00e9",
         ]
         for request_id, mark in zip(ids, marks, strict=True):
             headers = {FORWARDED_BY: mark, "X-Request-Id": request_id}
@@ -141,12 +146,12 @@ async def test_a_client_cannot_pass_for_a_replica(
             resp = await pair[1].post(CHAT, data=body, headers=headers)
             assert resp.status == 200, await resp.text()
     a, b = [await _metrics(c) for c in pair]
-    assert metric(b, FORWARDS, outcome="rejected") == 16
+    assert metric(b, FORWARDS, outcome="rejected") == 20
     assert metric(b, FORWARDS, outcome="sent") > 0  # the marks did not stop forwarding
     assert metric(a, FORWARDS, outcome="received") == metric(b, FORWARDS, outcome="sent")
     assert metric(a, FORWARDS, outcome="rejected") == 0
     seen = [h for fake in backends for path, _, h in fake.received if path == CHAT]
-    assert len(seen) == 20
+    assert len(seen) == 24
     assert all(FORWARDED_BY.lower() not in {k.lower() for k in h} for h in seen)
 
 

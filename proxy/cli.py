@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="llama-server base URL; repeat for several",
     )
-    serve.add_argument("--listen", help="host:port (default 127.0.0.1:8000)")
+    serve.add_argument(
+        "--listen", help="host:port (default 127.0.0.1:8000); hosts comma-separated: a,b:port"
+    )
     serve.add_argument("--redis-url", help="shared state in Redis; omit for embedded state")
     serve.add_argument("--config", type=Path, help="YAML or TOML config file")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -129,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     web.run_app(
         create_app(settings),
-        host=settings.host,
+        host=list(settings.hosts),
         port=settings.port,
         handler_cancellation=True,
         access_log=None,

@@ -58,7 +58,11 @@ class Settings(_Frozen):
     """Root of the settings tree."""
 
     backends: tuple[BackendSettings, ...] = Field(min_length=1)
-    listen: str = Field(default="127.0.0.1:8000", description="host:port to listen on")
+    listen: str = Field(
+        default="127.0.0.1:8000",
+        description="host:port to listen on; several hosts comma-separated, as llama-server's "
+        "--host (127.0.0.1,::1:8000)",
+    )
     redis_url: str | None = Field(default=None, description="shared state; none = embedded")
     replica_url: str = Field(
         default="auto",
@@ -115,7 +119,8 @@ class Settings(_Frozen):
     @classmethod
     def _host_port(cls, value: str) -> str:
         host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        empty = not all(part.strip() for part in host.split(","))
+        if not sep or empty or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError("must be host:port, e.g. 127.0.0.1:8000")
         return value
 
@@ -134,8 +139,13 @@ class Settings(_Frozen):
         return value or None
 
     @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(part.strip() for part in self.listen.rpartition(":")[0].split(","))
+
+    @property
     def host(self) -> str:
-        return self.listen.rpartition(":")[0]
+        """The first of ``hosts`` (the one a replica advertises)."""
+        return self.hosts[0]
 
     @property
     def port(self) -> int:

@@ -44,11 +44,12 @@ def refusal(test: str) -> str | None:
 
 
 def summarize(direct: dict[str, tuple[str, str]], proxied: dict[str, tuple[str, str]]) -> dict:
-    passing = sorted(t for t, (o, _) in direct.items() if o == "passed")
-    lost = [t for t in passing if proxied.get(t, ("missing", "not run"))[0] != "passed"]
+    passing = sorted(t for t, (o, _) in direct.items() if o == "passed" and t in proxied)
+    lost = [t for t in passing if proxied[t][0] != "passed"]
     refused = [t for t in lost if refusal(t)]
     return {
         "run": len(direct),
+        "not_run_through_proxy": len(direct.keys() - proxied.keys()),
         "skipped": sum(o == "skipped" for o, _ in direct.values()),
         "failed_directly": sum(o in ("failed", "error") for o, _ in direct.values()),
         "passing": passing,
@@ -71,14 +72,15 @@ def report(summary: dict, proxied: dict[str, tuple[str, str]]) -> str:
         f"| run (not deselected) | {summary['run']} |",
         f"| skipped (need another model or a download) | {summary['skipped']} |",
         f"| fail directly (SmolLM2, not the suite's models) | {summary['failed_directly']} |",
-        f"| **pass directly** | **{len(summary['passing'])}** |",
+        f"| not run through the proxy (a partial run) | {summary['not_run_through_proxy']} |",
+        f"| **pass directly** (and ran through the proxy) | **{len(summary['passing'])}** |",
         f"| **of those, pass through the proxy** | **{summary['through_proxy']}** |",
         f"| refused on purpose | {len(summary['refused'])} "
         f"({100 * len(summary['refused']) / passing:.1f} %) |",
         f"| other failures through the proxy | {len(summary['failing'])} |",
         f"| fail directly, pass through the proxy | {len(summary['gained'])} |",
     ]
-    causes = Counter(_cause_kind(proxied.get(t, ("", "not run"))[1]) for t in summary["failing"])
+    causes = Counter(_cause_kind(proxied[t][1]) for t in summary["failing"])
     if causes:
         lines += ["", "Failures through the proxy by cause:", ""]
         lines += [f"- {n}: {cause}" for cause, n in causes.most_common()]
@@ -86,7 +88,7 @@ def report(summary: dict, proxied: dict[str, tuple[str, str]]) -> str:
 
 
 def failure_list(summary: dict, proxied: dict[str, tuple[str, str]]) -> str:
-    rows = [f"- `{t}`: {proxied.get(t, ('', 'not run'))[1]}" for t in summary["failing"]]
+    rows = [f"- `{t}`: {proxied[t][1]}" for t in summary["failing"]]
     rows += [f"- `{t}` (refused on purpose: {refusal(t)})" for t in summary["refused"]]
     return "\n".join(rows or ["(none)"]) + "\n"
 

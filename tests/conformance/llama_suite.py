@@ -104,7 +104,8 @@ class _Proxy:
         log = self.log_dir / (test.replace("/", "_").replace("::", "__")[:180] + ".log")
         self.proc = multiprocessing.get_context("fork").Process(target=_serve, args=(env, log))
         self.proc.start()
-        self._wait_ready(f"http://{host}:{port}/readyz")
+        first = host.split(",")[0].strip()
+        self._wait_ready(f"http://{first}:{port}/readyz")
 
     def _wait_ready(self, url: str) -> None:
         deadline = time.monotonic() + PROXY_READY_SECONDS
@@ -166,8 +167,7 @@ def _wrap_server(utils: Any, config: pytest.Config) -> None:
         finally:
             backend_port, self.server_port = self.server_port, front
         self._conformance_proxy = _Proxy(log_dir)
-        host = self.server_host.split(",")[0].strip()
-        self._conformance_proxy.start(host, front, backend_port, self.api_key)
+        self._conformance_proxy.start(self.server_host, front, backend_port, self.api_key)
 
     def stop(self: Any) -> None:
         proxy = getattr(self, "_conformance_proxy", None)

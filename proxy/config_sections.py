@@ -238,12 +238,25 @@ class IsolationSettings(_Frozen):
         return "off" if value is False else value  # YAML reads a bare off as false
 
 
+MIN_SECRET = 16  # characters of replicas.secret: an empty or short key signs for anyone
+
+
+def _origin_host(url: str) -> str | None:
+    """The host of an origin URL whose port (if any) is a port; None otherwise."""
+    try:
+        parts = urlsplit(url)
+        return None if parts.port == 0 else parts.hostname
+    except ValueError:
+        return None
+
+
 class ReplicaSettings(_Frozen):
     """How replicas sharing a store trust each other (algorithm: proxy/core/replica_auth.py)."""
 
     secret: SecretStr | None = Field(
         default=None,
-        description="shared by every replica: signs heartbeats and forwarded requests; "
+        description="shared by every replica: signs heartbeats and forwarded requests; at "
+        f"least {MIN_SECRET} characters (a short key is guessed: openssl rand -hex 32); "
         "none: replicas do not forward (a store writer could otherwise redirect traffic)",
     )
     allow: tuple[str, ...] = Field(
@@ -265,13 +278,20 @@ class ReplicaSettings(_Frozen):
             value = [part.strip() for part in value.split(",") if part.strip()]
         for rule in value if isinstance(value, list | tuple) else ():
             if "://" in str(rule):
-                if not str(rule).startswith(("http://", "https://")) or not urlsplit(rule).hostname:
+                if not str(rule).startswith(("http://", "https://")) or not _origin_host(rule):
                     raise ValueError(f"{rule}: not an http(s)://host:port origin")
             else:
                 try:
                     ipaddress.ip_network(rule, strict=False)
                 except ValueError:
                     raise ValueError(f"{rule}: not an ip/prefix network or URL") from None
+        return value
+
+    @field_validator("secret")
+    @classmethod
+    def _secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < MIN_SECRET:
+            raise ValueError(f"at least {MIN_SECRET} characters (e.g. openssl rand -hex 32)")
         return value
 
     @property

@@ -183,3 +183,21 @@ def test_api_keys_from_the_environment_and_per_backend() -> None:
     assert [k.get_secret_value() for k in settings.api_key] == ["k1", "k2"]
     assert settings.backends[0].key == "s3cret-b"
     assert "s3cret-b" not in repr(settings)
+
+
+@pytest.mark.parametrize("secret", ["", "fifteen chars!!"])
+def test_a_replica_secret_anyone_could_guess_is_refused(secret: str) -> None:
+    """An empty ``replicas.secret`` was accepted: every replica signed with the key b""."""
+    env = {"LLAMA_CACHE_PROXY_BACKENDS": "http://a:1", "LLAMA_CACHE_PROXY_REPLICAS__SECRET": secret}
+    with pytest.raises(ConfigError, match=r"^config: replicas\.secret: .*at least 16") as info:
+        load_settings(cli={}, environ=env)
+    assert "chars!!" not in str(info.value)  # (the secret is not echoed)
+    env["LLAMA_CACHE_PROXY_REPLICAS__SECRET"] = "sixteen chars!!!"
+    assert load_settings(cli={}, environ=env).replicas.key == b"sixteen chars!!!"
+
+
+@pytest.mark.parametrize("rule", ["http://peer:99999", "http://peer:x", "http://peer:0"])
+def test_an_allowed_origin_with_a_port_that_is_not_one_is_refused(rule: str) -> None:
+    """It passed, and checking a replica URL against it raised ValueError."""
+    with pytest.raises(ConfigError, match=r"^config: replicas\.allow: "):
+        load_settings(cli={"backends": ["http://a:1"], "replicas": {"allow": [rule]}}, environ={})

@@ -73,7 +73,7 @@ def test_the_target_is_the_backend_placed_on_or_waited_for() -> None:
 
 
 def _settings(**over: object) -> Settings:
-    data = {"backends": ["http://a:1"], "replicas": {"secret": "shared"}, **over}
+    data = {"backends": ["http://a:1"], "replicas": {"secret": "replicas shared secret"}, **over}
     return Settings.model_validate(data)
 
 

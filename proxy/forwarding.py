@@ -16,10 +16,10 @@
   up, whose target backend (``Router.target``, before it waits; an equal choice goes to a
   backend this replica schedules) is homed at another live replica. The request goes there
   with ``X-Cache-Forwarded-By`` (so it is not forwarded again), the bytes the client sent,
-  and the same request id; the home's response, headers included, is relayed byte for byte.
-  Its usage, and the request itself (``requests_total``), are counted by the home only, so
-  metrics summed over replicas count every request once; the replica that relayed it counts
-  it in ``forwarded_requests_total{outcome="sent"}``.
+  its path and query string as sent, and the same request id; the home's response, headers
+  included, is relayed byte for byte. Its usage, and the request itself (``requests_total``),
+  are counted by the home only, so metrics summed over replicas count every request once;
+  the replica that relayed it counts it in ``forwarded_requests_total{outcome="sent"}``.
 - *Where a replica places*: only on the backends it is home to (``foreign``: the others are
   avoided while it routes and re-decides a queued request), unless none of them is up.
 - *Failure*: a home that cannot be connected to is skipped for ``RETRY_SECONDS`` and the
@@ -154,7 +154,7 @@ class Forwarder:
         return foreign
 
     def _mark(self, request: web.Request, body: bytes, request_id: str) -> tuple[str, ...]:
-        return request_parts(request_id, request.method, request.path, body)
+        return request_parts(request_id, request.method, request.rel_url.raw_path_qs, body)
 
     def received(self, request: web.Request, body: bytes) -> bool:
         """Whether another replica sent this request: its mark verifies (see the module
@@ -208,7 +208,11 @@ class Forwarder:
         headers += [(FORWARDED_BY, mark), ("X-Request-Id", record.request_id)]
         try:
             async with self.client.send(
-                url, request.path, method=request.method, body=body, headers=headers
+                url,
+                request.rel_url.raw_path_qs,  # (the query string too, as the mark covers)
+                method=request.method,
+                body=body,
+                headers=headers,
             ) as upstream:
                 self._metrics.forwards.labels("sent").inc()
                 record.backend, record.relayed = f"replica:{url}", True

@@ -159,6 +159,7 @@ class FakeLlamaServer:
         self.api_key: str | None = None  # --api-key: every path but /health needs it
         self.ui_mcp_proxy = False  # --ui-mcp-proxy: /cors-proxy relays (else 403)
         self.received: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+        self.queries: list[tuple[str, str]] = []  # each completion's path and raw query
         self.violations: list[str] = []
         self.faults: list[tuple[str, Any]] = []
         self.tokens_processed = 0  # prompt tokens computed (prompt_n), all requests
@@ -420,6 +421,7 @@ class FakeLlamaServer:
             return web.Response(status=415)
         body = await request.json()
         self.received.append((request.path, body, dict(request.headers)))
+        self.queries.append((request.path, request.rel_url.raw_query_string))
         if self.faults:
             kind, arg = self.faults.pop(0)
             if kind == "status":

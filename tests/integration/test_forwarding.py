@@ -18,6 +18,7 @@ from tests.integration.test_routing_fake import SYSTEM
 from tests.real.stack import free_port
 
 FORWARDS = "llama_cache_proxy_forwarded_requests_total"
+CHAT = "/v1/chat/completions"
 
 
 async def _metrics(client: Any) -> str:
@@ -217,3 +218,32 @@ async def test_a_burst_of_new_sessions_is_spread_over_every_replicas_backends(
         per_backend[headers["X-Cache-Backend"]] += 1
         assert "wait" not in headers["X-Cache-Route"], headers["X-Cache-Route"]
     assert sorted(per_backend.values()) == [2, 2], dict(per_backend)
+
+
+async def test_a_forwarded_request_keeps_its_query_string_and_its_mark_covers_it(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Requests with a query string, each turn through the other replica: every backend
+    sees the query as the client sent it, relayed ones too (the relay sent the path alone),
+    and every mark verifies. A mark signed for the path alone is refused with a query added
+    (it signed the path alone, so a captured mark passed with any query)."""
+    backends = [await fakes(n_slots=2) for _ in range(2)]
+    pair = [await proxy(backends, redis_url=redis_server.url) for _ in range(2)]
+    await _met(*pair)
+    query = "trace=%C3%A9%20x&y=1"
+    histories: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for turn in range(2):
+        for session in range(4):
+            body = _turn(session, histories[session])
+            resp = await pair[(session + turn) % 2].post(f"{CHAT}?{query}", json=body)
+            assert resp.status == 200, await resp.text()
+            histories[session].append({"role": "assistant", "content": "ok"})
+    chats = [q for fake in backends for path, q in fake.queries if path == CHAT]
+    assert chats == [query] * 8
+    texts = [await _metrics(c) for c in pair]
+    assert sum(metric(t, FORWARDS, outcome="sent") for t in texts) > 0
+    assert sum(metric(t, FORWARDS, outcome="rejected") for t in texts) == 0
+    forwarded = _from_replica(_turn(9, []), "r9")
+    resp = await pair[0].post(f"{CHAT}?y=2", **forwarded)
+    assert resp.status == 200, await resp.text()
+    assert metric(await _metrics(pair[0]), FORWARDS, outcome="rejected") == 1

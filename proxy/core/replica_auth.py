@@ -11,9 +11,12 @@ HMAC-SHA256, and believe nothing unsigned:
   or with a far-future score, lists nothing: a writer without the secret can hide replicas
   (the store is theirs) but never add one, move one to another URL or keep one alive.
 - *The forwarding mark* (``X-Cache-Forwarded-By``): ``<sender id>;<sent at>;<hex HMAC of
-  "forward", sender, sent at, request id, method, path, SHA-256 of the body>``. It is believed
-  only when it verifies for this very request and was sent within ``window`` seconds of the
-  receiver's clock (a captured mark replays for that long at most, and only that request).
+  "forward", sender, sent at, request id, method, path with its query string as sent,
+  SHA-256 of the body>``; not the other headers. It is believed only when it verifies for
+  this very request and was sent within ``window`` seconds of the receiver's clock (a
+  captured mark replays for that long at most, and only that request).
+- *Checking*: a MAC that is not 64 lower-case hex digits is refused before it is compared,
+  and any text at all is refused, never an error (``_signed``: one check for both).
 - *Where to forward*: only to a URL on the allowlist (``allowed``): an ``ip/prefix`` network
   its host, written as an IP address, lies in (any port), or an exact ``scheme://host:port``
   origin. A host name matches only an origin listed with it; a network never matches one (a
@@ -76,7 +79,8 @@ def verify_entry(secret: bytes, entry: str, score: float) -> str | None:
 
 
 def request_parts(request_id: str, method: str, path: str, body: bytes) -> tuple[str, ...]:
-    """What a forwarding mark is bound to: the request's id, method, path and body."""
+    """What a forwarding mark is bound to: the request's id, method, path (with its query
+    string, still percent-encoded) and body."""
     return (request_id, method, path, hashlib.sha256(body).hexdigest())
 
 

@@ -82,8 +82,8 @@ class _Proxy:
     """``llama-cache-proxy serve`` in front of one started llama-server, in its own process.
 
     The process is forked from this one with the proxy already imported, then runs the
-    command line's ``main(["serve"])``, configured by ``LLAMA_CACHE_PROXY_*`` variables; a
-    fresh interpreter would spend seconds importing per test, a third of the suite's time.
+    command line's ``main(["serve"])``, configured by ``LLAMA_CACHE_PROXY_*`` variables (a
+    fresh interpreter would spend seconds importing the proxy for every test).
     """
 
     def __init__(self, log_dir: Path) -> None:
@@ -193,7 +193,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("PORT", str(_free_port()))
     # this build's CPU repack kernels crash on SmolLM2's Q4_1 on some CPUs (as tests/real do)
     os.environ.setdefault("LLAMA_ARG_REPACK", "0")
-    # one thread: two spinning threads on a shared 2-core machine generate ~10x slower
+    # one thread: two threads that spin-wait on a busy 2-core machine generate far slower
     os.environ.setdefault("LLAMA_ARG_THREADS", "1")
     import utils  # the suite's own module (its conftest imports it too)
 

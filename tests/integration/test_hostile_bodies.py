@@ -173,4 +173,5 @@ async def test_only_a_few_large_bodies_are_parsed_and_routed_at_once(
     posts = [client.post("/v1/chat/completions", data=raw, headers=headers) for _ in range(5)]
     for resp in await asyncio.gather(*posts):
         await resp.read()
-    assert most[0] == LARGE_BODIES
+    assert len(fake.received) == 5  # all served, in turn
+    assert 1 <= most[0] <= LARGE_BODIES

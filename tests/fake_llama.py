@@ -405,6 +405,8 @@ class FakeLlamaServer:
             text = body.get("input")
             return text if isinstance(text, str) else json.dumps(text)
         prompt = body.get("prompt", "")
+        if isinstance(prompt, dict) and "multimodal_data" not in prompt:
+            prompt = prompt.get("prompt_string", "")  # an object holding the prompt's text
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             words = {v: k for k, v in self._vocab.items()}
             return "".join(words.get(t, f" <{t}>") for t in prompt)
@@ -431,7 +433,11 @@ class FakeLlamaServer:
             drop_after = arg
         else:
             drop_after = None
-        batch = _batch(request.path, body.get("prompt"))
+        prompt_field = body.get("prompt")
+        if isinstance(prompt_field, dict) and "multimodal_data" in prompt_field:
+            message = "Multimodal data provided, but model does not support multimodal requests."
+            return self._error(400, message, "invalid_request_error")
+        batch = _batch(request.path, prompt_field)
         if batch is not None:  # one task per element, each with the request's id_slot
             return await self._batch(request, body, batch)
         prompt = tokenize(self._prompt(request.path, body))

@@ -108,8 +108,8 @@ def _check_types(data: dict[str, Any], *, chat: bool) -> None:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise type_error(f"messages[{index}]", "an object with a string 'role'")
     prompt = data.get("prompt")
-    if prompt is not None and not isinstance(prompt, str | list):
-        raise type_error("prompt", "a string or an array")
+    if prompt is not None and not isinstance(prompt, str | list | dict):
+        raise type_error("prompt", "a string, an array or an object with 'prompt_string'")
 
 
 def batch_size(prompt: Any) -> int:
@@ -170,6 +170,12 @@ def raw_prompt(body: dict[str, Any]) -> str | list[Any]:
     prompt = body.get("prompt")
     if body.get("input_prefix") is not None or body.get("input_suffix") is not None:
         prompt = f"{body.get('input_prefix', '')}{prompt or ''}{body.get('input_suffix', '')}"
+    if isinstance(prompt, dict):  # {"prompt_string": ..., "multimodal_data": [...]}
+        text = prompt.get("prompt_string")
+        media = prompt.get("multimodal_data")
+        if isinstance(text, str) and not media:
+            return text
+        return json.dumps(prompt, sort_keys=True)  # media: reuse only of the very same object
     return prompt if isinstance(prompt, str | list) else str(prompt or "")
 
 

@@ -78,3 +78,20 @@ async def test_the_fake_pins_every_element_to_the_requests_slot(fakes: Any) -> N
         results = await resp.json()
     assert [r["id_slot"] for r in results] == [0, 0]  # as the real server (test_real_batches)
     assert len(fake.violations) == 1
+
+
+async def test_a_prompt_object_is_served_pinned_as_its_text(fakes: Any, proxy: Any) -> None:
+    """``{"prompt_string": ...}`` is one prompt (llama-server's multimodal form): served and
+    routed by its text; with ``multimodal_data`` on a text model, the server's own 400."""
+    fake: FakeLlamaServer = await fakes(n_slots=2)
+    client = await proxy([fake])
+    body = {"prompt": {"prompt_string": LONG + "object"}, "n_predict": 3}
+    for _ in range(2):
+        resp = await client.post("/completion", json=body)
+        assert resp.status == 200, await resp.text()
+        assert isinstance(fake.received[-1][1]["id_slot"], int)
+    assert (await resp.json())["timings"]["cache_n"] > 30  # routed back to its slot
+    media = {"prompt": {"prompt_string": "x", "multimodal_data": ["aGk="]}, "n_predict": 3}
+    resp = await client.post("/completion", json=media)
+    assert resp.status == 400
+    assert "multimodal" in (await resp.json())["error"]["message"].lower()

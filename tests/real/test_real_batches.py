@@ -62,3 +62,16 @@ async def test_the_server_pins_every_element_to_the_requests_slot(llama_servers:
         assert resp.status == 200, await resp.text()
         results = await resp.json()
     assert [r["id_slot"] for r in results] == [0, 0]
+
+
+async def test_a_prompt_object_answers_as_its_text(llama_servers: Any, proxy: Any) -> None:
+    """llama-server's ``{"prompt_string": ...}`` form through the proxy: the answer of the
+    text itself."""
+    server = llama_servers(slots=2)
+    client = await proxy([server])
+    expected = await _alone(server.url + "/completion", PROMPTS[0])
+    resp = await client.post(
+        "/completion", json={"prompt": {"prompt_string": PROMPTS[0]}, **GREEDY}
+    )
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["content"] == expected

@@ -108,7 +108,7 @@ def create_app(
         },
     )
     app[HANDLERS], app[METRICS], app[SCHEDULER] = handlers, metrics, scheduler
-    status = StatusHandlers(fleet, metrics)
+    status = StatusHandlers(fleet, metrics, [(b.label, b.base_url) for b in settings.backends])
     app.router.add_get("/healthz", status.healthz)
     app.router.add_get("/readyz", status.readyz)
     app.router.add_get("/metrics", status.metrics)
@@ -131,6 +131,7 @@ def create_app(
             client = LlamaServerClient(session, settings.timeouts, keys)
             prober = Prober(settings, client, scheduler, metrics, clock, shared.forget_backend)
             handlers.client, handlers.prober, app[PROBER] = client, prober, prober
+            status.client = client
             forwarder.client = client
             shared.on_down = prober.drain_all
             disk.attach(client)

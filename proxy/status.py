@@ -1,5 +1,9 @@
 """The proxy's own status endpoints: liveness (``/healthz``: the process answers), readiness
-(``/readyz``: some backend is ready, 503 otherwise) and Prometheus metrics (``/metrics``).
+(``/readyz``: some backend is ready, 503 otherwise) and Prometheus metrics (``/metrics``): the
+proxy's own, then each backend's llama-server metrics read at scrape time, concurrently
+(``core.exposition``: verbatim from one backend, labelled ``backend`` from several; a backend
+that does not answer 200 in time adds nothing), with the first ``Process-Start-Time-Unix``
+a backend sent.
 
 llama-server's readiness endpoints (``upstream.HEALTH``) mean the same as ``/readyz`` in its
 bytes: ``{"status":"ok"}`` when some backend is ready, else 503 ``Loading model``. ``refused``
@@ -8,19 +12,27 @@ reason."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.core.exposition import combine
 from proxy.core.fleet import BackendPhase, Fleet
 from proxy.errors import LoadingModel, Refused, ServiceUnavailable
 from proxy.metrics import ProxyMetrics
-from proxy.upstream import REFUSED
+from proxy.upstream import REFUSED, LlamaServerClient
 
 
 class StatusHandlers:
-    def __init__(self, fleet: Fleet, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self, fleet: Fleet, metrics: ProxyMetrics, backends: Sequence[tuple[str, str]] = ()
+    ) -> None:
         self._fleet = fleet
         self._metrics = metrics
+        self._backends = backends  # (label, base URL) of each backend, in order
+        self.client: LlamaServerClient | None = None  # set once the session is open
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -44,4 +56,19 @@ class StatusHandlers:
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self._metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        headers = {"Content-Type": CONTENT_TYPE_LATEST}
+        pages: list[tuple[str, str]] = []
+        for (label, _), answer in zip(self._backends, await self._scrape(), strict=True):
+            if answer is not None:
+                pages.append((label, answer[0]))
+                if answer[1] is not None:
+                    headers.setdefault("Process-Start-Time-Unix", answer[1])
+        theirs = combine(pages, labelled=len(self._backends) > 1)
+        return web.Response(body=body + theirs.encode(), headers=headers)
+
+    async def _scrape(self) -> list[tuple[str, str | None] | None]:
+        """Each backend's metrics text and start time, or None (see ``upstream``)."""
+        client = self.client
+        if client is None:  # not serving yet
+            return [None] * len(self._backends)
+        return await asyncio.gather(*(client.metrics(url) for _, url in self._backends))

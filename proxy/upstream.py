@@ -195,9 +195,7 @@ class LlamaServerClient:
     async def probe(self, base_url: str) -> Probe:
         """``/health`` then ``/slots`` (``/props`` when ``/slots`` is disabled)."""
         try:
-            async with self._session.get(
-                base_url + "/health", timeout=self._probe_timeout, headers=self._auth(base_url)
-            ) as health:
+            async with self._session.get(base_url + "/health", **self._short(base_url)) as health:
                 if health.status == 503:
                     return Probe(BackendPhase.LOADING)
                 if health.status != 200:
@@ -211,16 +209,27 @@ class LlamaServerClient:
         body = {"content": text, "add_special": False}
         try:
             async with self._session.post(
-                base_url + "/tokenize",
-                json=body,
-                timeout=self._probe_timeout,
-                headers=self._auth(base_url),
+                base_url + "/tokenize", json=body, **self._short(base_url)
             ) as resp:
                 if resp.status != 200:
                     return None
                 return len((await resp.json())["tokens"])
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
             return None
+
+    async def metrics(self, base_url: str) -> tuple[str, str | None] | None:
+        """``/metrics`` text and ``Process-Start-Time-Unix``; None unless a 200 (not a 501:
+        no ``--metrics``) within the probe timeout."""
+        try:
+            async with self._session.get(base_url + "/metrics", **self._short(base_url)) as resp:
+                start = resp.headers.get("Process-Start-Time-Unix")
+                return (await resp.text("utf-8"), start) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
+    def _short(self, base_url: str) -> dict[str, Any]:
+        """The options of the proxy's own short calls: the probe timeout, the API key."""
+        return {"timeout": self._probe_timeout, "headers": self._auth(base_url)}
 
     def _auth(self, base_url: str) -> dict[str, str]:
         """The headers that carry the backend's API key on the proxy's own calls."""
@@ -281,8 +290,7 @@ class LlamaServerClient:
         return answer
 
     async def _slots(self, base_url: str) -> tuple[SlotProbe, ...]:
-        options: dict[str, Any] = {"timeout": self._probe_timeout}
-        options["headers"] = self._auth(base_url)
+        options = self._short(base_url)
         async with self._session.get(base_url + "/slots", **options) as resp:
             if resp.status == 200:
                 return tuple(_slot_probe(item) for item in await resp.json())

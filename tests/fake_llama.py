@@ -29,9 +29,13 @@ them, at the level the proxy depends on:
   token, one request at a time), decoding runs in parallel across slots;
 - an aborted request keeps its slot busy for ``abort_release_s`` (the real server polls the
   socket once a second);
+- ``GET /metrics`` (with ``metrics = True``, ``--metrics``) is llama-server-shaped Prometheus
+  text: ``llamacpp:prompt_tokens_total`` (prompt tokens computed) and
+  ``llamacpp:requests_processing`` (busy slots), each with ``# HELP`` and ``# TYPE``, and a
+  ``Process-Start-Time-Unix`` header; 501 without it, as the real server answers;
 - responses carry ``timings`` (``prompt_n``, ``cache_n``, ``prompt_ms`` when prefill takes
   time) like the real ones, streamed
-  (last chunk) and not;
+  (last chunk; every chunk with ``timings_per_token``) and not;
 - slot save/restore (``POST /slots/{id}?action=save|restore``, reference §5): 501 without a
   save directory; filenames with ``/``, ``\\`` or ``..`` are a 400; an action on a busy slot
   waits until it is idle; a file records the slot's tokens and its KV layout (``n_stream`` =
@@ -158,6 +162,8 @@ class FakeLlamaServer:
         self.loading = False
         self.api_key: str | None = None  # --api-key: every path but /health needs it
         self.ui_mcp_proxy = False  # --ui-mcp-proxy: /cors-proxy relays (else 403)
+        self.metrics = False  # --metrics: GET /metrics serves Prometheus text (else 501)
+        self.started_at = int(time.time())
         self.received: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.queries: list[tuple[str, str]] = []  # each completion's path and raw query
         self.violations: list[str] = []
@@ -205,6 +211,7 @@ class FakeLlamaServer:
         for path in COUNT_PATHS:
             r.add_post(path, self.count_tokens)
         r.add_get("/lora-adapters", self.lora_adapters)
+        r.add_get("/metrics", self.metrics_page)
         r.add_route("*", "/tools", self.disabled)
         r.add_route("*", "/cors-proxy", self.cors_proxy)
         r.add_post("/slots/{id}", self.slot_action)
@@ -266,6 +273,23 @@ class FakeLlamaServer:
         body = await request.json()
         self.received.append((request.path, body, dict(request.headers)))
         return web.json_response({"input_tokens": len(tokenize(self._prompt("", body)))})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        if not self.metrics:
+            message = "This server does not support metrics endpoint. Start it with `--metrics`"
+            error = {"code": 501, "message": message, "type": "not_supported_error"}
+            return web.json_response({"error": error}, status=501)
+        busy = sum(slot.busy for slot in self.slots)
+        text = (
+            "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+            "# TYPE llamacpp:prompt_tokens_total counter\n"
+            f"llamacpp:prompt_tokens_total {self.tokens_processed}\n"
+            "# HELP llamacpp:requests_processing Number of requests processing.\n"
+            "# TYPE llamacpp:requests_processing gauge\n"
+            f"llamacpp:requests_processing {busy}\n"
+        )
+        headers = {"Process-Start-Time-Unix": str(self.started_at)}
+        return web.Response(text=text, content_type="text/plain", headers=headers)
 
     async def lora_adapters(self, request: web.Request) -> web.Response:
         return web.json_response([])
@@ -660,7 +684,10 @@ class FakeLlamaServer:
                 request.transport.close()
                 raise ConnectionResetError("injected drop")
             await self._gen_step(slot, word)
-            await response.write(_sse(_chunk(request.path, word, None)))
+            chunk = _chunk(request.path, word, None)
+            if body.get("timings_per_token"):  # every token's chunk, as the real server
+                chunk["timings"] = {**final["timings"], "predicted_n": i + 1}
+            await response.write(_sse(chunk))
         slot.tokens = slot.tokens[:-1]
         await self._free(slots, task)
         for event in _final_chunks(request.path, body, "".join(reply), final, slot, self):

@@ -81,7 +81,11 @@ class TimeoutSettings(_Frozen):
     read_seconds: float = Field(
         default=600.0, gt=0, description="max silence from a backend before 504 / stream error"
     )
-    probe_seconds: float = Field(default=2.0, gt=0, description="timeout of one health probe")
+    probe_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        description="timeout of one health probe, token count or read of a backend's /metrics",
+    )
     client_body_seconds: float = Field(
         default=30.0, gt=0, description="a client's upload must arrive within this (slow loris)"
     )

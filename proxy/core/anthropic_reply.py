@@ -13,13 +13,15 @@ The mapping is llama-server's own for ``/v1/messages`` (``to_json_anthropic`` an
   ``cache_read_input_tokens`` those it reused from the slot's KV (``cache_n``),
   ``output_tokens`` the generated ones.
 
-Streams: ``message_start`` at the first chunk, then per delta a ``content_block_start`` when a
-block opens and its ``thinking_delta``, ``text_delta`` or ``input_json_delta``; at the end
-event the blocks close (a thinking block after a ``signature_delta``), then ``message_delta``
-and ``message_stop``; the server's keep-alive comments become ``ping`` events. The prompt's
-token counts arrive with the last chunk only, so ``message_start`` reports zeros and
-``message_delta`` carries the whole ``usage``, as Anthropic's own API may (clients take the
-later values).
+Streams: ``message_start`` at the first chunk that carries the prompt's counts or a delta,
+then per delta a ``content_block_start`` when a block opens and its ``thinking_delta``,
+``text_delta`` or ``input_json_delta``; at the end event the blocks close (a thinking block
+after a ``signature_delta``), then ``message_delta`` and ``message_stop``; the server's
+keep-alive comments become ``ping`` events. The stream was asked for ``timings_per_token``,
+so the first token's chunk carries the counts and ``message_start`` reports the prompt's
+``input_tokens`` and ``cache_read_input_tokens`` as the server's own does (``output_tokens``
+0); the role-only chunk before it says nothing yet. ``message_delta`` carries the whole
+``usage`` of the last chunk.
 
 Errors take Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``, the type
 chosen by HTTP status; in a stream, as an ``error`` event.
@@ -161,6 +163,7 @@ class StreamReply:
         self._tools: dict[int, int] = {}  # tool call index -> block index
         self._stop = "max_tokens"
         self._usage: dict[str, int] = _usage({})
+        self._first: dict[str, Any] | None = None  # the first chunk (it names id and model)
 
     def lines(self, data: bytes) -> bytes:
         """Events for complete SSE lines (``SseScanner``'s ready bytes)."""
@@ -175,8 +178,10 @@ class StreamReply:
     def end(self, tail: bytes) -> bytes:
         """The held end of the stream: its lines, then the events that close the message."""
         out = self.lines(tail)
-        if not self.started or self.ended:
+        if self.ended or self._first is None:
             return out
+        if not self.started:  # no chunk said anything: the message is still told
+            out += self._start(self._first)
         self.ended = True
         events = [*self._closes()]
         delta = {"stop_reason": self._stop, "stop_sequence": None}
@@ -198,9 +203,12 @@ class StreamReply:
         if "error" in chunk:
             self.ended = True
             return sse_error(500, error_message(chunk))
-        out = b"" if self.started else self._start(chunk)
-        if isinstance(chunk.get("timings"), dict) or isinstance(chunk.get("usage"), dict):
+        if self._first is None:
+            self._first = chunk
+        counts = isinstance(chunk.get("timings"), dict) or isinstance(chunk.get("usage"), dict)
+        if counts:
             self._usage = _usage(chunk)
+        out, reason = b"", None
         choices = chunk.get("choices")
         if isinstance(choices, list) and choices and isinstance(choices[0], dict):
             reason = choices[0].get("finish_reason")
@@ -208,8 +216,10 @@ class StreamReply:
                 self._stop = _STOP.get(reason, "max_tokens")
             delta = choices[0].get("delta")
             if isinstance(delta, dict):
-                out += self._delta(delta)
-        return out
+                out = self._delta(delta)
+        if self.started or not (counts or out or isinstance(reason, str)):
+            return out
+        return self._start(chunk) + out
 
     def _start(self, chunk: dict[str, Any]) -> bytes:
         self.started = True
@@ -221,7 +231,7 @@ class StreamReply:
             "model": chunk.get("model", ""),
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": _usage({}),
+            "usage": {**self._usage, "output_tokens": 0},
         }
         return sse_event("message_start", {"type": "message_start", "message": message})
 

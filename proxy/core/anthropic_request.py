@@ -20,6 +20,9 @@ server's:
   ``thinking.budget_tokens`` (when enabled) as ``thinking_budget_tokens``.
 - ``metadata.user_id`` becomes ``user``, so it can key the session (routing's
   ``cache_key_sources``); llama-server ignores it.
+- a streamed request asks for ``timings_per_token``: every token's chunk then carries the
+  prompt's counts (``prompt_n``, ``cache_n``), so ``message_start`` can report them as the
+  server's own does (``core.anthropic_reply``); the client never sees the chunks.
 
 Every other field is dropped, as the server drops it. Shapes the server would choke on
 (no ``messages``, a message or block that is not an object) are a 400 here.
@@ -62,6 +65,8 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         chat["stop"] = body["stop_sequences"]
     chat["max_tokens"] = body.get("max_tokens", DEFAULT_MAX_TOKENS)
     chat.update({key: body[key] for key in _PASSED if key in body})
+    if body.get("stream") is True:
+        chat["timings_per_token"] = True
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") == "enabled":
         chat["thinking_budget_tokens"] = thinking.get("budget_tokens", 10000)

@@ -91,7 +91,7 @@ def _holds_lone_surrogate(data: dict[str, Any]) -> bool:
     return False
 
 
-def _check_types(data: dict[str, Any], *, chat: bool) -> None:
+def _check_types(data: dict[str, Any], *, chat: bool, empty_chat: bool = False) -> None:
     for field in _INT_FIELDS:
         value = data.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -102,7 +102,7 @@ def _check_types(data: dict[str, Any], *, chat: bool) -> None:
         raise type_error("model", "a string")
     if chat:
         messages = data.get("messages")
-        if not isinstance(messages, list) or not messages:
+        if not isinstance(messages, list) or not (messages or empty_chat):
             raise type_error("messages", "a non-empty array")
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -123,11 +123,14 @@ def batch_size(prompt: Any) -> int:
     return max(1, len(prompt))
 
 
-def parse_body(raw: bytes, *, chat: bool, batches: bool = False) -> ParsedBody:
+def parse_body(
+    raw: bytes, *, chat: bool, batches: bool = False, empty_chat: bool = False
+) -> ParsedBody:
     """Validate ``raw`` for an endpoint (``chat``: one that takes ``messages``; ``batches``:
-    one whose ``prompt`` may be a batch)."""
+    one whose ``prompt`` may be a batch; ``empty_chat``: one whose ``messages`` may be empty,
+    as llama-server's ``/v1/messages``, which renders just the generation prompt then)."""
     data = decode_json_object(raw)
-    _check_types(data, chat=chat)
+    _check_types(data, chat=chat, empty_chat=empty_chat)
     # the server reads n_cmpl, else its alias n, and takes a null as absent
     completions = next((data[k] for k in ("n_cmpl", "n") if data.get(k) is not None), None)
     if completions is not None and completions < 1:

@@ -6,7 +6,10 @@ the token-weighted hit rate is ``sum(cache_n) / sum(prompt_n + cache_n)``.
 
 Where it is found:
 - non-streamed responses of every endpoint: top-level ``timings``;
-- streams: ``timings`` on the last chunk (OpenAI chat/completions and ``/completion``);
+- streams: ``timings`` on the last chunk (OpenAI chat/completions and ``/completion``); with
+  ``timings_per_token`` every chunk carries them, and a chunk before the last (its
+  ``finish_reason`` null, or ``stop`` false) does not count: its ``predicted_n`` is not final,
+  and the caller takes the first usage it reads for the end of the stream;
 - fallback when ``timings`` is absent: OpenAI ``usage.prompt_tokens`` with
   ``prompt_tokens_details.cached_tokens``, Responses ``input_tokens_details.cached_tokens``,
   Anthropic ``input_tokens`` + ``cache_read_input_tokens``.
@@ -210,7 +213,22 @@ class SseScanner:
         except ValueError:
             return False
         self.reply.feed(obj)
-        found = usage_from_object(obj)
+        found = None if _partial(obj) else usage_from_object(obj)
         if found is not None:
             self.usage = found
         return False
+
+
+def _partial(obj: Any) -> bool:
+    """A stream chunk before the last one (``/completion``'s ``stop`` false, or choices whose
+    ``finish_reason`` is null, as the server sends it until the last)."""
+    if not isinstance(obj, dict):
+        return False
+    if obj.get("stop") is False:
+        return True
+    choices = obj.get("choices")
+    return (
+        isinstance(choices, list)
+        and any(isinstance(c, dict) for c in choices)
+        and all(isinstance(c, dict) and c.get("finish_reason", "") is None for c in choices)
+    )

@@ -88,7 +88,7 @@ def first_slot(fake: Any) -> int:
 
 async def test_a_streamed_turn_reads_as_anthropic_events(proxy: Any, fakes: Any) -> None:
     client, fake = await sdk(proxy, fakes)
-    names = []
+    names, started = [], []
     async with client.messages.stream(
         model="m",
         max_tokens=8,
@@ -98,6 +98,8 @@ async def test_a_streamed_turn_reads_as_anthropic_events(proxy: Any, fakes: Any)
     ) as stream:
         async for event in stream:
             names.append(event.type)
+            if event.type == "message_start":
+                started.append(event.message.usage)
         message = await stream.get_final_message()
     assert names[0] == "message_start"
     assert names[-2:] == ["message_delta", "message_stop"]
@@ -105,6 +107,7 @@ async def test_a_streamed_turn_reads_as_anthropic_events(proxy: Any, fakes: Any)
     assert message.content[0].text == expected(FIRST)
     assert message.usage.output_tokens == 8
     assert message.usage.input_tokens > 100
+    assert started[0].input_tokens == message.usage.input_tokens  # known at the first token
     assert fake.received[-1][1]["stream"] is True
     again = await client.messages.create(
         model="m",
@@ -114,6 +117,14 @@ async def test_a_streamed_turn_reads_as_anthropic_events(proxy: Any, fakes: Any)
         messages=FIRST,  # type: ignore[arg-type]
     )
     assert again.usage.cache_read_input_tokens == message.usage.input_tokens - 1
+    await client.close()
+
+
+async def test_no_messages_is_answered_as_the_server_answers_it(proxy: Any, fakes: Any) -> None:
+    client, fake = await sdk(proxy, fakes)
+    message = await client.messages.create(model="m", max_tokens=5, messages=[])
+    assert message.type == "message"
+    assert fake.received[-1][1]["messages"] == []
     await client.close()
 
 

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from proxy.core.anthropic_reply import StreamReply, error_body, reply_body
 from proxy.core.anthropic_request import chat_body, normalize_billing_header, to_chat
 from proxy.errors import InvalidRequest
+from proxy.intake import parse_for
+from proxy.upstream import ROUTES
 
 KEYS = [
     "messages",
@@ -307,6 +309,33 @@ def test_a_stream_becomes_anthropics_events() -> None:
     assert stream.end(b"") == b""  # ended once
 
 
+def test_a_stream_starts_with_the_prompts_counts_from_the_first_tokens_chunk() -> None:
+    stream = StreamReply()
+    assert stream.lines(sse(delta(role="assistant", content=None))) == b""  # says nothing yet
+    first = {**delta(content="Hi"), "timings": {"prompt_n": 3, "cache_n": 28, "predicted_n": 1}}
+    got = events(stream.lines(sse(first)))
+    assert [name for name, _ in got] == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+    ]
+    usage = got[0][1]["message"]["usage"]
+    assert usage == {"cache_read_input_tokens": 28, "input_tokens": 3, "output_tokens": 0}
+
+
+def test_a_streamed_request_asks_for_the_counts_on_every_token() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    assert to_chat(body)["timings_per_token"] is True
+    assert "timings_per_token" not in to_chat({**body, "stream": False})
+
+
+def test_empty_messages_are_served_as_the_server_serves_them() -> None:
+    empty = json.dumps({"model": "m", "max_tokens": 5, "messages": []}).encode()
+    assert parse_for(ROUTES["/v1/messages"], empty).data["messages"] == []
+    with pytest.raises(InvalidRequest):  # a chat completion still needs a message
+        parse_for(ROUTES["/v1/chat/completions"], empty)
+
+
 def test_an_error_event_in_a_stream_is_anthropics() -> None:
     stream = StreamReply()
     got = events(stream.lines(sse(delta(content="a"), {"error": {"message": "boom"}})))
@@ -336,5 +365,6 @@ def test_any_body_is_converted_or_refused_with_a_400(body: dict[str, Any]) -> No
     assert json.loads(reply_body(200, json.dumps(answer).encode()))["type"] in ("message", "error")
     stream = StreamReply()
     chunk = b"data: " + json.dumps(answer).encode() + b"\n"
-    assert stream.lines(chunk).startswith(b"event: ")
-    assert stream.end(b"").endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    told = stream.lines(chunk) + stream.end(b"")
+    assert told.startswith(b"event: message_start\n")
+    assert told.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')

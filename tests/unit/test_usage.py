@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -108,6 +109,32 @@ def test_sse_scanner_across_arbitrary_chunk_boundaries() -> None:
         assert scanner.usage == Usage(10, 8)
         assert scanner.events == 3
         assert scanner.reply.content == "hi"
+
+
+@pytest.mark.parametrize(
+    ("partial", "last"),
+    [
+        pytest.param(
+            {"choices": [{"delta": {"content": "a"}, "finish_reason": None}]},
+            {"choices": [{"delta": {}, "finish_reason": "length"}]},
+            id="chat",
+        ),
+        pytest.param(
+            {"content": "a", "stop": False}, {"content": "", "stop": True}, id="completion"
+        ),
+    ],
+)
+def test_per_token_timings_count_only_on_the_last_chunk(
+    partial: dict[str, Any], last: dict[str, Any]
+) -> None:
+    scanner = SseScanner()
+    for n in (1, 2):
+        chunk = {**partial, "timings": {"prompt_n": 3, "cache_n": 7, "predicted_n": n}}
+        scanner.feed(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        assert scanner.usage is None  # the stream's end is when its usage is first read
+    chunk = {**last, "timings": {"prompt_n": 3, "cache_n": 7, "predicted_n": 2}}
+    scanner.feed(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    assert scanner.usage == Usage(10, 7, completion_tokens=2)
 
 
 def test_sse_scanner_forwards_whole_lines_and_gives_back_a_last_unterminated_one() -> None:

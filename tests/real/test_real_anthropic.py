@@ -100,3 +100,32 @@ async def test_a_second_turn_reuses_the_first_turns_kv(llama_servers: Any, proxy
     assert cached > 0.8 * first.usage.input_tokens  # system, tools and the first user turn
     assert second.usage.input_tokens > 0
     await anthropic.close()
+
+
+def started_usage(raw: str) -> dict[str, Any]:
+    """The ``usage`` of a stream's ``message_start`` event."""
+    for event in raw.split("\n\n"):
+        if event.startswith("event: message_start\n"):
+            return dict(json.loads(event.split("data: ", 1)[1])["message"]["usage"])
+    raise AssertionError(f"no message_start in {raw!r}")
+
+
+async def test_a_stream_starts_with_the_prompts_size_and_no_messages_is_served(
+    llama_servers: Any, proxy: Any
+) -> None:
+    server = llama_servers(slots=2)
+    client = await proxy([server.url])
+    body = {**GREEDY, **SAMPLING, "system": SYSTEM, "messages": FIRST, "stream": True}
+    _, direct = await post(server.url + "/v1/messages", body)
+    status, via = await post(str(client.make_url("/v1/messages")), body)
+    assert status == 200, via
+    assert started_usage(via)["input_tokens"] > 0
+    assert total(started_usage(via)) == total(started_usage(direct)) > 100
+    assert started_usage(via)["output_tokens"] == 0
+    empty = {"model": "m", "max_tokens": 5, "messages": []}
+    status, direct = await post(server.url + "/v1/messages", empty)
+    assert status == 200, direct
+    status, via = await post(str(client.make_url("/v1/messages")), empty)
+    assert status == 200, via
+    assert json.loads(via)["type"] == "message"
+    assert total(json.loads(via)["usage"]) == total(json.loads(direct)["usage"])

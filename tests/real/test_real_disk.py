@@ -94,16 +94,16 @@ async def test_scoped_save_no_double_prefill_then_restore_after_restart_is_ident
 async def test_park_before_evict_brings_a_session_back(llama_servers: Any, proxy: Any) -> None:
     server = llama_servers(slots=1, extra=("--cache-ram", "0"))  # no RAM copy of anything
     backends = [{"url": server.url, "ram_cache": False}]
-    client = await proxy(backends, disk=disk(server, park_min_tokens=200, prefix_cache="off"))
-    first, _ = await post(client, turn(0))  # off: nothing saved yet
+    client = await proxy(backends, disk=disk(server, park_min_tokens=200))
+    first, _ = await post(client, turn(0, prefix_cache={"scope": "off"}))  # nothing saved yet
     stranger = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
-    await post(client, {**stranger, "prefix_cache": {"scope": "auto"}})
+    await post(client, stranger)
     reply = first["choices"][0]["message"]
     follow = [
         {"role": "assistant", "content": reply["content"]},
         {"role": "user", "content": "More?"},
     ]
-    back, headers = await post(client, turn(0, follow, prefix_cache={"scope": "auto"}))
+    back, headers = await post(client, turn(0, follow))
     assert headers["X-Cache-Route"] == "disk"
     assert back["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 1
     page = await (await client.get("/metrics")).text()
@@ -129,18 +129,18 @@ async def test_a_session_back_while_its_slot_is_being_parked_restores_it(
     monkeypatch.setattr(LlamaServerClient, "slot_action", slow)
     server = llama_servers(slots=1, extra=("--cache-ram", "0"))
     backends = [{"url": server.url, "ram_cache": False}]
-    settings = disk(server, park_min_tokens=200, prefix_cache="off")
+    settings = disk(server, park_min_tokens=200)
     client = await proxy(backends, disk=settings, routing={"hold_max_seconds": 0})
-    first, _ = await post(client, turn(0))
+    first, _ = await post(client, turn(0, prefix_cache={"scope": "off"}))  # nothing saved yet
     stranger = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
-    taking = asyncio.create_task(post(client, {**stranger, "prefix_cache": {"scope": "auto"}}))
+    taking = asyncio.create_task(post(client, stranger))
     await asyncio.sleep(0.2)  # the stranger holds the slot and its park has begun
     reply = first["choices"][0]["message"]
     follow = [
         {"role": "assistant", "content": reply["content"]},
         {"role": "user", "content": "More?"},
     ]
-    back, headers = await post(client, turn(0, follow, prefix_cache={"scope": "auto"}))
+    back, headers = await post(client, turn(0, follow))
     await taking
     assert headers["X-Cache-Route"] in ("disk", "wait+disk")
     assert back["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 1

@@ -154,7 +154,9 @@ async def test_bad_inputs_against_real_backend(llama_servers: Any, proxy: Any) -
         assert resp.status == status, raw[:40]
         assert "error" in await resp.json()
     assert (await client.get("/nope")).status == 404
-    assert (await client.post("/slots/0?action=save", json={"filename": "x"})).status == 404
+    assert (
+        await client.post("/slots/0?action=save", json={"filename": "x"})
+    ).status == 403  # a deliberate refusal
     async with aiohttp.ClientSession() as direct:
         async with direct.post(f"{server.url}/v1/chat/completions", data=LONE_SURROGATE) as resp:
             assert resp.status == 400

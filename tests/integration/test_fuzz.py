@@ -167,11 +167,15 @@ def _check(status: int, headers: dict[str, str], body: bytes) -> None:
         assert isinstance(error["type"], str)
 
 
-@settings(
+# 400 cases a run, however long a case takes (a real server's completions take seconds)
+FUZZED = settings(
     max_examples=400,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+
+
+@FUZZED
 @given(path=paths, body=raw)
 def test_fuzzed_requests_get_4xx_or_a_completion(served: Served, path: str, body: bytes) -> None:
     fuzz_once(served, path, body)

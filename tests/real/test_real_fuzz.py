@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 
 from proxy.upstream import ROUTES
 from tests.conftest import metric
-from tests.integration.test_fuzz import Served, _check, fuzz_once, paths, raw
+from tests.integration.test_fuzz import FUZZED, Served, _check, fuzz_once, paths, raw
 from tests.real.stack import LlamaServer, require_real_stack
 
 
@@ -40,11 +40,7 @@ def served_real() -> Iterator[Served]:
     server.cleanup()
 
 
-@settings(
-    max_examples=400,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@FUZZED
 @given(path=paths, body=raw)
 def test_fuzzed_requests_on_the_real_server(served_real: Served, path: str, body: bytes) -> None:
     fuzz_once(served_real, path, body)

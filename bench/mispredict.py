@@ -19,7 +19,7 @@ text that tokenizes far off that scale shows up without a wrong decision: on tau
 turns range from prose to JSON, most flagged requests are slots holding exactly what was
 predicted (the request keeps all of their content by segments) at a third of the average scale.
 
-Session 28 found this way that a slot kept at exactly half by the server's count, a little
+A replay found this way that a slot kept at exactly half by the server's count, a little
 under by the estimate, was predicted to load a RAM copy the server never consulted
 (``ram_cache.SURE_CONSULT``).
 """

@@ -15,7 +15,7 @@ B - A in total, by prompt size, by A's route, and the requests where B gains mos
 
 A hit-rate difference of 0.001 on taubench is ~56 tokens, below one run's spread (about
 0.002), so compare versions with many runs each, alternating them (two worktrees), rather
-than one batch after the other: in session 13 two 10-run batches of the same code gave
+than one batch after the other: once two 10-run batches of the same code gave
 0.8727 and 0.8739.
 """
 

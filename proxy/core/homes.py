@@ -5,7 +5,7 @@ of requests waiting for a slot. When requests of two replicas wait for the same 
 queue knows the other's: the slot goes to whichever replica's lease lands first, not to the
 waiter whose prefix it holds, and a session's turn waits behind strangers queued elsewhere.
 On the two-replica taubench replay that cost about 0.03 of the hit rate against the same
-fleet split between replicas (0.478 vs 0.505, session 22).
+fleet split between replicas (0.478 vs 0.505).
 
 So every backend has one home replica, which alone places requests on its slots. A replica
 that would place a request on a backend, or wait for one of its slots, forwards the request to

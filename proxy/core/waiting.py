@@ -37,7 +37,7 @@ frees, bounds the wait, and then decides again without waiting.
   prefill token, 5 ms a decoded one), two runs each, without -> with: taubench 4 x 4
   0.8743 -> 0.8767 at 166 -> 186 ms a request (sglang-router, queueing in the server,
   0.8755 at 182 ms), taubench-8 0.8598 -> 0.8605, 2 x 3 0.8746 -> 0.8759; waiting for any
-  saving of 4 tokens without the depth bound gave 0.876 at twice the latency (session 31),
+  saving of 4 tokens without the depth bound gave 0.876 at twice the latency,
   the waiters piling onto one slot.
 - *Saturation*: when at most one slot in ``SATURATED`` is idle, an idle slot elsewhere
   saves the fleet no time — the next request takes it — so any saving of

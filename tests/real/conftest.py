@@ -53,7 +53,7 @@ def fake_processes() -> Iterator[list[str]]:
 def proxy(proxy: Any) -> Any:
     """The shared ``proxy`` factory with a read timeout for a CPU server: a cold turn of the
     real tests' prompts takes seconds of prefill, past the fakes' 5 s on a slow machine (the
-    disk tests' first turns timed out so in session 30); tests of the timeout set their own."""
+    disk tests' first turns timed out so); tests of the timeout set their own."""
 
     async def start(backends: list[Any], **over: Any) -> Any:
         over["timeouts"] = {"read_seconds": 120, **over.get("timeouts", {})}

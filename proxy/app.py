@@ -123,6 +123,7 @@ def create_app(
     for path, route in ROUTES.items():
         for method in route.methods:
             app.router.add_route(method, path, handlers.forward)
+    app.router.add_route("OPTIONS", "/{path:.*}", handlers.preflight)  # (after every path)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)

@@ -63,6 +63,11 @@ class ProxyHandlers:
         self.prober: Prober | None = None
 
     # -- proxied endpoints ---------------------------------------------------------------
+    async def preflight(self, request: web.Request) -> web.StreamResponse:
+        """A CORS preflight (``OPTIONS``, any path): answered by a backend, whose
+        ``--cors-*`` settings decide, as llama-server answers it before any routing."""
+        return await self._unpinned(request, None)
+
     async def forward(self, request: web.Request) -> web.StreamResponse:
         route = ROUTES[request.path]
         post = request.method == "POST"
@@ -196,7 +201,8 @@ class ProxyHandlers:
         backend = self._settings.backends[index]
         record = request[RECORD]
         record.backend, record.slot = backend.label, (placement.pin if placement else None)
-        via = ROUTES[request.path].via
+        known = ROUTES.get(request.path)  # (a preflight may name any path)
+        via = known.via if known is not None and request.method != "OPTIONS" else None
         outcome: Outcome | None = None
         released, finished = placement is None, [False]
 

@@ -219,6 +219,7 @@ class FakeLlamaServer:
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
         r.add_post("/apply-template", self.apply_template)
+        r.add_route("OPTIONS", "/{path:.*}", self.preflight)
         return app
 
     async def start(self, port: int = 0) -> str:
@@ -312,6 +313,16 @@ class FakeLlamaServer:
         return web.Response(text=f"relayed {request.method} {request.query.get('url')}")
 
     # -- metadata endpoints ---------------------------------------------------------------
+    async def preflight(self, request: web.Request) -> web.Response:
+        """CORS preflight on any path, as llama-server's defaults answer it."""
+        headers = {
+            "Access-Control-Allow-Origin": "*",
+            "Access-Control-Allow-Credentials": "true",
+            "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+            "Access-Control-Allow-Headers": "*",
+        }
+        return web.Response(text="", content_type="text/html", headers=headers)
+
     async def health(self, request: web.Request) -> web.Response:
         if self.loading:
             error = {"message": "Loading model", "type": "unavailable_error", "code": 503}

@@ -185,3 +185,15 @@ async def test_rerank_waits_for_a_whole_idle_backend(fakes: Any, proxy: Any) -> 
     assert resp.status == 200
     assert slow.done()  # it waited for the completion: the server picks the rerank's slot
     assert fake.violations == []
+
+
+async def test_a_cors_preflight_on_any_path_is_the_backends_answer(fakes: Any, proxy: Any) -> None:
+    fake = await fakes()
+    client = await proxy([fake], api_key="k")  # a preflight carries no key
+    for path in ("/completions", "/v1/chat/completions", "/health", "/anything"):
+        resp = await client.options(
+            path, headers={"Origin": "http://x", "Access-Control-Request-Method": "POST"}
+        )
+        assert resp.status == 200, path
+        assert resp.headers["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS"
+        assert resp.headers["Access-Control-Allow-Origin"] == "*"

@@ -104,3 +104,20 @@ async def test_new_routes_answer_as_the_server_directly(
     assert resp.status == status, got
     if path != "/responses":  # (ids and timestamps differ from call to call)
         assert got == direct
+
+
+async def test_a_cors_preflight_answers_as_the_server(llama_servers: Any, proxy: Any) -> None:
+    server = llama_servers(slots=1, extra=("--api-key", "k"))
+    client = await proxy([{"url": server.url, "api_key": "k"}], api_key="k")
+    await _until_ready(client)
+    ask = {"Origin": "http://web.example", "Access-Control-Request-Method": "POST"}
+    cors = ("Access-Control-Allow-Origin", "Access-Control-Allow-Methods")
+    for path in ("/completions", "/v1/chat/completions"):
+        async with (
+            aiohttp.ClientSession() as session,
+            session.options(server.url + path, headers=ask) as direct,
+        ):
+            expected = (direct.status, [direct.headers.get(h) for h in cors])
+        resp = await client.options(path, headers=ask)
+        assert (resp.status, [resp.headers.get(h) for h in cors]) == expected
+        assert expected[0] == 200

@@ -71,8 +71,8 @@ def test_compose_file_validates(profiles: list[str]) -> None:
 
 
 def test_compose_redis_needs_a_password_and_only_the_proxies_reach_it() -> None:
-    """Redis requires AUTH, publishes no port and sits on an internal network only the
-    proxies join; the proxies get its password and the replicas' secret. Neither may be
+    """Redis requires AUTH and TLS, publishes no port and sits on an internal network only
+    the proxies join; the proxies get its password and the replicas' secret. Neither may be
     left unset: compose refuses the file."""
     for missing in SECRETS:
         done = _compose_config(["cpu", "redis"], {k: v for k, v in SECRETS.items() if k != missing})
@@ -81,7 +81,10 @@ def test_compose_redis_needs_a_password_and_only_the_proxies_reach_it() -> None:
     config = yaml.safe_load(_compose_config(["cpu", "redis"], SECRETS).stdout)
     services = config["services"]
     redis = services["redis"]
-    assert "--requirepass" in " ".join(redis["command"])
+    command = " ".join(redis["command"])
+    assert "--requirepass" in command
+    assert "--port 0 --tls-port 6379" in command  # TLS only
+    assert services["redis-tls"]["network_mode"] == "none"
     assert redis["environment"]["REDIS_PASSWORD"] == SECRETS["REDIS_PASSWORD"]
     assert "ports" not in redis
     assert set(redis["networks"]) == {"state"}
@@ -89,7 +92,8 @@ def test_compose_redis_needs_a_password_and_only_the_proxies_reach_it() -> None:
     on_state = {name for name, s in services.items() if "state" in (s.get("networks") or {})}
     assert on_state == {"redis", "proxy"}
     env = services["proxy"]["environment"]
-    assert env["LLAMA_CACHE_PROXY_REDIS_URL"] == "redis://:redis-password-hex@redis:6379/0"
+    url = "rediss://:redis-password-hex@redis:6379/0?ssl_ca_certs=/tls/ca.crt"
+    assert env["LLAMA_CACHE_PROXY_REDIS_URL"] == url
     assert env["LLAMA_CACHE_PROXY_REPLICAS__SECRET"] == SECRETS["REPLICA_SECRET"]
 
 

@@ -28,7 +28,7 @@ from proxy.forwarding import Forwarder, advertised_url
 from proxy.handlers import ProxyHandlers
 from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
-from proxy.middleware import ProtocolLog, make_middleware
+from proxy.middleware import Handler, ProtocolLog, make_middleware, make_preflight
 from proxy.offload import Offload
 from proxy.router import Router
 from proxy.scheduler import Scheduler
@@ -100,7 +100,7 @@ def create_app(
 
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=_middlewares(settings, metrics, clock),
+        middlewares=_middlewares(settings, metrics, clock, handlers.preflight),
         handler_args={
             "logger": ProtocolLog(logging.getLogger("aiohttp.server")),
             "auto_decompress": False,  # an encoded body is refused (415), never inflated
@@ -123,7 +123,6 @@ def create_app(
     for path, route in ROUTES.items():
         for method in route.methods:
             app.router.add_route(method, path, handlers.forward)
-    app.router.add_route("OPTIONS", "/{path:.*}", handlers.preflight)  # (after every path)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
@@ -165,13 +164,14 @@ def create_app(
 
 
 def _middlewares(
-    settings: Settings, metrics: ProxyMetrics, clock: Callable[[], float]
+    settings: Settings, metrics: ProxyMetrics, clock: Callable[[], float], preflight: Handler
 ) -> list[Middleware]:
-    """Request records, logging and errors; then the API key check, when keys are set."""
+    """Request records, logging and errors; CORS preflights (any path) to a backend; then
+    the API key check, when keys are set."""
     keys = tuple(key.get_secret_value() for key in settings.api_key)
     own = frozenset({"/healthz", "/readyz"})
     checks = [make_key_check(keys, PUBLIC | own)] if keys else []
-    return [make_middleware(metrics, clock), *checks]
+    return [make_middleware(metrics, clock), make_preflight(preflight), *checks]
 
 
 def _backend_counter(

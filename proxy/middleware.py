@@ -161,6 +161,17 @@ def _from_http(exc: web.HTTPException) -> ProxyError:
     return error
 
 
+def make_preflight(forward: Handler) -> Middleware:
+    """``OPTIONS`` on any path goes to ``forward`` (llama-server answers a CORS preflight
+    before its routes); every other method keeps the router's 404 and 405."""
+
+    @web.middleware
+    async def preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
+        return await (forward if request.method == "OPTIONS" else handler)(request)
+
+    return preflight
+
+
 def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -1,7 +1,7 @@
 """A deterministic fake llama-server for fast and fleet-scale tests.
 
-It follows the real server's semantics as ``../shared/reference/llama-server.md`` records
-them, at the level the proxy depends on:
+It follows the real server's semantics (llama-server b11434, as verified against it by
+``tests/real/test_fake_parity.py``), at the level the proxy depends on:
 
 - slots: each holds the tokens of its last prompt plus reply minus the last sampled token;
   a request reuses the longest common prefix (``cache_n``) and always re-evaluates at least

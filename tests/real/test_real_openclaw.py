@@ -1,6 +1,6 @@
 """OpenClaw end to end: real `openclaw agent --local` turns through the proxy to a real
-llama-server (SmolLM2-135M), configured as in ../shared/reference/openclaw.md (custom
-OpenAI-compatible provider, lean setup for a small context: minimal tools profile, no
+llama-server (SmolLM2-135M), configured as a custom
+OpenAI-compatible provider (a lean setup for a small context: minimal tools profile, no
 bootstrap, no context injection). Turns after the first must reuse the session's prefix:
 cached tokens at least 80 % of the prompt, from the proxy's own metrics. Also with
 ``compat.supportsPromptCacheKey``, where OpenClaw's ``prompt_cache_key`` drives affinity, and

@@ -6,10 +6,10 @@ llama-server.md §1): completion endpoints honour ``id_slot`` and are pinned, an
 embeddings, reranking and decisions run on a slot the server picks, so they need a whole idle
 backend (so does a completion whose ``prompt`` is a batch, an array holding no token id: the
 server makes a task of each element and gives each the request's ``id_slot``); tokenizer,
-template and token-counting endpoints, server tools, the MCP CORS proxy and the GET metadata
-endpoints use no slot. ``REFUSED`` lists the routes the proxy answers itself with a refusal
-and why; any other path is a 404. ``HEALTH`` and ``PUBLIC`` are llama-server's readiness paths
-(served by the proxy, no API key needed).
+template and token-counting endpoints, server tools, the MCP CORS proxy, router mode's model
+management (``/models`` and below) and the GET metadata endpoints use no slot. ``REFUSED``:
+the routes the proxy refuses itself, and why; any other path is a 404. ``HEALTH`` and
+``PUBLIC`` are llama-server's readiness paths (served by the proxy, no API key needed).
 
 Each backend may have an API key (``BackendSettings.api_key``): the proxy's own calls carry
 it, and so does every forwarded request in place of the client's credential
@@ -95,7 +95,9 @@ ROUTES: dict[str, Route] = {
     "/v1/responses/input_tokens": _route("POST", _NONE),
     "/v1/messages/count_tokens": _route("POST", _NONE),
     "/v1/models": _route("GET", _NONE),
-    "/models": _route("GET", _NONE),
+    "/models": _route("GET+POST+DELETE", _NONE),  # POST (download), DELETE: router mode
+    **{path: _route("POST", _NONE) for path in ("/models/load", "/models/unload")},
+    "/models/sse": _route("GET", _NONE),  # router mode's event stream, relayed as it comes
     "/props": _route("GET", _NONE),
     "/slots": _route("GET", _NONE),
     "/lora-adapters": _route("GET", _NONE),

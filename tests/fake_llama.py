@@ -23,12 +23,24 @@ It follows the real server's semantics (llama-server b11434, as verified against
   the slot's own tokens) in both kept share and similarity; the last taken moves into the
   slot; a pinned *empty* slot skips this (upstream #28139); ``ram_tokens`` bounds it like
   ``--cache-ram`` MiB (bytes per token fixed by the model): an entry larger is not saved,
-  and the oldest entries go to make room;
+  and the oldest entries go to make room; with unified KV (``unified``) each idle slot so
+  saved is also cleared;
+- ``sleep_idle_s`` (``--sleep-idle-seconds``): idle that long since its last task, the server
+  sleeps, its context destroyed (every slot's KV and the RAM cache); ``/props`` says
+  ``is_sleeping``; every task (``/slots`` too, but not ``/health``, ``/props``, ``/models``
+  or ``/metrics``) wakes it and restarts the idle timer;
+- ``router`` (started without a model): ``/models`` also takes POST (download) and DELETE,
+  ``/models/load`` and ``/models/unload`` answer ``{"success": true}``, and each action is an
+  event on the ``GET /models/sse`` stream as it happens;
 - ``/v1/messages`` ignores ``id_slot``; ``n_predict: 0`` still samples one token;
 - prefill is serialized per server (one compute device: ``prompt_s_per_token`` per processed
   token, one request at a time), decoding runs in parallel across slots;
 - an aborted request keeps its slot busy for ``abort_release_s`` (the real server polls the
-  socket once a second);
+  socket once a second); with ``disconnect_poll_s`` (the real server's is 1 s) a request
+  whose client left while it waited for its answer (not streamed, or before its first
+  chunk) is cancelled only once that long has passed with no task result on the server, as
+  the real one checks the socket only then (``HTTP_POLLING_SECONDS``): every answer to
+  ``/slots`` or ``/metrics``, completion result and stream chunk restarts it;
 - ``GET /metrics`` (with ``metrics = True``, ``--metrics``) is llama-server-shaped Prometheus
   text: ``llamacpp:prompt_tokens_total`` (prompt tokens computed) and
   ``llamacpp:requests_processing`` (busy slots), each with ``# HELP`` and ``# TYPE``, and a
@@ -123,6 +135,13 @@ COUNT_PATHS = (
     "/responses/input_tokens",
     "/v1/responses/input_tokens",
 )
+# router mode (no model of its own): model management, forwarded by the proxy
+ROUTER_ROUTES = (
+    ("POST", "/models"),
+    ("DELETE", "/models"),
+    ("POST", "/models/load"),
+    ("POST", "/models/unload"),
+)
 
 
 class FakeLlamaServer:
@@ -134,6 +153,7 @@ class FakeLlamaServer:
         prompt_s_per_token: float = 0.0,
         gen_s_per_token: float = 0.0,
         abort_release_s: float = 0.2,
+        disconnect_poll_s: float | None = None,
         model: str = "fake-model",
         ram_cache: bool = True,
         ram_tokens: int | None = None,
@@ -157,12 +177,20 @@ class FakeLlamaServer:
         self.prompt_s_per_token = prompt_s_per_token
         self.gen_s_per_token = gen_s_per_token
         self.abort_release_s = abort_release_s
+        self.disconnect_poll_s = disconnect_poll_s
+        self._result_at = time.monotonic()  # the last task result (``disconnect_poll_s``)
+        self._answering: set[int] = set()  # tasks whose stream has begun
         self.linger_s = 0.0
         self.model = model
         self.loading = False
         self.api_key: str | None = None  # --api-key: every path but /health needs it
         self.ui_mcp_proxy = False  # --ui-mcp-proxy: /cors-proxy relays (else 403)
         self.metrics = False  # --metrics: GET /metrics serves Prometheus text (else 501)
+        self.sleep_idle_s: float | None = None  # --sleep-idle-seconds (None: -1, never)
+        self.sleeping = False
+        self._last_task = time.monotonic()
+        self.router = False  # started without a model: serves the router's /models routes
+        self.sse: list[asyncio.Queue[dict[str, Any]]] = []  # GET /models/sse listeners
         self.started_at = int(time.time())
         self.received: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.queries: list[tuple[str, str]] = []  # each completion's path and raw query
@@ -220,6 +248,10 @@ class FakeLlamaServer:
         r.add_post("/detokenize", self.detokenize)
         r.add_post("/apply-template", self.apply_template)
         r.add_route("OPTIONS", "/{path:.*}", self.preflight)
+        if self.router:
+            for method, path in ROUTER_ROUTES:
+                r.add_route(method, path, self.model_action)
+            r.add_get("/models/sse", self.model_events)
         return app
 
     async def start(self, port: int = 0) -> str:
@@ -272,6 +304,7 @@ class FakeLlamaServer:
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self._wake()
         self.received.append((request.path, body, dict(request.headers)))
         return web.json_response({"input_tokens": len(tokenize(self._prompt("", body)))})
 
@@ -280,6 +313,7 @@ class FakeLlamaServer:
             message = "This server does not support metrics endpoint. Start it with `--metrics`"
             error = {"code": 501, "message": message, "type": "not_supported_error"}
             return web.json_response({"error": error}, status=501)
+        self._result()
         busy = sum(slot.busy for slot in self.slots)
         text = (
             "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
@@ -312,6 +346,44 @@ class FakeLlamaServer:
             return web.Response()
         return web.Response(text=f"relayed {request.method} {request.query.get('url')}")
 
+    # -- sleeping (--sleep-idle-seconds) and router mode -----------------------------------
+    def _asleep(self) -> bool:
+        """Whether it sleeps: idle for ``sleep_idle_s`` since its last task. Going to sleep
+        destroys the context: every slot's KV and the RAM prompt cache."""
+        idle = time.monotonic() - self._last_task
+        stays = self.sleeping or any(slot.busy for slot in self.slots)
+        if self.sleep_idle_s is not None and idle >= self.sleep_idle_s and not stays:
+            self.sleeping, self.ram = True, []
+            for slot in self.slots:
+                slot.tokens = []
+        return self.sleeping
+
+    def _wake(self) -> None:
+        """A task arrived: it wakes the server and restarts the idle timer."""
+        self._asleep()
+        self.sleeping, self._last_task = False, time.monotonic()
+
+    async def model_action(self, request: web.Request) -> web.Response:
+        """POST /models (download), DELETE /models?model=, POST /models/load and /unload."""
+        body = await request.json() if request.method == "POST" else {}
+        model = request.query.get("model") or body.get("model")
+        self.received.append((request.rel_url.raw_path_qs, body, dict(request.headers)))
+        for queue in self.sse:
+            queue.put_nowait({"model": model, "event": f"{request.method} {request.path}"})
+        return web.json_response({"success": True})
+
+    async def model_events(self, request: web.Request) -> web.StreamResponse:
+        """One ``data:`` event per model action, as it happens, until the client leaves."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.sse.append(queue)
+        try:
+            while True:
+                await response.write(b"data: " + json.dumps(await queue.get()).encode() + b"\n\n")
+        finally:
+            self.sse.remove(queue)
+
     # -- metadata endpoints ---------------------------------------------------------------
     async def preflight(self, request: web.Request) -> web.Response:
         """CORS preflight on any path, as llama-server's defaults answer it."""
@@ -332,6 +404,7 @@ class FakeLlamaServer:
     async def props(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
+                "is_sleeping": self._asleep(),
                 "total_slots": len(self.slots),
                 "default_generation_settings": {"n_ctx": self.n_ctx, "params": {}},
                 "model_path": f"/models/{self.model}.gguf",
@@ -341,6 +414,8 @@ class FakeLlamaServer:
         )
 
     async def slots_view(self, request: web.Request) -> web.Response:
+        self._wake()  # a task, like every endpoint but /health, /props, /models and /metrics
+        self._result()
         if request.query.get("fail_on_no_slot") and all(s.busy for s in self.slots):
             return web.json_response({"error": {"message": "no slot available"}}, status=503)
         return web.json_response(
@@ -367,6 +442,7 @@ class FakeLlamaServer:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self._wake()
         self.tokenize_calls += 1
         text = body.get("content")  # without it the real server answers no tokens
         words = tokenize(text) if isinstance(text, str) else []
@@ -375,11 +451,13 @@ class FakeLlamaServer:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self._wake()
         words = {v: k for k, v in self._vocab.items()}
         return web.json_response({"content": "".join(words.get(i, "") for i in body["tokens"])})
 
     async def apply_template(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self._wake()
         generation = body.get("add_generation_prompt", True) is not False
         return web.json_response({"prompt": render_chat(body, generation)})
 
@@ -486,14 +564,28 @@ class FakeLlamaServer:
         pinned = body.get("id_slot", -1) if request.path != "/v1/messages" else -1
         self._via = request.headers.get("X-Test-Via", "") + " " + request.path
         slots = await self._take_slots(prompt, pinned, n)
-        task = slots[0].task_id
+        task, started = slots[0].task_id, time.monotonic()
         try:
             return await self._run(request, body, prompt, slots, drop_after)
         except (asyncio.CancelledError, ConnectionResetError):
-            await asyncio.sleep(self.abort_release_s)
+            if self.disconnect_poll_s is not None and task not in self._answering:
+                await self._until_checked(started, self.disconnect_poll_s)
+            else:
+                await asyncio.sleep(self.abort_release_s)
             raise
         finally:
+            self._answering.discard(task)
             await self._free(slots, task)
+
+    def _result(self) -> None:
+        """A task result reached the HTTP side (``disconnect_poll_s``)."""
+        self._result_at = time.monotonic()
+
+    async def _until_checked(self, since: float, poll: float) -> None:
+        """Until the server checks a waiting request's socket: ``poll`` seconds after the
+        later of the wait's start and the last task result (each result restarts it)."""
+        while (left := max(since, self._result_at) + poll - time.monotonic()) > 0:
+            await asyncio.sleep(left)
 
     def _pick(self, prompt: list[str], pinned: int) -> tuple[FakeSlot | None, bool]:
         """The slot, and whether the RAM-cache hook runs (``update_cache``)."""
@@ -543,6 +635,7 @@ class FakeLlamaServer:
             slot.tokens = list(best)
 
     async def _take_slots(self, prompt: list[str], pinned: int, n: int) -> list[FakeSlot]:
+        self._wake()
         waiting = None
         async with self._changed:
             while True:
@@ -564,6 +657,7 @@ class FakeLlamaServer:
                     for idle in self.slots if self.cache_idle_slots else ():
                         if not idle.busy:  # --cache-idle-slots: save every idle slot
                             self._ram_save(idle.tokens)
+                            idle.tokens = [] if self.unified else idle.tokens  # and clear it
                     return [slot, *others]
                 await self._changed.wait()
 
@@ -574,6 +668,7 @@ class FakeLlamaServer:
                 # maybe taken by the next task since: not freed twice
                 return
             self._clock += 1
+            self._last_task = time.monotonic()  # the idle timer runs from the task's end
             for i, s in enumerate(slots):
                 s.busy, s.last_used = False, self._clock
                 if i > 0:
@@ -600,6 +695,7 @@ class FakeLlamaServer:
         for word in reply:
             await self._gen_step(slot, word)
         slot.tokens = slot.tokens[:-1]
+        self._result()
         return web.json_response(_shape(request.path, body, "".join(reply), final, slot, self))
 
     async def _prefill(
@@ -689,6 +785,7 @@ class FakeLlamaServer:
         slot, task = slots[0], slots[0].task_id
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        self._answering.add(task)  # a client that leaves now is noticed at the next write
         for i, word in enumerate(reply):
             if drop_after is not None and i == drop_after:
                 assert request.transport is not None
@@ -698,6 +795,7 @@ class FakeLlamaServer:
             chunk = _chunk(request.path, word, None)
             if body.get("timings_per_token"):  # every token's chunk, as the real server
                 chunk["timings"] = {**final["timings"], "predicted_n": i + 1}
+            self._result()
             await response.write(_sse(chunk))
         slot.tokens = slot.tokens[:-1]
         await self._free(slots, task)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 
 from proxy.app import SCHEDULER
 from tests.conftest import chat
-from tests.fake_llama import COUNT_PATHS, INVALID_KEY
+from tests.fake_llama import COUNT_PATHS, INVALID_KEY, ROUTER_ROUTES, FakeLlamaServer
 from tests.real.stack import free_port
 
 LOADING = b'{"error":{"message":"Loading model","type":"unavailable_error","code":503}}'
@@ -197,3 +198,31 @@ async def test_a_cors_preflight_on_any_path_is_the_backends_answer(fakes: Any, p
         assert resp.status == 200, path
         assert resp.headers["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS"
         assert resp.headers["Access-Control-Allow-Origin"] == "*"
+
+
+async def test_router_model_management_is_forwarded_and_its_events_relayed_as_they_come(
+    proxy: Any,
+) -> None:
+    fake = FakeLlamaServer()
+    fake.router = True
+    await fake.start()
+    try:
+        client = await proxy([fake])
+        events = await client.get("/models/sse")
+        assert events.status == 200
+        await _until(lambda: len(fake.sse) == 1)
+        for method, path in ROUTER_ROUTES:
+            query = "?model=org/m" if method == "DELETE" else ""
+            body = None if method == "DELETE" else {"model": "org/m"}
+            resp = await client.request(method, path + query, json=body)
+            assert (resp.status, await resp.json()) == (200, {"success": True}), path
+            assert fake.received[-1][0] == path + query
+            line = await asyncio.wait_for(events.content.readline(), 5)  # the stream is open
+            assert json.loads(line.removeprefix(b"data: ")) == {
+                "model": "org/m",
+                "event": f"{method} {path}",
+            }
+            assert await events.content.readline() == b"\n"
+        events.close()
+    finally:
+        await fake.stop()

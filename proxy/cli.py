@@ -23,6 +23,12 @@ from proxy.config import Settings, load_settings
 from proxy.config_sources import ConfigError
 from proxy.middleware import JsonLogFormatter
 
+# on SIGTERM or SIGINT a request in flight may still end within twice this (aiohttp waits
+# once, cancels its body, waits again), then its handler is cancelled and its backend
+# connection closed, so llama-server cancels the task: a proxy stops about as promptly as
+# the llama-server it stands in for, which stops at once
+STOP_GRACE_SECONDS = 0.25
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-cache-proxy")
@@ -134,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=list(settings.hosts),
         port=settings.port,
         handler_cancellation=True,
+        shutdown_timeout=STOP_GRACE_SECONDS,
         access_log=None,
         print=None,
     )

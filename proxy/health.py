@@ -3,9 +3,17 @@
 Every ``health.interval_seconds`` each backend is probed (``/health``, then ``/slots``) and the
 result folded into the fleet (``Fleet.apply_probe``): readiness, restarts, slots busy with
 traffic that is not ours. After a request is aborted its slot is DRAINING; ``drain`` polls
-that backend's ``/slots`` quickly until llama-server shows the slot idle (it notices a
-closed connection about once a second), or gives up after ``drain_max_seconds`` and leaves
-the slot to the periodic probe.
+that backend's ``/slots`` until llama-server shows the slot idle, or gives up after
+``drain_max_seconds`` and leaves the slot to the periodic probe.
+
+How soon llama-server frees an aborted slot: a stream's task ends at its next token (the
+write fails), but a request still waiting for its answer (not streamed, or before its first
+token) is cancelled only when the server checks its connection, which it does after a whole
+second in which no task result reached it (``HTTP_POLLING_SECONDS``: each result restarts
+that second, and the answer to every ``/slots`` call is one). So the first drain poll comes
+after ``drain_poll_seconds``, and from then on, while a slot of the backend drains, the
+proxy's ``/slots`` calls to it (drain polls and periodic probes) are ``QUIET_SECONDS`` apart:
+polling faster would keep the aborted task running until it ends by itself.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from proxy.scheduler import Scheduler
 from proxy.upstream import LlamaServerClient
 
 log = logging.getLogger(__name__)
+QUIET_SECONDS = 1.25  # between /slots calls to a draining backend: its 1 s check, and a margin
 
 
 class Prober:
@@ -43,12 +52,22 @@ class Prober:
         self._metrics = metrics
         self._clock = clock
         self._drains: dict[int, asyncio.Task[None]] = {}
+        self._asked: dict[int, float] = {}  # backend -> when its /slots was last called
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(i) for i in range(len(self._backends))))
+        due = [i for i in range(len(self._backends)) if self._quiet_left(i) <= 0]
+        await asyncio.gather(*(self.probe(i) for i in due))
+
+    def _quiet_left(self, index: int) -> float:
+        """While a slot of the backend drains: how long until a ``/slots`` call to it leaves
+        the server its quiet second (module docstring); 0 when it may be called now."""
+        asked = self._asked.get(index)
+        if asked is None or not self._fleet.is_draining(index):
+            return 0.0
+        return max(0.0, asked + QUIET_SECONDS - self._clock())
 
     async def probe(self, index: int) -> None:
-        started = self._clock()
+        started = self._asked[index] = self._clock()
         probe = await self._client.probe(self._backends[index].base_url)
         if self.fold(index, probe, started) and self._on_restart is not None:
             await self._on_restart(index)
@@ -96,9 +115,11 @@ class Prober:
         if after > 0:
             await asyncio.sleep(after)
         deadline = self._clock() + self._health.drain_max_seconds
+        pause = self._health.drain_poll_seconds  # the first: a stream's task ends at once
         while self._fleet.is_draining(index) and self._clock() < deadline:
-            await asyncio.sleep(self._health.drain_poll_seconds)
+            await asyncio.sleep(pause)
             await self.probe(index)
+            pause = max(self._health.drain_poll_seconds, self._quiet_left(index))
         if self._fleet.is_draining(index):
             self._fleet.recast(SlotPhase.DRAINING, SlotPhase.EXTERNAL, index)
             label = self._fleet.backends[index].label

@@ -146,6 +146,58 @@ async def test_client_disconnect_cancels_upstream_and_frees_slot(fakes: Any, pro
     assert metric(page, "llama_cache_proxy_requests_in_flight") == 1  # the /metrics request
 
 
+async def _until(done: Any, seconds: float) -> bool:
+    """Poll ``done()`` until it is true or ``seconds`` pass; its last answer."""
+    for _ in range(int(seconds / 0.02)):
+        if done():
+            return True
+        await asyncio.sleep(0.02)
+    return bool(done())
+
+
+async def test_client_gone_before_headers_frees_the_slot_at_the_servers_check(
+    fakes: Any, proxy: Any
+) -> None:
+    """A client that gives up before any header (llama.cpp's test_cancel_request): the
+    backend cancels the task at its next connection check, which every task result (a drain
+    poll's ``/slots`` answer too) postpones by a second; the proxy's polling leaves it one."""
+    fake = await fakes(n_slots=1, gen_s_per_token=0.05, disconnect_poll_s=1.0)
+    client = await proxy([fake])
+    url = str(client.make_url("/completion"))
+    async with aiohttp.ClientSession() as session:
+        timeout = aiohttp.ClientTimeout(total=0.1)
+        with pytest.raises(TimeoutError):
+            await session.post(url, json={"prompt": "x", "n_predict": 200}, timeout=timeout)
+    assert fake.slots[0].busy  # (10 s of generation had it not been cancelled)
+    assert await _until(lambda: not fake.slots[0].busy, 3.0)
+    again = await client.post("/completion", json={"prompt": "y", "n_predict": 2})
+    assert again.status == 200
+    assert fake.violations == []
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_requests_total", endpoint="/completion") == 2
+    assert metric(page, "llama_cache_proxy_requests_total", status="499") == 1
+    assert metric(page, "llama_cache_proxy_requests_in_flight") == 1  # the /metrics request
+
+
+async def test_client_gone_while_queued_leaves_the_queue(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=1, gen_s_per_token=0.02)
+    client = await proxy([fake])
+    first = asyncio.ensure_future(client.post("/completion", json={"prompt": "a", "n_predict": 40}))
+    assert await _until(lambda: fake.slots[0].busy, 3.0)
+    url = str(client.make_url("/completion"))
+    async with aiohttp.ClientSession() as session:
+        timeout = aiohttp.ClientTimeout(total=0.2)
+        with pytest.raises(TimeoutError):
+            await session.post(url, json={"prompt": "b", "n_predict": 2}, timeout=timeout)
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_requests_queued") == 0
+    assert metric(page, "llama_cache_proxy_requests_total", status="499") == 1
+    assert (await first).status == 200
+    assert (await client.post("/completion", json={"prompt": "c", "n_predict": 2})).status == 200
+    assert [body["prompt"] for _, body, _ in fake.received] == ["a", "c"]  # never sent
+    assert fake.violations == []
+
+
 BAD_INPUTS = [
     pytest.param(b"{not json", 400, id="malformed-json"),
     pytest.param(b"[1, 2]", 400, id="not-an-object"),

@@ -1,0 +1,70 @@
+"""A client that gives up, and a proxy that is stopped, free the real llama-server's slot at
+once: the server cancels a task when its connection closes, checking a waiting request's
+connection only after a second with no task result (the proxy's polling leaves it that)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.real.stack import ProxyProcess, _wait_http
+
+AUTH = {"Authorization": "Bearer t"}
+# a generation of minutes on a CPU: whatever frees its slot within seconds cancelled it
+ENDLESS = {"prompt": "I believe the meaning of life is", "n_predict": 2000, "ignore_eos": True}
+
+
+async def _phases(client: Any) -> set[str]:
+    table = await (await client.get("/admin/slots", headers=AUTH)).json()
+    return {slot["phase"] for backend in table["backends"] for slot in backend["slots"]}
+
+
+async def test_client_gone_before_headers_frees_the_backend_slot(
+    llama_servers: Any, proxy: Any
+) -> None:
+    server = llama_servers(slots=1)
+    client = await proxy([server.url], admin_token="t")
+    async with aiohttp.ClientSession() as session:
+        url, timeout = str(client.make_url("/completion")), aiohttp.ClientTimeout(total=0.1)
+        with pytest.raises(TimeoutError):
+            await session.post(url, json=ENDLESS, timeout=timeout)
+        # the proxy's view, read without touching the server: each /slots call would put off
+        # the server's connection check by a second
+        for _ in range(50):  # 5 s
+            if await _phases(client) == {"idle"}:
+                break
+            await asyncio.sleep(0.1)
+        assert await _phases(client) == {"idle"}
+        async with session.get(server.url + "/slots") as resp:
+            assert [slot["is_processing"] for slot in await resp.json()] == [False]
+
+
+async def test_sigterm_stops_the_proxy_promptly_with_a_request_in_flight(
+    llama_servers: Any,
+) -> None:
+    server = llama_servers(slots=1)
+    proxy = ProxyProcess([server.url]).start()
+    try:
+        _wait_http(proxy.url + "/readyz", 30, proxy.proc)
+        async with aiohttp.ClientSession() as session:
+            request = asyncio.ensure_future(session.post(proxy.url + "/completion", json=ENDLESS))
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:  # until the server runs it
+                async with session.get(server.url + "/slots") as resp:
+                    if (await resp.json())[0]["is_processing"]:
+                        break
+                await asyncio.sleep(0.1)
+            assert proxy.proc is not None
+            stopped = time.monotonic()
+            proxy.proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(proxy.proc.wait, 20)
+            assert time.monotonic() - stopped < 2.0  # not once the generation ended
+            with pytest.raises(aiohttp.ClientError):
+                await request
+    finally:
+        proxy.stop(kill=True)

@@ -584,7 +584,10 @@ class FakeLlamaServer:
     async def _until_checked(self, since: float, poll: float) -> None:
         """Until the server checks a waiting request's socket: ``poll`` seconds after the
         later of the wait's start and the last task result (each result restarts it)."""
-        while (left := max(since, self._result_at) + poll - time.monotonic()) > 0:
+        while True:
+            left = max(since, self._result_at) + poll - time.monotonic()
+            if left <= 0:
+                return
             await asyncio.sleep(left)
 
     def _pick(self, prompt: list[str], pinned: int) -> tuple[FakeSlot | None, bool]:

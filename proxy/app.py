@@ -67,6 +67,7 @@ def create_app(
         [b.ram_cache for b in settings.backends],
         ram_tokens=[b.ram_cache_tokens for b in settings.backends],
         idle_saves=[b.cache_idle_slots for b in settings.backends],
+        unified=[b.kv_unified is True for b in settings.backends],
     )
     scheduler = Scheduler(fleet, settings.queue, metrics, clock)
     if store is None:

@@ -44,7 +44,9 @@ class BackendSettings(_Frozen):
         description="its --slot-save-path as the proxy sees it (default: disk.slot_save_dir)",
     )
     kv_unified: bool | None = Field(
-        default=None, description="started with unified KV (-kvu); recorded with snapshots"
+        default=None,
+        description="started with unified KV (-kvu): recorded with snapshots, and idle slots "
+        "saved to RAM as a task starts are then cleared (llama-server does not report it)",
     )
     api_key: SecretStr | None = Field(
         default=None,

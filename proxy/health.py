@@ -1,6 +1,7 @@
 """Background probing of backends and draining of aborted slots.
 
-Every ``health.interval_seconds`` each backend is probed (``/health``, then ``/slots``) and the
+Every ``health.interval_seconds`` each backend is probed (``/health``, ``/props``, and
+``/slots`` only while there is a reason, ``Fleet.wants_slots``: it keeps a backend awake) and the
 result folded into the fleet (``Fleet.apply_probe``): readiness, restarts, slots busy with
 traffic that is not ours. After a request is aborted its slot is DRAINING; ``drain`` polls
 that backend's ``/slots`` until llama-server shows the slot idle, or gives up after
@@ -68,7 +69,8 @@ class Prober:
 
     async def probe(self, index: int) -> None:
         started = self._asked[index] = self._clock()
-        probe = await self._client.probe(self._backends[index].base_url)
+        url, slots = self._backends[index].base_url, self._fleet.wants_slots(index)
+        probe = await self._client.probe(url, slots)
         if self.fold(index, probe, started) and self._on_restart is not None:
             await self._on_restart(index)
 
@@ -77,7 +79,9 @@ class Prober:
         backend = self._fleet.backends[index]
         before = backend.phase
         invalidated = self._fleet.apply_probe(index, probe, started)
-        if invalidated and before is not BackendPhase.UNKNOWN:
+        if invalidated and probe.sleeping:
+            log.info("backend=%s sleeping: its slot and RAM caches are gone", backend.label)
+        elif invalidated and before is not BackendPhase.UNKNOWN:
             self._metrics.backend_restarts.labels(backend.label).inc()
             log.warning("backend=%s slot state invalidated (restart or return)", backend.label)
         if before is not backend.phase:
@@ -139,5 +143,5 @@ def flag_warnings(props: dict[str, Any]) -> list[str]:
     if props.get("endpoint_metrics") is False:
         out.append("started without --metrics: no server-side metrics to scrape")
     if props.get("is_sleeping"):
-        out.append("sleeping (--sleep-idle-seconds): its KV and RAM caches are gone")
+        out.append("sleeping (--sleep-idle-seconds): each sleep drops its KV and RAM caches")
     return out

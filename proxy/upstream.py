@@ -194,15 +194,14 @@ class LlamaServerClient:
             else:
                 response.release()
 
-    async def probe(self, base_url: str) -> Probe:
-        """``/health`` then ``/slots`` (``/props`` when ``/slots`` is disabled)."""
+    async def probe(self, base_url: str, slots: bool = True) -> Probe:
+        """``/health``, ``/props``, then, if ``slots`` and awake, ``/slots`` (a task: it wakes a
+        sleeping server and restarts its idle timer; the others do neither)."""
         try:
-            async with self._session.get(base_url + "/health", **self._short(base_url)) as health:
-                if health.status == 503:
-                    return Probe(BackendPhase.LOADING)
-                if health.status != 200:
-                    return Probe(BackendPhase.DOWN)
-            return Probe(BackendPhase.READY, await self._slots(base_url))
+            async with self._session.get(base_url + "/health", **self._short(base_url)) as up:
+                if up.status != 200:
+                    return Probe(BackendPhase.LOADING if up.status == 503 else BackendPhase.DOWN)
+            return await self._slots(base_url, slots)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return Probe(BackendPhase.DOWN)
 
@@ -239,13 +238,12 @@ class LlamaServerClient:
         return {} if key is None else {"Authorization": f"Bearer {key}"}
 
     async def _call(self, base_url: str, path: str, body: dict[str, Any] | None) -> Any:
-        options: dict[str, Any] = {"timeout": self._request_timeout}
-        options["headers"] = self._auth(base_url)
+        opts: dict[str, Any] = {"timeout": self._request_timeout, "headers": self._auth(base_url)}
         try:
             if body is None:
-                request = self._session.get(base_url + path, **options)
+                request = self._session.get(base_url + path, **opts)
             else:
-                request = self._session.post(base_url + path, json=body, **options)
+                request = self._session.post(base_url + path, json=body, **opts)
             async with request as resp:
                 answer = await resp.json(content_type=None)
                 if resp.status != 200:
@@ -291,17 +289,19 @@ class LlamaServerClient:
         answer: dict[str, Any] = await self._call(base_url, path, {"filename": filename})
         return answer
 
-    async def _slots(self, base_url: str) -> tuple[SlotProbe, ...]:
+    async def _slots(self, base_url: str, wanted: bool) -> Probe:
         options = self._short(base_url)
-        async with self._session.get(base_url + "/slots", **options) as resp:
-            if resp.status == 200:
-                return tuple(_slot_probe(item) for item in await resp.json())
         async with self._session.get(base_url + "/props", **options) as resp:
-            if resp.status == 401:  # --api-key and no key here: run it as one slot
-                return (SlotProbe(0, False, 0, -1),)
-            props = await resp.json()
-        total = int(props.get("total_slots", 0))
-        return tuple(SlotProbe(i, False, 0, -1) for i in range(total))
+            locked = resp.status == 401  # --api-key and no key here: run it as one slot
+            props = {} if locked else await resp.json()
+        sleeping = bool(props.get("is_sleeping"))
+        total = int(props.get("total_slots", locked))
+        counted = tuple(SlotProbe(i, False, 0, -1) for i in range(total))
+        if wanted and not sleeping and not locked and props.get("endpoint_slots") is not False:
+            async with self._session.get(base_url + "/slots", **options) as resp:
+                if resp.status == 200:
+                    return Probe(BackendPhase.READY, tuple(map(_slot_probe, await resp.json())))
+        return Probe(BackendPhase.READY, counted, read=False, sleeping=sleeping)
 
 
 def _slot_probe(item: dict[str, Any]) -> SlotProbe:

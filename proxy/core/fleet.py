@@ -7,6 +7,13 @@ Restart detection from probes: no boot id, so a restart is inferred when a backe
 READY from another phase, its slot count changes, or the highest ``id_task`` it reports goes
 down (task ids grow for a process's life). ``now`` comes from the caller: no clock read here.
 
+``/slots`` is a task to llama-server: reading it wakes a sleeping server and restarts its idle
+timer (``--sleep-idle-seconds``), so a probe reads it only while there is a reason
+(``wants_slots``): the backend is not known READY, we sent it work since the last read, or
+a slot is not IDLE (ours, another replica's, draining, or busy with traffic not ours). An
+idle backend is probed by ``/health`` and ``/props``, which carries ``is_sleeping``: going to
+sleep destroys the server's context, so every slot's content and the RAM cache are forgotten.
+
 Each backend's RAM prompt cache is modelled (``core.ram_cache``) up to ``GHOST_LIMIT`` entries
 or its token budget (the server bounds it only by memory: 64 entries forgot prefixes it held,
 Mooncake synthetic 0.086 -> 0.110 hit rate at 256, the ideal); O(1) per entry unless the
@@ -58,6 +65,7 @@ class Fleet:
         ghost_limit: int = GHOST_LIMIT,
         ram_tokens: Sequence[int | None] = (),
         idle_saves: Sequence[bool] = (),
+        unified: Sequence[bool] = (),
     ) -> None:
         self.backends = [
             BackendState(
@@ -67,6 +75,7 @@ class Fleet:
                 ram=bool(ram[i]) if i < len(ram) else True,
                 ram_tokens=ram_tokens[i] if i < len(ram_tokens) else None,
                 idle_saves=bool(idle_saves[i]) if i < len(idle_saves) else True,
+                unified=bool(unified[i]) if i < len(unified) else False,
             )
             for i, label in enumerate(labels)
         ]
@@ -92,6 +101,7 @@ class Fleet:
                 self._park(backend, parked, content)  # (entries the slot now holds go)
                 backend.ghosts = ram_cache.without(backend.ghosts, placement.loads)
             slot.last_used = now
+        backend.unread = True
         self._save_idle(backend)
 
     def release(
@@ -133,10 +143,13 @@ class Fleet:
             slot.n_tokens = n_tokens or 0  # a length the response did not report is unknown
 
     def _save_idle(self, backend: BackendState) -> None:
-        """A task started: with ``--cache-idle-slots`` the server saves each idle slot."""
+        """A task started: with ``--cache-idle-slots`` the server saves each idle slot (and
+        clears it too with unified KV, where its cells are room for the others)."""
         for idle in backend.idle_slots() if backend.ram and backend.idle_saves else ():
             if idle.content is not None:
                 self._park(backend, backend.parked(idle.content, idle.last_used, idle.n_tokens))
+            if backend.unified:
+                idle.content, idle.n_tokens = None, 0
 
     def _park(
         self, backend: BackendState, before: Parked | None, after: Fingerprint | None = None
@@ -207,17 +220,37 @@ class Fleet:
             backend.max_task_id = -1
             backend.ghosts = []
             self._reset_slots(backend, len(probe.slots))
+        slept, backend.asleep = probe.sleeping and not backend.asleep, probe.sleeping
+        if slept:
+            self._forget(backend)
+        if not probe.read:
+            return restarted or slept
         for seen in probe.slots:
             self._fold_slot(backend.slots[seen.id], seen, now)
             backend.max_task_id = max(backend.max_task_id, seen.task_id)
+        backend.unread = any(s.phase is SlotPhase.BUSY for s in backend.slots)
         return restarted
+
+    def wants_slots(self, index: int) -> bool:
+        """Whether the next probe of the backend should read ``/slots`` (see above)."""
+        backend = self.backends[index]
+        return backend.phase is not BackendPhase.READY or backend.unread or backend.busy_count() > 0
+
+    @staticmethod
+    def _forget(backend: BackendState) -> None:
+        """It went to sleep: its KV and RAM cache are gone, and nothing runs on it."""
+        backend.ghosts = []
+        for slot in backend.slots:
+            slot.content, slot.n_tokens, slot.owner = None, 0, None
+            if slot.phase in (SlotPhase.DRAINING, SlotPhase.EXTERNAL):
+                slot.phase = SlotPhase.IDLE
 
     @staticmethod
     def _restarted(backend: BackendState, probe: Probe) -> bool:
         if len(probe.slots) != len(backend.slots):
             return True
         highest = max((s.task_id for s in probe.slots), default=-1)
-        return highest < backend.max_task_id
+        return probe.read and highest < backend.max_task_id
 
     @staticmethod
     def _reset_slots(backend: BackendState, count: int) -> None:

@@ -53,10 +53,14 @@ class SlotProbe:
 
 @dataclass(frozen=True)
 class Probe:
-    """What one round of ``/health`` + ``/props`` + ``/slots`` said about a backend."""
+    """What one round of ``/health`` + ``/props`` (+ ``/slots``) said about a backend.
+    ``read=False``: ``/slots`` was not read (not needed, disabled, or the server sleeps), so
+    ``slots`` only counts them; ``sleeping``: ``/props`` says ``is_sleeping``."""
 
     phase: BackendPhase
     slots: tuple[SlotProbe, ...] = ()
+    read: bool = True
+    sleeping: bool = False
 
 
 @dataclass
@@ -87,6 +91,9 @@ class BackendState:
     ram: bool = True  # runs llama-server's host-RAM prompt cache (default --cache-ram)
     ram_tokens: int | None = None  # what that cache holds, in tokens (None: not bounded)
     idle_saves: bool = True  # --cache-idle-slots: every idle slot is saved as a task starts
+    unified: bool = False  # unified KV (-kvu): an idle slot so saved is also cleared
+    unread: bool = False  # work was sent to it since ``/slots`` was last read
+    asleep: bool = False  # --sleep-idle-seconds: sleeping, its context destroyed
     prefill_tps: float = 1000.0  # prompt tokens computed per second (timings.prompt_ms, EMA)
     token_scale: float | None = None  # its tokens per fingerprint estimate (EMA)
     slots: list[SlotState] = field(default_factory=list)

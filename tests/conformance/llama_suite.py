@@ -10,7 +10,8 @@ suite's ``ServerProcess.start``/``stop`` (its ``utils.py``):
 - ``proxy``: llama-server starts on a free port exactly as the suite starts it, then
   ``python -m proxy serve --backend ...`` listens on the port the suite's clients use, so every
   request of the test goes through the proxy. A ``--api-key`` of the server is the proxy's key
-  and the backend's key too (the proxy is then the only port a client needs).
+  and the backend's key too (the proxy is then the only port a client needs); ``--kv-unified``
+  is the backend's ``kv_unified`` (llama-server does not report it).
 
 Each test's outcome (and the first line of its failure) goes to ``--conformance-out`` as JSON
 lines; ``compare.py`` beside this file turns the two runs into the table and failure list.
@@ -90,8 +91,10 @@ class _Proxy:
         self.log_dir = log_dir
         self.proc: multiprocessing.process.BaseProcess | None = None
 
-    def start(self, host: str, port: int, backend_port: int, api_key: str | None) -> None:
-        backend: dict[str, str] = {"url": f"http://127.0.0.1:{backend_port}"}
+    def start(
+        self, host: str, port: int, backend_port: int, api_key: str | None, unified: bool
+    ) -> None:
+        backend: dict[str, Any] = {"url": f"http://127.0.0.1:{backend_port}", "kv_unified": unified}
         env = {
             "LLAMA_CACHE_PROXY_LOG_LEVEL": "WARNING",
             "LLAMA_CACHE_PROXY_LISTEN": f"{host}:{port}",
@@ -167,7 +170,8 @@ def _wrap_server(utils: Any, config: pytest.Config) -> None:
         finally:
             backend_port, self.server_port = self.server_port, front
         self._conformance_proxy = _Proxy(log_dir)
-        self._conformance_proxy.start(self.server_host, front, backend_port, self.api_key)
+        unified = bool(self.kv_unified)  # configured as an operator would (the server's flag)
+        self._conformance_proxy.start(self.server_host, front, backend_port, self.api_key, unified)
 
     def stop(self: Any) -> None:
         proxy = getattr(self, "_conformance_proxy", None)

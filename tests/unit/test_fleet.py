@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.core.fingerprint import fingerprint_chat
+from proxy.core.fingerprint import Fingerprint, fingerprint_chat
 from proxy.core.fleet import (
     BackendPhase,
     Fleet,
@@ -330,3 +330,63 @@ def test_idle_slot_saves_fill_a_bounded_ram_cache(idle_saves: bool) -> None:
     # beta's return saves gamma first, which pushes out the oldest entry
     parked = [g.content for g in backend.ghosts]
     assert parked == ([beta, xi] if idle_saves else [alpha, beta])
+
+
+def _fp(word: str) -> Fingerprint:
+    return fingerprint_chat({"messages": [{"role": "user", "content": word * 20}]}, len)
+
+
+def test_slots_are_read_only_while_there_is_a_reason() -> None:
+    """Reading ``/slots`` keeps a server awake: read it after our work, while a slot is not
+    idle, and until the backend is known READY; an idle backend is probed without it."""
+    fleet = Fleet(["b0"])
+    assert fleet.wants_slots(0)  # not probed yet
+    fleet.apply_probe(0, Probe(BackendPhase.READY, ready_probe(2)), now=0.0)
+    assert not fleet.wants_slots(0)
+    fleet.claim(Placement(0, (0,), 0), now=1.0, content=_fp("a "))
+    assert fleet.wants_slots(0)
+    fleet.apply_probe(0, Probe(BackendPhase.READY, ready_probe(2)), now=1.5)  # ours still runs
+    fleet.release(Placement(0, (0,), 0), now=2.0, clean=True, content=_fp("a "))
+    assert fleet.wants_slots(0)  # read once more after our work
+    seen = (SlotProbe(0, False, 40, 7), SlotProbe(1, True, 9, 8))
+    fleet.apply_probe(0, Probe(BackendPhase.READY, seen), now=3.0)
+    assert fleet.backends[0].slots[1].phase is SlotPhase.EXTERNAL
+    assert fleet.wants_slots(0)  # someone else's traffic: watched until it ends
+    idle = (SlotProbe(0, False, 40, 7), SlotProbe(1, False, 9, 8))
+    fleet.apply_probe(0, Probe(BackendPhase.READY, idle), now=4.0)
+    assert not fleet.wants_slots(0)
+    unread = Probe(BackendPhase.READY, ready_probe(2), read=False)
+    assert not fleet.apply_probe(0, unread, now=5.0)  # not read: no restart (task ids unseen)
+    assert fleet.backends[0].slots[0].content == _fp("a ")
+
+
+def test_a_sleeping_backend_forgets_every_slot_and_its_ram_cache_once() -> None:
+    fleet = Fleet(["b0"])
+    fleet.apply_probe(0, Probe(BackendPhase.READY, ready_probe(2)), now=0.0)
+    for slot, word in ((0, "a "), (1, "b "), (0, "c ")):  # a is parked in RAM
+        fleet.claim(Placement(0, (slot,), slot), now=1.0, content=_fp(word))
+        fleet.release(Placement(0, (slot,), slot), now=2.0, clean=True, content=_fp(word))
+    backend = fleet.backends[0]
+    assert backend.ghosts
+    assert backend.slots[0].content is not None
+    asleep = Probe(BackendPhase.READY, ready_probe(2), read=False, sleeping=True)
+    assert fleet.apply_probe(0, asleep, now=3.0)
+    assert (backend.ghosts, [s.content for s in backend.slots]) == ([], [None, None])
+    assert not fleet.apply_probe(0, asleep, now=4.0)  # still asleep: nothing new lost
+    awake = Probe(BackendPhase.READY, ready_probe(2), read=False)
+    assert not fleet.apply_probe(0, awake, now=5.0)
+    assert not backend.asleep
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_with_unified_kv_an_idle_slot_saved_as_a_task_starts_is_cleared(unified: bool) -> None:
+    """llama-server with ``--kv-unified`` and ``--cache-idle-slots`` saves every idle slot to
+    the RAM cache as a task starts, then clears it (its cells are room for the others)."""
+    fleet = Fleet(["b0"], unified=[unified])
+    fleet.apply_probe(0, Probe(BackendPhase.READY, ready_probe(2)), now=0.0)
+    fleet.claim(Placement(0, (0,), 0), now=1.0, content=_fp("a "))
+    fleet.release(Placement(0, (0,), 0), now=2.0, clean=True, content=_fp("a "), n_tokens=40)
+    fleet.claim(Placement(0, (1,), 1), now=3.0, content=_fp("b "))
+    slot0 = fleet.backends[0].slots[0]
+    assert [g.content for g in fleet.backends[0].ghosts] == [_fp("a ")]
+    assert (slot0.content, slot0.n_tokens) == ((None, 0) if unified else (_fp("a "), 40))

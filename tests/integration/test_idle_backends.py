@@ -1,0 +1,53 @@
+"""Idle backends: a server that sleeps (``--sleep-idle-seconds``) is let sleep, and what its
+sleep and unified KV's idle-slot clearing destroy is not counted on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+LONG = (
+    "Once upon a time in a land far away, there lived a brave knight who traveled across "
+    "mountains and rivers to find the legendary golden sword hidden deep within the enchanted "
+    "forest of whispers. He met many creatures along the way including dragons and fairies."
+)
+
+
+async def _sleeping(client: Any) -> bool:
+    return bool((await (await client.get("/props")).json())["is_sleeping"])
+
+
+async def test_an_idle_backend_is_let_sleep_and_its_caches_are_forgotten(
+    fakes: Any, proxy: Any
+) -> None:
+    fake = await fakes()
+    fake.sleep_idle_s = 0.5
+    client = await proxy([fake], health={"interval_seconds": 0.1})
+    body = {"prompt": LONG, "n_predict": 4, "cache_prompt": True}
+    assert (await client.post("/completion", json=body)).status == 200
+    deadline = time.monotonic() + 5.0
+    while not await _sleeping(client):  # probes every 0.1 s must not keep it awake
+        assert time.monotonic() < deadline, "the proxy's probes kept the backend awake"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # a few probes: the proxy sees it sleep
+    resp = await client.post("/completion", json=body)
+    assert (await resp.json())["timings"]["cache_n"] == 0  # its context was destroyed
+    assert resp.headers["X-Cache-Predicted-Tokens"] == "0"  # and the proxy knew it
+    assert not await _sleeping(client)
+
+
+async def test_with_unified_kv_a_continuation_goes_where_its_prefix_is(
+    fakes: Any, proxy: Any
+) -> None:
+    """llama.cpp's test_clear_and_restore, sent back to back: each task start saves the idle
+    slots to the RAM cache and clears them, so the first prompt's slot is empty after the
+    second request; the continuation goes to the slot that loaded it back from RAM."""
+    fake = await fakes(n_slots=2, unified=True)
+    client = await proxy([{"url": fake.url, "kv_unified": True}], health={"interval_seconds": 60})
+    for prompt in (LONG, "The quick brown fox", LONG):
+        body = {"prompt": prompt, "n_predict": 4, "cache_prompt": True}
+        assert (await client.post("/completion", json=body)).status == 200
+    body = {"prompt": LONG + " The knight finally reached the castle gates.", "n_predict": 4}
+    answer = await (await client.post("/completion", json=body)).json()
+    assert answer["timings"]["cache_n"] > 0, answer["id_slot"]

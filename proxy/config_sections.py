@@ -96,7 +96,11 @@ class TimeoutSettings(_Frozen):
 class HealthSettings(_Frozen):
     interval_seconds: float = Field(default=2.0, gt=0, description="backend probe period")
     drain_poll_seconds: float = Field(
-        default=0.1, gt=0, description="poll period while an aborted slot finishes"
+        default=0.1,
+        gt=0,
+        description="first poll of /slots after an abort (a stream's task ends at once), then "
+        "the least period: polls are also 1.25 s apart, or llama-server never checks the "
+        "closed connection of a request still waiting for its answer",
     )
     drain_max_seconds: float = Field(
         default=10.0, gt=0, description="give up waiting for an aborted slot after this"

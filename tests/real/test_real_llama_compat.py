@@ -121,3 +121,25 @@ async def test_a_cors_preflight_answers_as_the_server(llama_servers: Any, proxy:
         resp = await client.options(path, headers=ask)
         assert (resp.status, [resp.headers.get(h) for h in cors]) == expected
         assert expected[0] == 200
+
+
+async def test_an_idle_server_sleeps_behind_the_proxy_and_wakes_with_no_cache(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """``--sleep-idle-seconds``: the proxy's probes (every 0.2 s here) let the server sleep,
+    and a sleep destroys its context: the same prompt then reuses nothing, as the proxy
+    predicts."""
+    server = llama_servers(slots=2, extra=("--sleep-idle-seconds", "1"))
+    client = await proxy([server.url], health={"interval_seconds": 0.2})
+    await _until_ready(client)
+    body = {"prompt": "The history of the printing press " * 8, "n_predict": 2}
+    first = await (await client.post("/completion", json=body)).json()
+    assert first["timings"]["prompt_n"] > 30
+    deadline = time.monotonic() + 20
+    while not (await (await client.get("/props")).json())["is_sleeping"]:
+        assert time.monotonic() < deadline, "the proxy's probes kept the server awake"
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.6)  # probes see it asleep
+    resp = await client.post("/completion", json=body)
+    assert (await resp.json())["timings"]["cache_n"] == 0
+    assert resp.headers["X-Cache-Predicted-Tokens"] == "0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from tests.fake_llama import FakeLlamaServer
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
+QUICK = aiohttp.ClientTimeout(total=0.1)  # a client that gives up before the answer
 
 
 async def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -231,3 +233,31 @@ async def test_fake_slot_files_match_real_server(llama_servers: Any) -> None:
     assert expected["other_np_status"] == 400
     assert expected["failed_restore_wipes"] is True
     assert expected["cross_slot_restore_reused"] is True
+
+
+async def _disconnect_observations(url: str) -> dict[str, bool]:
+    """A client leaves a non-streamed request after 0.1 s: the server checks its socket only
+    after a second with no task result, so the slot stays busy while ``/slots`` is read every
+    0.25 s (each answer is a result), and is freed once it has had a quiet second."""
+    endless = {"prompt": "I believe the meaning of life is", "n_predict": 2000, "ignore_eos": True}
+    seen = {}
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(TimeoutError):
+            await session.post(url + "/completion", json=endless, timeout=QUICK)
+        busy = []
+        for _ in range(10):  # 2.5 s
+            async with session.get(url + "/slots") as resp:
+                busy.append((await resp.json())[0]["is_processing"])
+            await asyncio.sleep(0.25)
+        seen["busy_while_slots_are_read"] = all(busy)
+        await asyncio.sleep(1.6)
+        async with session.get(url + "/slots") as resp:
+            seen["idle_after_a_quiet_second"] = not (await resp.json())[0]["is_processing"]
+    return seen
+
+
+async def test_fake_checks_a_waiting_clients_socket_as_the_real_server(llama_servers: Any) -> None:
+    real = llama_servers(slots=1)
+    fake = FakeLlamaServer(n_slots=1, gen_s_per_token=0.05, disconnect_poll_s=1.0)
+    expected = await _same_on_both(_disconnect_observations, real.url, fake)
+    assert expected == {"busy_while_slots_are_read": True, "idle_after_a_quiet_second": True}

@@ -198,8 +198,10 @@ class DiskSettings(_Frozen):
     )
     park: Literal["auto", "on", "off"] = Field(
         default="auto",
-        description="save a warm session before evicting it; auto: on backends without "
-        "llama-server's host-RAM prompt cache (there the server parks it in RAM itself)",
+        description="save a warm session before evicting it; auto: where the server will "
+        "not bring it back itself: without llama-server's host-RAM prompt cache, or when the "
+        "evicting request keeps at least half of the slot (agents sharing a system prompt: "
+        "the server then neither parks nor loads it); on: also where the server parks it",
     )
     park_min_tokens: int = Field(default=1024, ge=1, description="smallest session parked")
     client_max_bytes: int = Field(

@@ -17,8 +17,9 @@ from math import ceil
 from typing import TYPE_CHECKING, Any
 
 from proxy.core.disk_quota import WriteQuota
-from proxy.core.fingerprint import Fingerprint, common_segments, continues
+from proxy.core.fingerprint import Fingerprint, common_segments
 from proxy.core.isolation import may_reuse
+from proxy.core.ram_cache import needs_park
 from proxy.core.snapshots import Layout, Offer, Snapshot, file_name
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import LlamaServerClient, SlotActionFailed
@@ -133,17 +134,17 @@ class DiskSteps:
     async def park(
         self, dp: DiskPlan, fp: Fingerprint, index: int, slot_id: int, layout: Layout
     ) -> None:
-        """Save another conversation's long, recently used content before it is overwritten."""
+        """Save another conversation's long, recently used content before it is overwritten
+        where the server will not bring it back itself (``ram_cache.needs_park``)."""
         disk = self._tier.settings.disk
-        slot = self._tier.fleet.backends[index].slots[slot_id]
+        backend = self._tier.fleet.backends[index]
+        slot = backend.slots[slot_id]
         content = slot.content
-        ram = self._tier.fleet.backends[index].ram
-        if disk.park == "off" or (disk.park == "auto" and ram):
-            return  # auto: llama-server's own RAM cache parks evicted sessions
-        if content is None or content.total < disk.park_min_tokens:
+        if disk.park == "off" or content is None or content.total < disk.park_min_tokens:
             return
-        if continues(fp, content):
-            return  # the request continues it, or keeps most of it
+        length = backend.kv_estimate(content, slot.n_tokens)
+        if not needs_park(content, fp, length, backend.ram, always=disk.park == "on"):
+            return
         half_life = self._tier.settings.routing.value_half_life_seconds
         if self._tier.now() - slot.last_used > half_life:
             return  # not recently active: not worth a file

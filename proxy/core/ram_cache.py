@@ -189,6 +189,21 @@ def hook_runs(content: Fingerprint, prompt: Fingerprint, length: int | None = No
     return consulted(kept, content.total if length is None else length)
 
 
+def needs_park(
+    content: Fingerprint, prompt: Fingerprint, length: int, ram: bool, always: bool = False
+) -> bool:
+    """Whether ``prompt``, pinned to a slot holding ``content`` (``length`` as in
+    ``hook_runs``), loses a session that only a disk snapshot brings back: the prompt does not
+    continue its conversation nor keep all of it, and the server does not park it in RAM
+    itself (no RAM cache, or the prompt keeps at least half of it, so the hook does not run:
+    agent sessions sharing a long system prompt). ``always``: also where the server does."""
+    shared = common_segments(prompt.hashes, content.hashes)
+    kept = prompt.tokens_at(shared)
+    if content.same_conversation(shared) or kept >= content.total:
+        return False
+    return always or not ram or not consulted(kept, length)
+
+
 def park(
     entries: Sequence[Parked],
     before: Parked | None,

@@ -303,6 +303,27 @@ async def test_park_auto_leaves_sessions_to_the_servers_ram_cache(
         assert metric(text, "llama_cache_proxy_disk_saves_total", kind="park") == parked
 
 
+async def test_park_auto_saves_a_session_whose_slot_keeps_only_the_shared_system_prompt(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    """RAM cache on, and another session sharing the system prompt takes the only slot: it
+    keeps more than half of the slot, so the server neither saves the session in RAM nor
+    loads it back. Parked on disk first, the session's next turn restores its own turn."""
+    fake = await fakes(n_slots=1, save_dir=tmp_path)  # RAM cache on
+    client = await proxy([fake], disk=disk(tmp_path, park_min_tokens=200))
+    a1 = turn(0, 1)
+    reply = await (await client.post("/v1/chat/completions", json=a1)).json()
+    assert (await client.post("/v1/chat/completions", json=turn(1, 1))).status == 200
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "llama_cache_proxy_disk_saves_total", kind="park") == 1
+    messages = [*a1["messages"], reply["choices"][0]["message"], {"role": "user", "content": "?"}]
+    back = await client.post("/v1/chat/completions", json={**a1, "messages": messages})
+    assert back.headers["X-Cache-Route"] in ("disk", "wait+disk")
+    assert [a[0] for a in fake.slot_actions][-1] == "restore"
+    cached = (await back.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= reply["usage"]["prompt_tokens"] - 1  # its previous prompt, not the header
+
+
 async def test_sessions_arriving_together_save_their_shared_prefix_once_and_restore_it(
     fakes: Any, proxy: Any, tmp_path: Path
 ) -> None:

@@ -182,3 +182,18 @@ def test_an_entry_serving_as_far_as_the_slot_may_win_by_tokens_the_segments_do_n
     # a tie is only with the slot's own content: a later entry must still beat the first
     two = [(100, 300), (100, 200)]
     assert ram_cache.pick(two, kept=100, content_tokens=400, prompt_tokens=400, ties=True) == 0
+
+
+def test_needs_park_where_the_server_will_not_bring_the_session_back() -> None:
+    # a session: a 2,000-token system prompt, its own 500-token task (anchor) and a reply
+    session = Fingerprint((1, 2, 3), (2000, 2500, 2600), anchor=2)
+    other = Fingerprint((1, 7), (2000, 2400), anchor=2)  # another session: the header only
+    stranger = Fingerprint((9,), (300,), anchor=1)  # keeps nothing: the server parks it in RAM
+    onward = Fingerprint((1, 2, 3, 4), (2000, 2500, 2600, 2650), anchor=2)  # its next turn
+    assert ram_cache.needs_park(session, other, 2600, ram=True)  # keeps 0.77: no RAM hook
+    assert not ram_cache.needs_park(session, stranger, 2600, ram=True)
+    assert ram_cache.needs_park(session, stranger, 2600, ram=False)
+    assert ram_cache.needs_park(session, stranger, 2600, ram=True, always=True)
+    assert not ram_cache.needs_park(session, onward, 2600, ram=False, always=True)
+    header = Fingerprint((1,), (2000,), anchor=2)  # a system prompt alone: kept whole
+    assert not ram_cache.needs_park(header, other, 2000, ram=False, always=True)

@@ -158,9 +158,11 @@ class ProxyHandlers:
     async def _leased(self, plan: Plan | None, need: Need) -> Placement:
         """A placement whose slot this replica holds the shared lease of."""
         while True:
-            placement = await self._scheduler.acquire(
-                self._decider(plan, need), plan.fp if plan else None
-            )
+            decide = self._decider(plan, need)
+            if plan is None:
+                placement = await self._scheduler.acquire(decide)
+            else:
+                placement = await self._router.acquire(self._scheduler, plan, decide)
             if await self._shared.take(placement):
                 return placement
             # another replica's: marked so before the release wakes a waiter that would take it

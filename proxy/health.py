@@ -77,7 +77,7 @@ class Prober:
     def fold(self, index: int, probe: Probe, started: float) -> bool:
         """Apply a probe; True when the backend's slot contents were invalidated."""
         backend = self._fleet.backends[index]
-        before = backend.phase
+        before, idle = backend.phase, {s.id for s in backend.idle_slots()}
         invalidated = self._fleet.apply_probe(index, probe, started)
         if invalidated and probe.sleeping:
             log.info("backend=%s sleeping: its slot and RAM caches are gone", backend.label)
@@ -87,7 +87,11 @@ class Prober:
         if before is not backend.phase:
             log.info("backend=%s phase=%s", backend.label, backend.phase.value)
         self._export(index)
-        self._scheduler.wake()
+        freed = [(index, s.id) for s in backend.idle_slots() if s.id not in idle]
+        if before is not backend.phase or invalidated:
+            self._scheduler.wake()
+        elif freed:  # slots another client (or an aborted request) left
+            self._scheduler.wake(freed)
         return invalidated and before is not BackendPhase.UNKNOWN
 
     def _export(self, index: int) -> None:

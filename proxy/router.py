@@ -11,8 +11,6 @@ State-store failures never fail a request (``SharedState`` degrades to local sta
 from __future__ import annotations
 
 import logging
-import weakref
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -31,7 +29,7 @@ from proxy.core.fingerprint import (
     reply_segment,
 )
 from proxy.core.fleet import Fleet, NoPlacement, Placement
-from proxy.core.headers import header_text
+from proxy.core.headers import cache_key
 from proxy.core.homes import target
 from proxy.core.isolation import salt, tenant_of
 from proxy.core.raw_blocks import fingerprint_raw
@@ -40,9 +38,11 @@ from proxy.core.returns import SCAN, ReturnTracker
 from proxy.core.routing import Decision, Reason, route
 from proxy.core.scoring import RamView
 from proxy.core.usage import Reply, Usage
+from proxy.core.waiting import Depths
 from proxy.disk_tier import DiskPlan, DiskTier
 from proxy.metrics import ProxyMetrics
 from proxy.offload import Offload
+from proxy.scheduler import Scheduler
 from proxy.shared_state import SharedState
 from proxy.tokenizer import TokenCounter
 
@@ -67,15 +67,10 @@ class Plan:
     after: Fingerprint | None = None  # what the slot holds after the reply (content_after)
     views: dict[int, RamView] = field(default_factory=dict)  # route's memo while it waits
     segments: list[Segment] | None = None  # a chat prompt's
+    queued_for: tuple[int, int] | None = None  # the busy slot it waits for, while it does
 
 
-def cache_key(sources: tuple[str, ...], body: dict[str, Any], headers: Any) -> str | None:
-    for source in sources:
-        name = source.removeprefix("header:")
-        value = header_text(headers, name) if name != source else body.get(source)
-        if isinstance(value, str) and value:
-            return value[:256]
-    return None
+Decide = Callable[[], Placement | NoPlacement]
 
 
 class Router:
@@ -96,7 +91,7 @@ class Router:
         self._shared = shared
         self._counter, self._offload = counter, offload
         self._metrics, self._clock = metrics, clock
-        self._waiting: weakref.WeakValueDictionary[int, Plan] = weakref.WeakValueDictionary()
+        self._depths = Depths()  # per busy slot, the plans waiting for it
         self.params = settings.routing.params()
         self._labels = {b.label: b.index for b in fleet.backends}
         self.churn: ChurnTracker | None = None  # prefix-churn diagnostics (app.py)
@@ -110,10 +105,8 @@ class Router:
 
     def tenant(self, request: web.Request) -> str | None:
         """The request's tenant under cache isolation (None when isolation is off)."""
-        isolation = self._settings.isolation
-        if isolation.mode == "off":
-            return None
-        return tenant_of(request.headers, isolation.tenant_header)
+        mode, header = self._settings.isolation.mode, self._settings.isolation.tenant_header
+        return None if mode == "off" else tenant_of(request.headers, header)
 
     def fingerprint(
         self, body: dict[str, Any], segments: Sequence[Segment] | None, seed: int = 0
@@ -181,14 +174,21 @@ class Router:
             hold=hold,
             views=plan.views,
             remote=remote,
-            depths=self._depths(plan, now),
+            depths=self._depths.others(plan.queued_for),
         )
 
-    def _depths(self, plan: Plan, now: float) -> Counter[tuple[int, int]]:
-        """Per slot, the other requests waiting for it (a plan is dropped once placed, or
-        when its request ends and frees it; a wait past its bound no longer counts)."""
-        others = [p for p in list(self._waiting.values()) if p is not plan and now < p.wait_until]
-        return Counter(p.decision.wait_for for p in others if p.decision and p.decision.wait_for)
+    async def acquire(self, scheduler: Scheduler, plan: Plan, decide: Decide) -> Placement:
+        """A placement for ``plan`` from the scheduler; its decisions (``decider``) keep the
+        per-slot count of waiting plans, which it leaves however the wait ends."""
+        try:
+            return await scheduler.acquire(decide, plan.fp, plan.wait_until)
+        finally:
+            self._queue(plan, None)
+
+    def _queue(self, plan: Plan, slot: tuple[int, int] | None) -> None:
+        """Count ``plan`` as waiting for ``slot`` (None: for no slot) instead of its last."""
+        self._depths.move(plan.queued_for, slot)
+        plan.queued_for = slot
 
     async def prepare(self, plan: Plan, body: dict[str, Any], scope: Scope | None) -> None:
         """The request is routed here: count its arrival, plan its disk-tier work."""
@@ -215,16 +215,16 @@ class Router:
         if found is not None:
             returns.returned(found[1], found[0])
 
-    def decider(self, plan: Plan, avoid: frozenset[int]) -> Callable[[], Placement | NoPlacement]:
+    def decider(self, plan: Plan, avoid: frozenset[int]) -> Decide:
         def decide() -> Placement | NoPlacement:
             now = self._clock()
             decision = self._route(plan, now, now < plan.wait_until, avoid, plan.disk)
             if isinstance(decision, NoPlacement):
+                self._queue(plan, None)
                 return decision
             plan.decision = decision
-            self._waiting.pop(id(plan), None)
+            self._queue(plan, decision.wait_for if decision.placement is None else None)
             if decision.placement is None:
-                self._waiting[id(plan)] = plan
                 plan.waits += 1
                 if decision.until is not None:
                     self._held(plan, decision.until, now)

@@ -23,6 +23,7 @@ cross unchanged.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from proxy.errors import InvalidRequest
 
@@ -97,3 +98,16 @@ def header_text(headers: Mapping[str, str], name: str) -> str:
             message = f"header {name} is not valid UTF-8"
             raise InvalidRequest(message, code="invalid_header", param=name) from None
     return value
+
+
+def cache_key(
+    sources: tuple[str, ...], body: dict[str, Any], headers: Mapping[str, str]
+) -> str | None:
+    """A request's cache_key: the first of ``sources`` (a body field, or ``header:NAME``) it
+    sets to a non-empty string, cut to 256 characters."""
+    for source in sources:
+        name = source.removeprefix("header:")
+        value = header_text(headers, name) if name != source else body.get(source)
+        if isinstance(value, str) and value:
+            return value[:256]
+    return None

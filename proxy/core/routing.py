@@ -63,6 +63,7 @@ from proxy.core.fleet import (
     Placement,
     SlotPhase,
 )
+from proxy.core.options import options
 from proxy.core.placement import why_not
 from proxy.core.returns import held, held_until
 from proxy.core.scoring import (
@@ -196,23 +197,32 @@ def route(
     if views is not None:
         views.update(ram)
     load = {b.index: b.busy_count() for b in up}
+    free = [(b, s) for b in ready for s in b.idle_slots()]
+    least = params.min_prefix_tokens
+    spared = frozenset(
+        (b.index, s.id) for b, s in free if allow_wait and held(b, s, fp, now, hold, least)
+    )
     idle = [
-        candidate(fp, b, s, now, params, ram[b.index], load[b.index], disk.get(b.index))
+        option
         for b in ready
-        for s in b.idle_slots()
+        for option in options(
+            fp,
+            b,
+            [s for s in b.idle_slots() if (b.index, s.id) not in spared],
+            now,
+            params,
+            ram[b.index],
+            load[b.index],
+            disk.get(b.index),
+        )
     ]
     if keyed is not None:
         if all(c.score <= keyed.score for c in idle):
             return _place(keyed, Reason.AFFINITY, key)
         key = "outmatched"  # another idle slot scores higher: route by prefix
-    least = params.min_prefix_tokens
-    spared = frozenset(
-        _slot(c) for c in idle if allow_wait and held(c.backend, c.slot, fp, now, hold, least)
-    )
-    if spared and len(spared) == len(idle):
-        until = min(held_until(c.backend, c.slot, hold) for c in idle)
-        return Decision(None, Reason.WAIT, 0, _slot(idle[0]), key, until=until)
-    idle = [c for c in idle if _slot(c) not in spared]
+    if spared and len(spared) == len(free):
+        until = min(held_until(b, s, hold) for b, s in free)
+        return Decision(None, Reason.WAIT, 0, (free[0][0].index, free[0][1].id), key, until=until)
     rank = _ranking(remote)
     best = max(idle, key=rank, default=None)
     pressed = idle_count(up) < queued  # idle slots go to waiters anyway

@@ -106,19 +106,19 @@ class RamView:
         if any(ram_cache.covers(r, entry.content) for r in resident):
             return 0.0
         served, length = self.served[index]
-        lost = _lost(entry.content, self.shared[index], served, length)
+        lost = lost_tokens(entry.content, self.shared[index], served, length)
         return lost * _recency(entry.at, now, params)
 
 
 UNSHARED = (0, 0)  # a RAM entry the request shares less than a quarter of (never loaded)
 
 
-def _shared(fp: Fingerprint, content: Fingerprint | None) -> int:
+def shared_segments(fp: Fingerprint, content: Fingerprint | None) -> int:
     return common_segments(fp.hashes, content.hashes) if content is not None else 0
 
 
 def _reuse(fp: Fingerprint, content: Fingerprint, exact: bool, shared: int | None = None) -> int:
-    shared = _shared(fp, content) if shared is None else shared
+    shared = shared_segments(fp, content) if shared is None else shared
     if exact and (shared < len(content.hashes) or shared == len(fp.hashes)):
         return 0
     return max(0, min(fp.tokens_at(shared), fp.total - 1))
@@ -150,7 +150,7 @@ def _recency(last_used: float, now: float, params: RoutingParams) -> float:
     return float(0.5 ** (age / params.value_half_life_s))
 
 
-def _lost(content: Fingerprint, shared: int, reuse: int, length: int) -> int:
+def lost_tokens(content: Fingerprint, shared: int, reuse: int, length: int) -> int:
     """Tokens of ``content`` (``length`` in the KV: a raw prompt's holds its reply too) a
     request reusing ``reuse`` of it overwrites: the tail of the prompt when it continues that
     conversation, else the whole KV (that conversation loses its copy)."""
@@ -201,7 +201,7 @@ def candidate(
     live, direct, shared, consulted, loads, destroyed = 0, 0, 0, False, None, 0.0
     length = 0
     if content is not None and fp.hashes:
-        shared = _shared(fp, content)
+        shared = shared_segments(fp, content)
         live = direct = _reuse(fp, content, backend.exact, shared)
         length = backend.kv_estimate(content, slot.n_tokens)
         consulted = backend.ram and ram_cache.consulted(live, length)
@@ -228,11 +228,11 @@ def candidate(
     discount = params.ram_discount if consulted and (not ours or loads is not None) else 1.0
     # what the slot's own content loses is judged by what the request shares with *it*, not
     # by tokens a RAM entry or a snapshot brings into the slot
-    lost = _lost(content, shared, direct, length)
+    lost = lost_tokens(content, shared, direct, length)
     damage = lost * recency(slot, now, params) * discount + destroyed
     score = gain - params.eviction_weight * damage
     source = loads.content if loads is not None else content
-    extends = restore is None and _shared(fp, source) == len(source.hashes) and reuse > 0
+    extends = restore is None and shared_segments(fp, source) == len(source.hashes) and reuse > 0
     return Candidate(backend, slot, reuse, score, load, restore, loads, extends)
 
 

@@ -64,10 +64,11 @@ frees, bounds the wait, and then decides again without waiting.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import BackendState, SlotPhase, SlotState
+from proxy.core.options import first_token, shares
 from proxy.core.scoring import (
     Candidate,
     RamView,
@@ -150,11 +151,13 @@ def worth_waiting(
     empty = not saturated and best is not None and best.slot.content is None
     rival = best.score if best is not None else 0.0  # a short queue's slot must beat it
     found: tuple[tuple[int, int], int] | None = None
+    first = first_token(fp)  # a busy slot sharing no token with the prompt saves nothing
     for backend in backends:  # the ready ones
         options = [
             ((backend.index, s.id), reuse)
             for s in backend.slots
             if s.phase is not SlotPhase.IDLE
+            and shares(fp, s.expected, first)
             and (reuse := predicted_reuse(fp, s, backend.exact)) >= bar(backend.index, s)
             and (not empty or _taken(fp, backend, once_done(s, now), now, params, ram))
             and (reuse >= floor or _taken(fp, backend, once_done(s, now), now, params, ram, rival))
@@ -206,3 +209,46 @@ def _taken(
     over a choice scoring ``rival``: over an empty slot, a positive score; in a short queue,
     over the best idle choice."""
     return candidate(fp, backend, slot, now, params, ram[backend.index]).score > rival
+
+
+Slot = tuple[int, int]  # (backend index, slot id)
+
+
+class Depths:
+    """Per busy slot, how many requests wait for it: kept as each request's decision
+    changes (``move``), so reading a depth costs the same however many requests wait."""
+
+    def __init__(self) -> None:
+        self._counts: dict[Slot, int] = {}
+
+    def move(self, old: Slot | None, new: Slot | None) -> None:
+        """A request waited for ``old`` and now waits for ``new`` (None: no slot)."""
+        if old is not None:
+            left = self._counts[old] - 1
+            if left:
+                self._counts[old] = left
+            else:
+                del self._counts[old]
+        if new is not None:
+            self._counts[new] = self._counts.get(new, 0) + 1
+
+    def others(self, own: Slot | None) -> Mapping[Slot, int]:
+        """The depths as a request waiting for ``own`` sees them: without itself."""
+        return _Others(self._counts, own)
+
+
+class _Others(Mapping[Slot, int]):
+    def __init__(self, counts: dict[Slot, int], own: Slot | None) -> None:
+        self._counts, self._own = counts, own
+
+    def __getitem__(self, slot: Slot) -> int:
+        count = self._counts[slot] - (slot == self._own)
+        if count <= 0:
+            raise KeyError(slot)
+        return count
+
+    def __iter__(self) -> Iterator[Slot]:
+        return (slot for slot in self._counts if slot in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -9,7 +9,15 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from proxy.config import QueueSettings
-from proxy.core.fleet import BackendPhase, Fleet, NoPlacement, Placement, Probe, SlotProbe
+from proxy.core.fleet import (
+    BackendPhase,
+    Fleet,
+    NoPlacement,
+    Placement,
+    Probe,
+    SlotPhase,
+    SlotProbe,
+)
 from proxy.core.placement import Need, place
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import Scheduler
@@ -62,3 +70,38 @@ async def test_a_release_re_decides_waiters_only_while_a_slot_is_free() -> None:
     for task in queued:
         task.cancel()
     await asyncio.gather(*queued, return_exceptions=True)
+
+
+async def test_a_release_asks_waiters_only_until_the_freed_slot_is_taken() -> None:
+    """Slot 2 stays idle, wanted by no one; slot 1 frees. The first waiter passes it up, the
+    second takes it; the third is not asked: the fleet is as it was when it chose to wait."""
+    fleet = Fleet(["b0"])
+    probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(3)))
+    fleet.apply_probe(0, probe, now=0.0)
+    scheduler = Scheduler(fleet, QueueSettings(), ProxyMetrics(CollectorRegistry()), time.monotonic)
+    first = await scheduler.acquire(lambda: Placement(0, (0,), 0))
+    second = await scheduler.acquire(lambda: Placement(0, (1,), 1))
+    decided: list[str] = []
+
+    def decider(name: str, takes: bool) -> Callable[[], Placement | NoPlacement]:
+        def decide() -> Placement | NoPlacement:
+            decided.append(name)
+            free = fleet.backends[0].slots[1].phase is SlotPhase.IDLE
+            return Placement(0, (1,), 1) if takes and free else NoPlacement.BUSY
+
+        return decide
+
+    queued = [
+        asyncio.create_task(scheduler.acquire(decider(name, takes)))
+        for name, takes in (("a", False), ("b", True), ("c", True))
+    ]
+    await asyncio.sleep(0.01)
+    decided.clear()
+    scheduler.release(second, clean=True)
+    assert decided == ["a", "b"]
+    assert (await queued[1]) == Placement(0, (1,), 1)
+    assert scheduler.waiting() == 2
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
+    scheduler.release(first, clean=True)

@@ -24,8 +24,10 @@ USUAL_BAR = replace(PARAMS, short_wait_tokens=0)  # no short queues: the usual b
 
 
 def fp(*segments: int, size: int = 100) -> Fingerprint:
-    """A chain whose i-th hash is the i-th given id (distinct ids = distinct prefixes)."""
-    return Fingerprint(tuple(segments), tuple(size * (i + 1) for i in range(len(segments))))
+    """A chain of the given segment ids, as real fingerprints chain them: hash ``i`` covers
+    segments ``0..i`` (distinct ids = distinct prefixes)."""
+    hashes = tuple(hash(segments[: i + 1]) for i in range(len(segments)))
+    return Fingerprint(hashes, tuple(size * (i + 1) for i in range(len(segments))))
 
 
 def fleet(*slots: int, exact: tuple[bool, ...] = ()) -> Fleet:
@@ -108,7 +110,7 @@ def test_a_cold_request_weighs_a_raw_prompt_by_its_kv_reply_included() -> None:
     f.backends[0].slots[1].n_tokens = 38
     d = decided(route(fp(42), f.backends, PARAMS, now=100.0))
     assert (d.reason, d.placement) == (Reason.COLD, Placement(0, (1,), 1))
-    turn = decided(route(Fingerprint((1, 3), (20, 49)), f.backends, PARAMS, now=100.0))
+    turn = decided(route(Fingerprint(fp(1, 3).hashes, (20, 49)), f.backends, PARAMS, now=100.0))
     assert turn.placement == Placement(0, (0,), 0)  # its continuation does not pay for it
 
 
@@ -158,16 +160,20 @@ def test_a_newcomer_starts_on_an_empty_slot_rather_than_wait_for_one_it_would_no
     runs, the others start at once on empty slots instead of waiting for its slot, which once
     free holds another conversation they would not take; its own next turn still waits."""
     f = fleet(4)
-    first = Fingerprint((1, 2), (2000, 2040), anchor=2)
+    first = Fingerprint(fp(1, 2).hashes, (2000, 2040), anchor=2)
     f.claim(Placement(0, (0,), 0), now=100.0, content=first)
-    newcomer = decided(route(Fingerprint((1, 3), (2000, 2040), 2), f.backends, PARAMS, now=100.0))
+    newcomer = decided(
+        route(Fingerprint(fp(1, 3).hashes, (2000, 2040), 2), f.backends, PARAMS, now=100.0)
+    )
     assert (newcomer.reason, newcomer.placement) == (Reason.COLD, Placement(0, (1,), 1))
-    turn = Fingerprint((1, 2, 4), (2000, 2040, 2060), anchor=2)
+    turn = Fingerprint(fp(1, 2, 4).hashes, (2000, 2040, 2060), anchor=2)
     again = decided(route(turn, f.backends, PARAMS, now=100.0))
     assert (again.reason, again.wait_for) == (Reason.WAIT, (0, 0))
     for s in (1, 2, 3):  # no empty slot left: the newcomer waits, as it did before
-        hold(f, 0, s, Fingerprint((10 + s, 20), (2000, 2040), anchor=2))
-    late = decided(route(Fingerprint((1, 3), (2000, 2040), 2), f.backends, PARAMS, now=100.0))
+        hold(f, 0, s, Fingerprint(fp(10 + s, 20).hashes, (2000, 2040), anchor=2))
+    late = decided(
+        route(Fingerprint(fp(1, 3).hashes, (2000, 2040), 2), f.backends, PARAMS, now=100.0)
+    )
     assert (late.reason, late.wait_for) == (Reason.WAIT, (0, 0))
 
 
@@ -177,11 +183,11 @@ def test_a_cold_choice_that_keeps_the_prefix_is_reported_as_prefix() -> None:
     serves the system prompt: the route says so."""
     f = fleet(2)
     for s in (0, 1):
-        hold(f, 0, s, Fingerprint((1, 10 + s, 20 + s), (2000, 2040, 2400), anchor=2))
-    d = decided(route(Fingerprint((1, 3), (2000, 2040), 2), f.backends, PARAMS, now=100.0))
+        hold(f, 0, s, Fingerprint(fp(1, 10 + s, 20 + s).hashes, (2000, 2040, 2400), anchor=2))
+    d = decided(route(Fingerprint(fp(1, 3).hashes, (2000, 2040), 2), f.backends, PARAMS, now=100.0))
     assert (d.reason, d.predicted, d.placement is not None) == (Reason.PREFIX, 2000, True)
     f.backends[0].slots[1].content = None  # an empty slot: a real cold start
-    d = decided(route(Fingerprint((1, 3), (2000, 2040), 2), f.backends, PARAMS, now=100.0))
+    d = decided(route(Fingerprint(fp(1, 3).hashes, (2000, 2040), 2), f.backends, PARAMS, now=100.0))
     assert (d.reason, d.predicted) == (Reason.COLD, 0)
 
 
@@ -545,7 +551,7 @@ def test_a_parked_raw_prompt_is_loadable_only_by_its_real_length_with_the_reply(
     """llama-server saves a raw prompt's slot with the reply it generated, and loads an entry
     only for a prompt that keeps at least a quarter of it: a 16-token prompt saved with its
     64-token reply is not loaded for a prompt extending the 16 (16 / 80 < 0.25)."""
-    request = Fingerprint((1, 2, 3), (16, 32, 49))  # extends the parked prompt fp(1)
+    request = Fingerprint(fp(1, 2, 3).hashes, (16, 32, 49))  # extends the parked prompt fp(1)
     for size, predicted in ((16, 16), (80, 0)):  # saved without a reply, and with one
         f = fleet(1)
         hold(f, 0, 0, fp(9))  # another conversation: pinning the slot consults the cache
@@ -561,8 +567,8 @@ def test_a_slot_whose_reply_the_prompt_does_not_keep_is_parked_by_its_real_lengt
     f = fleet(1)
     hold(f, 0, 0, replace(fp(1, size=16), sealed=True))  # as a raw prompt's reply leaves it
     f.backends[0].slots[0].n_tokens = 80
-    f.claim(Placement(0, (0,), 0), now=101.0, content=Fingerprint((1, 2, 3), (16, 32, 49)))
-    assert [p.content.hashes for p in f.backends[0].ghosts] == [(1,)]
+    f.claim(Placement(0, (0,), 0), now=101.0, content=Fingerprint(fp(1, 2, 3).hashes, (16, 32, 49)))
+    assert [p.content.hashes for p in f.backends[0].ghosts] == [fp(1).hashes]
 
 
 def test_a_load_is_counted_on_only_when_the_slot_keeps_well_under_half() -> None:
@@ -570,14 +576,19 @@ def test_a_load_is_counted_on_only_when_the_slot_keeps_well_under_half() -> None
     in its own tokens; the router's shares are estimates, so it counts on a load only under
     ``SURE_CONSULT`` (Mooncake's two-block prompts: 64 of 144 estimated tokens, 16 of 32
     real ones, and no load)."""
-    prompt = Fingerprint((1, 2, 3, 4, 5, 6), (64, 128, 192, 256, 320, 384))
+    prompt = Fingerprint(fp(1, 2, 3, 4, 5, 6).hashes, (64, 128, 192, 256, 320, 384))
     for content, predicted in (
-        (Fingerprint((1, 91), (64, 144)), 64),  # keeps 0.44: the slot's own 64 only
-        (Fingerprint((1, 91, 92), (64, 144, 224)), 320),  # keeps 0.29: the parked copy loads
+        (Fingerprint(fp(1, 91).hashes, (64, 144)), 64),  # keeps 0.44: the slot's own 64 only
+        (
+            Fingerprint(fp(1, 91, 92).hashes, (64, 144, 224)),
+            320,
+        ),  # keeps 0.29: the parked copy loads
     ):
         f = fleet(1)
         hold(f, 0, 0, content)
-        f.backends[0].ghosts = [Parked(Fingerprint((1, 2, 3, 4, 5), prompt.tokens[:5]), 50.0)]
+        f.backends[0].ghosts = [
+            Parked(Fingerprint(fp(1, 2, 3, 4, 5).hashes, prompt.tokens[:5]), 50.0)
+        ]
         d = decided(route(prompt, f.backends, PARAMS, now=100.0))
         assert (d.reason, d.placement is not None, d.predicted) == (Reason.PREFIX, True, predicted)
 
@@ -616,3 +627,59 @@ def test_a_parked_turn_the_server_may_load_in_a_tie_is_counted_as_loaded() -> No
     assert d.placement.loads == parked
     f.claim(d.placement, now=100.0, content=fp(1, 70, 71, 72))
     assert parked not in f.backends[0].ghosts
+
+
+@st.composite
+def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | None]:
+    """Up to three backends of up to six slots; chains that may open with an empty
+    preamble (a chat template's, no token) shared by every prompt."""
+    counts = draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
+    f = fleet(*counts, exact=tuple(draw(st.booleans()) for _ in counts))
+    preamble = draw(st.booleans())
+
+    def chain(ids: list[int]) -> Fingerprint:
+        if not preamble:
+            return fp(*ids)
+        c = fp(0, *ids)
+        return Fingerprint(c.hashes, tuple(t - 100 for t in c.tokens))
+
+    chains = st.lists(st.integers(1, 4), min_size=1, max_size=5).map(chain)
+    for backend in f.backends:
+        backend.ram = draw(st.booleans())
+        parked = st.builds(Parked, chains, st.floats(0, 100))
+        backend.ghosts = draw(st.lists(parked, max_size=3))
+        for slot in backend.slots:
+            slot.phase = draw(st.sampled_from(list(SlotPhase)))
+            slot.content = draw(st.none() | chains)
+            slot.pending = draw(st.none() | chains) if slot.phase is SlotPhase.BUSY else None
+            slot.last_used = draw(st.sampled_from([0.0, 50.0, 99.0]))
+    hint = draw(st.none() | st.tuples(st.integers(0, 3), st.integers(0, 5)))
+    return f, draw(chains), hint
+
+
+@settings(max_examples=400)
+@given(wide_scenes(), st.booleans(), st.sampled_from([0.0, 50.0]))
+def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
+    scene: tuple[Fleet, Fingerprint, tuple[int, int] | None], allow_wait: bool, hold: float
+) -> None:
+    """``scoring.options`` scores the slots sharing a token with the prompt and the best of
+    the others: the decision is the one scoring every idle slot gives."""
+    import proxy.core.routing as routing
+    from proxy.core.scoring import candidate
+
+    f, request, hint = scene
+
+    def decide() -> Decision | NoPlacement:
+        return route(
+            request, f.backends, PARAMS, now=100.0, affinity=hint, allow_wait=allow_wait, hold=hold
+        )
+
+    pruned = decide()
+    options = routing.options
+    routing.options = lambda fp, b, idle, now, params, ram, load, offer: [  # type: ignore[assignment]
+        candidate(fp, b, s, now, params, ram, load, offer) for s in idle
+    ]
+    try:
+        assert pruned == decide()
+    finally:
+        routing.options = options

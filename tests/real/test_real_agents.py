@@ -1,0 +1,180 @@
+"""Agent sessions sharing one long system prompt, against real llama-servers (SmolLM2-135M).
+
+Each session's turn is its previous messages, the previous reply as returned and a new short
+user message; sessions are interleaved (s0t0 s1t0 s2t0 s0t1 ...) and outnumber the slots, so
+every returning turn finds its slot overwritten by another session sharing only the system
+prompt. The returning-turn hit (Σ cache_n / Σ prompt tokens over turns 2-4, from the
+responses' ``timings``) is compared with the ideal (each returning turn reusing its own
+previous prompt and reply: the previous turn's prompt and completion tokens, capped at the
+prompt) and with the same sequence sent straight to llama-server (a session per backend,
+fixed). The servers run as the README recommends: explicit ``-np``, ``--slot-save-path`` (the
+proxy told the directory), ``--metrics``, RAM cache at its default. Run with ``-s`` to read
+the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from tests.real.stack import LlamaServer
+
+RULES = " ".join(
+    f"Rule {i}: before you change module {i}, read its tests, keep the change small, "
+    f"explain it in one line and run the checks for area {i % 7}."
+    for i in range(61)
+)
+SYSTEM = "You are a coding agent working in a large repository. " + RULES
+TURNS = 4
+ASKS = ["List the first step.", "Why?", "And then?", "Summarise."]
+
+
+def task(session: int) -> str:
+    """A session's own opening: a bug report with its log (about 400 tokens)."""
+    log = " ".join(
+        f"step {i}: parser {session} read token {i * 7 + session} at line {i * 13 + session}."
+        for i in range(24)
+    )
+    return f"Session {session}: fix bug {session * 17} in parser {session}. Log: {log}"
+
+
+@dataclass(frozen=True)
+class Turn:
+    session: int
+    turn: int
+    cached: int  # timings.cache_n
+    prompt: int  # cache_n + prompt_n: the whole prompt in the server's tokens
+    completion: int
+    predicted: int | None  # X-Cache-Predicted-Tokens (None: straight to the server)
+
+
+Send = Callable[[int, dict[str, Any]], Awaitable[tuple[dict[str, Any], Any]]]
+
+
+async def run_agents(send: Send, sessions: int) -> list[Turn]:
+    histories = {
+        s: [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": task(s)},
+        ]
+        for s in range(sessions)
+    }
+    out = []
+    for t in range(TURNS):
+        for s in range(sessions):
+            body = {"messages": histories[s], "max_tokens": 8, "temperature": 0}
+            answer, headers = await send(s, body)
+            timings = answer["timings"]
+            predicted = headers.get("X-Cache-Predicted-Tokens")
+            out.append(
+                Turn(
+                    s,
+                    t,
+                    timings["cache_n"],
+                    timings["cache_n"] + timings["prompt_n"],
+                    answer["usage"]["completion_tokens"],
+                    None if predicted is None else int(predicted),
+                )
+            )
+            reply = answer["choices"][0]["message"]["content"]
+            histories[s] = [
+                *histories[s],
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": ASKS[(t + s) % len(ASKS)]},
+            ]
+    return out
+
+
+@dataclass(frozen=True)
+class Score:
+    hit: float
+    ideal: float
+    predicted_ok: float  # share of returning turns predicted within 10 % of cache_n
+
+    def __str__(self) -> str:
+        return f"hit {self.hit:.3f}, ideal {self.ideal:.3f}, predictions ok {self.predicted_ok:.2f}"
+
+
+def score(turns: list[Turn]) -> Score:
+    last = {}
+    cached = ideal = total = ok = 0
+    returning = [x for x in turns if x.turn > 0]
+    for x in turns:
+        if x.turn > 0:
+            prev = last[x.session]
+            cached += x.cached
+            total += x.prompt
+            ideal += min(prev.prompt + prev.completion, x.prompt - 1)
+            if x.predicted is not None and abs(x.predicted - x.cached) <= 0.1 * max(x.cached, 1):
+                ok += 1
+        last[x.session] = x
+    return Score(cached / total, ideal / total, ok / len(returning))
+
+
+def report(label: str, turns: list[Turn]) -> Score:
+    result = score(turns)
+    print(f"\n{label}: {result}")
+    for x in turns:
+        print(f"  s{x.session}t{x.turn}: cache_n {x.cached} of {x.prompt}, predicted {x.predicted}")
+    return result
+
+
+async def straight(servers: list[LlamaServer], sessions: int) -> list[Turn]:
+    """The sequence sent to the servers themselves, session ``s`` to server ``s % n``."""
+    async with aiohttp.ClientSession() as http:
+
+        async def send(s: int, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+            url = servers[s % len(servers)].url + "/v1/chat/completions"
+            async with http.post(url, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json(), resp.headers
+
+        return await run_agents(send, sessions)
+
+
+async def proxied(proxy: Any, servers: list[LlamaServer], sessions: int) -> list[Turn]:
+    """The sequence through the proxy with its defaults, told the shared save directory."""
+    backends = [server.url for server in servers]
+    client = await proxy(backends, disk={"slot_save_dir": str(servers[0].save_dir)})
+
+    async def send(s: int, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        return await resp.json(), resp.headers
+
+    return await run_agents(send, sessions)
+
+
+def shared_servers(llama_servers: Any, count: int) -> list[LlamaServer]:
+    """``count`` servers of 2 slots sharing one ``--slot-save-path``."""
+    first = llama_servers(slots=2, ctx_per_slot=4096)
+    more = {"slots": 2, "ctx_per_slot": 4096, "save_dir": first.save_dir}
+    return [first, *(llama_servers(**more) for _ in range(count - 1))]
+
+
+async def compare(llama_servers: Any, proxy: Any, backends: int, sessions: int) -> None:
+    """The sequence straight to fresh servers, then through the proxy to fresh servers: the
+    proxy beats the servers alone and reaches 0.9 of the ideal, predicting ``cache_n``."""
+    fleet = f"{backends}x2"
+    alone = await straight(shared_servers(llama_servers, backends), sessions)
+    direct = report(f"{fleet} straight to llama-server", alone)
+    turns = await proxied(proxy, shared_servers(llama_servers, backends), sessions)
+    through = report(f"{fleet} through the proxy", turns)
+    assert direct.hit < through.hit
+    assert through.hit >= 0.9 * through.ideal, through
+    assert through.predicted_ok >= 0.9, through
+
+
+async def test_three_agents_on_one_backend_reuse_their_own_turns(
+    llama_servers: Any, proxy: Any
+) -> None:
+    await compare(llama_servers, proxy, backends=1, sessions=3)
+
+
+async def test_six_agents_on_two_backends_reuse_their_own_turns(
+    llama_servers: Any, proxy: Any
+) -> None:
+    await compare(llama_servers, proxy, backends=2, sessions=6)

@@ -7,9 +7,11 @@ recently used scores at least as well (the same reuse, its loss the least recent
 the ranking's ties. A slot sharing nothing reuses nothing of its own. On a backend with no
 RAM entry and no disk snapshot for the prompt it scores minus the loss of all it holds
 (``_stranger``, without the cache model), and only the best such slot of the backend can
-rank first. On a backend with one, the first empty slot (it scores the disk gain alone: an
-empty pinned slot skips the RAM cache) and the ``SPARES`` whose content costs least to lose
-(the second covers a RAM entry that parking the first would push out) are scored in full.
+rank first: the least recently used empty one if there is one (it scores 0; a stranger
+holding tokens scores less, as it loses them). On a backend with one, the first empty slot
+(it scores the disk gain alone: an empty pinned slot skips the RAM cache) and the
+``SPARES`` whose content costs least to lose (the second covers a RAM entry that parking
+the first would push out) are scored in full.
 So a decision scores the slots that share the prompt and a few more per backend, and the
 cost of a slot that shares nothing is a few attribute reads; the decision is the one that
 scoring every idle slot gives (property-tested).
@@ -74,6 +76,10 @@ def options(
             candidate(fp, backend, slot, now, params, ram, load, offer)
             for slot in _cheapest(others, backend, now, params)
         ]
+    empty = min((s for s in others if s.content is None), key=_lru, default=None)
+    if empty is not None and params.eviction_weight > 0 and params.ram_discount > 0:
+        # an empty slot scores 0, a stranger holding tokens less: it loses them
+        return [*found, _stranger(fp, backend, empty, now, params, load)]
     strangers = (_stranger(fp, backend, slot, now, params, load) for slot in others)
     best = max(strangers, key=lambda c: (c.score, -c.slot.last_used, -c.slot.id), default=None)
     return found if best is None else [*found, best]

@@ -75,7 +75,14 @@ from proxy.core.scoring import (
     ram_view,
 )
 from proxy.core.snapshots import Offer
-from proxy.core.waiting import hit_floor, idle_count, significant, spare_parked, worth_waiting
+from proxy.core.waiting import (
+    Fleetview,
+    crowded,
+    hit_floor,
+    significant,
+    spare_parked,
+    worth_waiting,
+)
 
 __all__ = ["Decision", "Reason", "RoutingParams", "predicted_reuse", "route"]
 
@@ -188,16 +195,17 @@ def route(
     busy slot, the other requests waiting for it."""
     disk = disk or {}
     usable = [b for b in backends if b.index not in avoid]
-    ready = [b for b in usable if b.phase is BackendPhase.READY and b.idle_slots()]
+    up = [b for b in usable if b.phase is BackendPhase.READY]
+    free_of = {b.index: b.idle_slots() for b in up}  # (read once per decision)
+    ready = [b for b in up if free_of[b.index]]
     key, keyed = None, None
     if affinity is not None and affinity[0] not in avoid:
         keyed, key = _affinity(fp, backends, affinity, now, params, disk)
-    up = [b for b in usable if b.phase is BackendPhase.READY]
     ram = {b.index: ram_view(fp, b, (views or {}).get(b.index)) for b in up}
     if views is not None:
         views.update(ram)
-    load = {b.index: b.busy_count() for b in up}
-    free = [(b, s) for b in ready for s in b.idle_slots()]
+    load = {b.index: len(b.slots) - len(free_of[b.index]) for b in up}
+    free = [(b, s) for b in ready for s in free_of[b.index]]
     least = params.min_prefix_tokens
     spared = frozenset(
         (b.index, s.id) for b, s in free if allow_wait and held(b, s, fp, now, hold, least)
@@ -208,7 +216,7 @@ def route(
         for option in options(
             fp,
             b,
-            [s for s in b.idle_slots() if (b.index, s.id) not in spared],
+            [s for s in free_of[b.index] if (b.index, s.id) not in spared],
             now,
             params,
             ram[b.index],
@@ -225,15 +233,16 @@ def route(
         return Decision(None, Reason.WAIT, 0, (free[0][0].index, free[0][1].id), key, until=until)
     rank = _ranking(remote)
     best = max(idle, key=rank, default=None)
-    pressed = idle_count(up) < queued  # idle slots go to waiters anyway
-    depths = depths or {}
+    idle_now = len(free)
+    pressed = idle_now < queued  # idle slots go to waiters anyway
+    fleet = Fleetview(up, free_of, crowded(idle_now, up), pressed)
     waiting = (
-        worth_waiting(fp, up, best, params, ram, pressed, spared, now, depths)
+        worth_waiting(fp, fleet, best, params, ram, spared, now, depths or {})
         if allow_wait
         else None
     )
     if waiting is None and allow_wait and best is not None:
-        waiting = spare_parked(up, best)
+        waiting = spare_parked(fleet, best)
     if waiting is not None:
         return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
     if best is None:

@@ -65,6 +65,7 @@ frees, bounds the wait, and then decides again without waiting.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import BackendState, SlotPhase, SlotState
@@ -83,24 +84,31 @@ SHORT_WHOLE = 4  # a prompt under min_prefix_tokens is a hit when all of it (>= 
 SPARE_PARKED = 256  # net tokens lost by destroying a parked RAM entry that are worth a wait
 
 
-def idle_count(backends: Sequence[BackendState]) -> int:
-    return sum(len(b.idle_slots()) for b in backends)
+@dataclass(frozen=True)
+class Fleetview:
+    """The ready backends as one decision reads them: each one's idle slots (read once),
+    whether the fleet is saturated (``crowded``) and whether more requests wait than slots
+    are idle (``pressed``)."""
+
+    backends: Sequence[BackendState]
+    free: Mapping[int, Sequence[SlotState]]
+    saturated: bool
+    pressed: bool
 
 
-def crowded(backends: Sequence[BackendState]) -> bool:
+def crowded(idle: int, backends: Sequence[BackendState]) -> bool:
     """At most one slot in ``SATURATED`` idle: the next request takes any idle slot anyway."""
-    return idle_count(backends) * SATURATED <= sum(len(b.slots) for b in backends)
+    return idle * SATURATED <= sum(len(b.slots) for b in backends)
 
 
-def spare_parked(
-    backends: Sequence[BackendState], best: Candidate
-) -> tuple[tuple[int, int], int] | None:
+def spare_parked(fleet: Fleetview, best: Candidate) -> tuple[tuple[int, int], int] | None:
     """Wait (for any slot: the caller re-decides when one frees) rather than pin the best idle
     slot when that makes the server load a parked RAM entry and overwrite more of it than the
     request gains (score below ``-SPARE_PARKED``); not in a saturated fleet, where waiting
     already happens for any saving and idle slots go to the next request."""
-    if best.loads is None or best.score >= -SPARE_PARKED or crowded(backends):
+    if best.loads is None or best.score >= -SPARE_PARKED or fleet.saturated:
         return None
+    backends = fleet.backends
     busy = ((b.index, s.id) for b in backends for s in b.slots if s.phase is not SlotPhase.IDLE)
     first = next(busy, None)
     return (first, best.reuse) if first is not None else None
@@ -122,11 +130,10 @@ def significant(fp: Fingerprint, params: RoutingParams) -> float:
 
 def worth_waiting(
     fp: Fingerprint,
-    backends: Sequence[BackendState],
+    fleet: Fleetview,
     best: Candidate | None,
     params: RoutingParams,
     ram: Mapping[int, RamView],
-    pressed: bool,
     spared: frozenset[tuple[int, int]],
     now: float,
     depths: Mapping[tuple[int, int], int],
@@ -137,7 +144,11 @@ def worth_waiting(
     saturated, and for a full backend when ``pressed``: more requests wait than slots are
     idle); or a busy slot saving ``short_wait_tokens`` more that fewer than
     ``short_wait_depth`` other requests wait for (``depths``)."""
-    base, saturated = (best.reuse if best is not None else 0), crowded(backends)
+    base, saturated, pressed = (
+        (best.reuse if best is not None else 0),
+        fleet.saturated,
+        fleet.pressed,
+    )
     floor = base + (hit_floor(fp, params) if saturated else significant(fp, params))
     short = min(floor, base + (params.short_wait_tokens or floor))  # 0: off
 
@@ -152,17 +163,15 @@ def worth_waiting(
     rival = best.score if best is not None else 0.0  # a short queue's slot must beat it
     found: tuple[tuple[int, int], int] | None = None
     first = first_token(fp)  # a busy slot sharing no token with the prompt saves nothing
-    for backend in backends:  # the ready ones
+    for backend in fleet.backends:  # the ready ones
         options = [
             ((backend.index, s.id), reuse)
-            for s in backend.slots
-            if s.phase is not SlotPhase.IDLE
-            and shares(fp, s.expected, first)
-            and (reuse := predicted_reuse(fp, s, backend.exact)) >= bar(backend.index, s)
+            for s in _distinct_busy(backend, fp, first, depths, params)
+            if (reuse := predicted_reuse(fp, s, backend.exact)) >= bar(backend.index, s)
             and (not empty or _taken(fp, backend, once_done(s, now), now, params, ram))
             and (reuse >= floor or _taken(fp, backend, once_done(s, now), now, params, ram, rival))
         ]
-        free = [s for s in backend.idle_slots() if (backend.index, s.id) not in spared]
+        free = [s for s in fleet.free[backend.index] if (backend.index, s.id) not in spared]
         view = ram[backend.index]
         full = bool(backend.slots) and not free  # or its idle slots held for their sessions
         if full or _loads_once_freed(fp, backend, free, view, floor_ram, params, now):
@@ -171,6 +180,37 @@ def worth_waiting(
             if (where[1] >= 0 or reuse >= floor_ram) and (found is None or reuse > found[1]):
                 found = (where, reuse)
     return found
+
+
+def _distinct_busy(
+    backend: BackendState,
+    fp: Fingerprint,
+    first: int,
+    depths: Mapping[tuple[int, int], int],
+    params: RoutingParams,
+) -> list[SlotState]:
+    """The busy slots sharing a token with the prompt (one hash compare each: one sharing
+    none saves nothing), the first of those that will hold the same content with the same
+    bar (``depths`` below ``short_wait_depth`` or not, busy with an outside request or not):
+    the others would pass or fail as it does and save no more, and the first found wins."""
+    seen: set[tuple[int, int, int, bool, bool]] = set()
+    out = []
+    for slot in backend.slots:
+        content = slot.expected
+        if slot.phase is SlotPhase.IDLE or content is None or not shares(fp, content, first):
+            continue
+        queued = depths.get((backend.index, slot.id), 0) < params.short_wait_depth
+        key = (
+            content.hashes[-1],
+            content.total,
+            slot.n_tokens,
+            queued,
+            slot.phase is SlotPhase.EXTERNAL,
+        )
+        if key not in seen:
+            seen.add(key)
+            out.append(slot)
+    return out
 
 
 def _loads_once_freed(

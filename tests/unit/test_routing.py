@@ -658,28 +658,48 @@ def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | 
 
 
 @settings(max_examples=400)
-@given(wide_scenes(), st.booleans(), st.sampled_from([0.0, 50.0]))
+@given(
+    wide_scenes(),
+    st.booleans(),
+    st.sampled_from([0.0, 50.0]),
+    st.dictionaries(st.tuples(st.integers(0, 2), st.integers(0, 5)), st.integers(1, 6)),
+)
 def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
-    scene: tuple[Fleet, Fingerprint, tuple[int, int] | None], allow_wait: bool, hold: float
+    scene: tuple[Fleet, Fingerprint, tuple[int, int] | None],
+    allow_wait: bool,
+    hold: float,
+    depths: dict[tuple[int, int], int],
 ) -> None:
-    """``scoring.options`` scores the slots sharing a token with the prompt and the best of
-    the others: the decision is the one scoring every idle slot gives."""
+    """``core.options`` scores the idle slots sharing a token with the prompt and the best of
+    the others, and ``core.waiting`` weighs one busy slot per distinct content and bar: the
+    decision is the one weighing every slot gives."""
     import proxy.core.routing as routing
+    import proxy.core.waiting as waiting
     from proxy.core.scoring import candidate
 
     f, request, hint = scene
 
     def decide() -> Decision | NoPlacement:
         return route(
-            request, f.backends, PARAMS, now=100.0, affinity=hint, allow_wait=allow_wait, hold=hold
+            request,
+            f.backends,
+            PARAMS,
+            now=100.0,
+            affinity=hint,
+            allow_wait=allow_wait,
+            hold=hold,
+            depths=depths,
         )
 
     pruned = decide()
-    options = routing.options
+    options, distinct_busy = routing.options, waiting._distinct_busy
     routing.options = lambda fp, b, idle, now, params, ram, load, offer: [  # type: ignore[assignment]
         candidate(fp, b, s, now, params, ram, load, offer) for s in idle
+    ]
+    waiting._distinct_busy = lambda b, fp, first, depths, params: [  # type: ignore[assignment]
+        s for s in b.slots if s.phase is not SlotPhase.IDLE
     ]
     try:
         assert pruned == decide()
     finally:
-        routing.options = options
+        routing.options, waiting._distinct_busy = options, distinct_busy

@@ -44,6 +44,7 @@ from proxy.core.fingerprint import Fingerprint, continues
 from proxy.core.fleet import BackendPhase, Fleet, Placement
 from proxy.core.isolation import ANONYMOUS, tenant_of
 from proxy.core.request_body import is_chat
+from proxy.core.slots import measured
 from proxy.core.snapshots import (
     BackendDisk,
     Layout,
@@ -312,4 +313,4 @@ class DiskTier:
     def learn_restore(self, index: int, nbytes: int, ms: float) -> None:
         if ms > 0 and nbytes > 0:
             state = self.backends[index]
-            state.restore_bps = 0.8 * state.restore_bps + 0.2 * nbytes / (ms / 1000)
+            state.restore_bps = measured(state.restore_bps, nbytes / (ms / 1000))

@@ -37,6 +37,7 @@ from proxy.core.request_body import is_chat, raw_prompt, type_error
 from proxy.core.returns import SCAN, ReturnTracker
 from proxy.core.routing import Decision, Reason, route
 from proxy.core.scoring import RamView
+from proxy.core.slots import measured
 from proxy.core.usage import Reply, Usage
 from proxy.core.waiting import Depths
 from proxy.disk_tier import DiskPlan, DiskTier
@@ -267,10 +268,9 @@ class Router:
         state = self._fleet.backends[backend]
         if usage.prompt_ms and usage.prompt_tokens > usage.cached_tokens:
             tps = (usage.prompt_tokens - usage.cached_tokens) / (usage.prompt_ms / 1000)
-            state.prefill_tps = 0.8 * state.prefill_tps + 0.2 * tps
+            state.prefill_tps = measured(state.prefill_tps, tps)
         if plan.fp.total > 0 and usage.prompt_tokens > 0:
-            ratio, previous = usage.prompt_tokens / plan.fp.total, state.token_scale
-            state.token_scale = ratio if previous is None else 0.8 * previous + 0.2 * ratio
+            state.token_scale = measured(state.token_scale, usage.prompt_tokens / plan.fp.total)
 
     def headers(self, plan: Plan) -> dict[str, str]:
         decision = plan.decision

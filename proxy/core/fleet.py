@@ -36,6 +36,7 @@ from proxy.core.slots import (
     SlotPhase,
     SlotProbe,
     SlotState,
+    measured,
 )
 
 __all__ = [
@@ -133,6 +134,8 @@ class Fleet:
                 continue
             parked_at, slot.last_used = slot.last_used, now
             slot.phase = SlotPhase.IDLE if clean else SlotPhase.DRAINING
+            if clean and slot_id == placement.pin:
+                backend.service_s = measured(backend.service_s, now - parked_at)
             if not clean or slot_id != placement.pin:
                 slot.content = None
                 continue

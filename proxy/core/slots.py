@@ -27,6 +27,16 @@ from enum import StrEnum
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.ram_cache import Parked
 
+# A backend's rates (prefill tokens/s, restore bytes/s, a request's hold on its slot) are
+# means over its recent responses, each weighted this much against what came before: the
+# last five or so dominate, so a rate follows a change of load within a few requests.
+SAMPLE_WEIGHT = 0.2
+
+
+def measured(previous: float | None, sample: float) -> float:
+    """A rate updated with one more response's ``sample`` (the first sets it)."""
+    return sample if previous is None else (1 - SAMPLE_WEIGHT) * previous + SAMPLE_WEIGHT * sample
+
 
 class BackendPhase(StrEnum):
     UNKNOWN = "unknown"
@@ -95,6 +105,7 @@ class BackendState:
     unread: bool = False  # work was sent to it since ``/slots`` was last read
     asleep: bool = False  # --sleep-idle-seconds: sleeping, its context destroyed
     prefill_tps: float = 1000.0  # prompt tokens computed per second (timings.prompt_ms, EMA)
+    service_s: float | None = None  # seconds a request holds its slot, claim to release (EMA)
     token_scale: float | None = None  # its tokens per fingerprint estimate (EMA)
     slots: list[SlotState] = field(default_factory=list)
     ghosts: list[Parked] = field(default_factory=list)  # oldest first; replaced, not mutated

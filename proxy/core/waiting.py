@@ -152,10 +152,12 @@ def worth_waiting(
     floor = base + (hit_floor(fp, params) if saturated else significant(fp, params))
     short = min(floor, base + (params.short_wait_tokens or floor))  # 0: off
 
-    def bar(index: int, slot: SlotState) -> float:  # a busy slot's
+    def bar(backend: BackendState, slot: SlotState, reuse: int) -> float:  # a busy slot's
         # an outside request's slot (EXTERNAL) will hold what it does not know: no short queue
-        queued = depths.get((index, slot.id), 0) < params.short_wait_depth
-        return short if queued and slot.phase is not SlotPhase.EXTERNAL else floor
+        ahead = depths.get((backend.index, slot.id), 0)
+        if ahead >= params.short_wait_depth or slot.phase is SlotPhase.EXTERNAL:
+            return floor
+        return short if pressed or pays(backend, reuse - base, ahead) else floor
 
     hit: float = hit_floor(fp, params)
     floor_ram = base + (hit if pressed or saturated else max(hit, significant(fp, params) / 2))
@@ -167,7 +169,7 @@ def worth_waiting(
         options = [
             ((backend.index, s.id), reuse)
             for s in _distinct_busy(backend, fp, first, depths, params)
-            if (reuse := predicted_reuse(fp, s, backend.exact)) >= bar(backend.index, s)
+            if (reuse := predicted_reuse(fp, s, backend.exact)) >= bar(backend, s, reuse)
             and (not empty or _taken(fp, backend, once_done(s, now), now, params, ram))
             and (reuse >= floor or _taken(fp, backend, once_done(s, now), now, params, ram, rival))
         ]
@@ -180,6 +182,16 @@ def worth_waiting(
             if (where[1] >= 0 or reuse >= floor_ram) and (found is None or reuse > found[1]):
                 found = (where, reuse)
     return found
+
+
+def pays(backend: BackendState, saved: int, ahead: int) -> bool:
+    """Whether prefilling ``saved`` tokens takes longer than waiting for a busy slot with
+    ``ahead`` requests queued for it: each holds the slot ``service_s`` (the backend's
+    measured mean; the one in flight counted whole: its time left is not known). Before any
+    request on the backend completed, it is assumed to."""
+    if backend.service_s is None:
+        return True
+    return saved / max(backend.prefill_tps, 1.0) > (ahead + 1) * backend.service_s
 
 
 def _distinct_busy(

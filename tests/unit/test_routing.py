@@ -155,6 +155,32 @@ def test_a_smaller_saving_is_worth_a_wait_while_the_slots_queue_is_short() -> No
     assert decided(route(longer, f.backends, params, now=100.0)).reason is Reason.COLD
 
 
+def test_a_short_queue_is_joined_only_when_its_wait_is_shorter_than_the_prefill_it_saves() -> None:
+    """A short queue's saving (here 60 tokens: the slot holds 60 of the prompt's 240) is
+    worth its wait only while prefilling those tokens takes longer than the requests ahead
+    and the one in flight hold the slot (``service_s``, measured); or when more requests wait
+    than slots are idle, so the idle slot is not wasted; or before any service was measured."""
+    f = fleet(2)
+    f.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 2, size=30))
+    longer = fp(1, 2, 3, 4, 5, 6, 7, 8, size=30)
+    params = replace(PARAMS, short_wait_tokens=4, short_wait_depth=4)
+    backend = f.backends[0]
+    backend.prefill_tps = 1000.0  # 60 tokens: 60 ms
+    for service, depth, joins in (
+        (0.02, 0, True),  # 20 ms
+        (0.02, 1, True),  # 40 ms
+        (0.02, 2, False),  # 60 ms: no faster
+        (0.1, 0, False),
+    ):
+        backend.service_s = service
+        d = decided(route(longer, f.backends, params, now=100.0, depths={(0, 0): depth}))
+        assert (d.reason is Reason.WAIT) == joins, (service, depth)
+    waiting = decided(route(longer, f.backends, params, now=100.0, queued=2))  # 1 slot idle
+    assert waiting.wait_for == (0, 0)
+    backend.service_s = None
+    assert decided(route(longer, f.backends, params, now=100.0)).wait_for == (0, 0)
+
+
 def test_a_newcomer_starts_on_an_empty_slot_rather_than_wait_for_one_it_would_not_take() -> None:
     """A burst of new sessions sharing a long system prompt (segment 1): while the first
     runs, the others start at once on empty slots instead of waiting for its slot, which once

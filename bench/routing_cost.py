@@ -11,21 +11,28 @@ hash compare per entry).
 "raw": the same conversation flattened into one text, as a ``/completion`` prompt (blocks
 memoized per 2048-character chunk: "seen" is the earlier turn's text fingerprinted before).
 
+A second table: the decision alone at fleet scale, 64 backends x 8 slots, every slot holding
+a ~1,500-token session under one of eight system prompts, 256 requests waiting (their per-slot
+depths), for a share of busy slots from none to all; each request is a returning session's
+next turn or a new session of one of the eight kinds.
+
     python -m bench.routing_cost
 """
 
 from __future__ import annotations
 
 import platform
+import random
 import statistics
 import time
 
 from proxy.core.fingerprint import Fingerprint, fingerprint_chat
 from proxy.core.fleet import GHOST_LIMIT as LIMIT
-from proxy.core.fleet import BackendPhase, Fleet, Probe, SlotProbe
+from proxy.core.fleet import BackendPhase, Fleet, Probe, SlotPhase, SlotProbe
 from proxy.core.ram_cache import Parked
 from proxy.core.raw_blocks import fingerprint_text
 from proxy.core.routing import RoutingParams, route
+from proxy.core.waiting import Depths
 from proxy.tokenizer import TokenCounter
 
 WORDS = [
@@ -103,6 +110,42 @@ def measure(
     return statistics.median(samples) * 1000
 
 
+def at_scale(busy_share: float, backends: int = 64, slots: int = 8, waiting: int = 256) -> float:
+    """Median ms of one routing decision over a ``backends`` x ``slots`` fleet (table 2)."""
+    rng, counter = random.Random(1), TokenCounter()
+    kinds = [f"agent kind {k}: " for k in range(8)]
+    fleet = Fleet([f"b{i}" for i in range(backends)])
+    for index in range(backends):
+        probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(slots)))
+        fleet.apply_probe(index, probe, now=0.0)
+        for slot in fleet.backends[index].slots:
+            body = conversation(1500, session=f"s{index}/{slot.id}", system=rng.choice(kinds))
+            slot.content = fingerprint_chat(body, counter.count)
+            slot.last_used = rng.random() * 100
+            if rng.random() < busy_share:
+                slot.phase, slot.pending = SlotPhase.BUSY, slot.content
+    depths = Depths()
+    for _ in range(waiting):
+        depths.move(None, (rng.randrange(backends), rng.randrange(slots)))
+    samples = []
+    for i in range(200):
+        session = f"s{rng.randrange(backends)}/{rng.randrange(slots)}" if i % 2 else f"new{i}"
+        body = conversation(1500, session=session, system=rng.choice(kinds))
+        body["messages"].append({"role": "user", "content": f"turn {i}"})  # type: ignore[attr-defined]
+        fp = fingerprint_chat(body, counter.count)
+        started = time.perf_counter()
+        route(
+            fp,
+            fleet.backends,
+            RoutingParams(),
+            now=200.0,
+            queued=waiting,
+            depths=depths.others(None),
+        )
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1000
+
+
 def main() -> None:
     print(
         f"machine: {platform.machine()}, Python {platform.python_version()}; "
@@ -122,6 +165,12 @@ def main() -> None:
             f"{measure(tokens, True, raw=True):.2f} | "
             f"{measure(tokens, False, repeats=5, raw=True):.1f} |"
         )
+    print()
+    print("routing decision alone, 64 backends x 8 slots, 256 requests waiting (median of 200)")
+    print("| busy slots | decision p50 (ms) |")
+    print("|---|---|")
+    for share in (0.0, 0.5, 0.9, 1.0):
+        print(f"| {share:.0%} | {at_scale(share):.3f} |")
 
 
 if __name__ == "__main__":

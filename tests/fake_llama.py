@@ -54,7 +54,12 @@ It follows the real server's semantics (llama-server b11434, as verified against
   1 with unified KV, else the slot count, and ``n_ctx``) and a restore into another layout,
   of a missing file, or of more tokens than fit, is a 400 that *wipes the slot*; restores
   are all or nothing and bypass the RAM cache; token-array prompts are used verbatim
-  (``/tokenize`` ids map back to words).
+  (``/tokenize`` ids map back to words);
+- ``memory`` (opt-in, ``tests.fake_memory``): a sliding-window (``--swa-full`` or not) or
+  recurrent/hybrid model's reuse rules: the ``n_swa`` window, context checkpoints (user
+  message starts of chat requests, ``4 + n_ubatch`` and 4 tokens before a prompt's end, at
+  most ``ctx_checkpoints`` a slot), reuse only from a checkpoint or within the window (an
+  exact strict extension for recurrent ones), a restored slot without its checkpoints.
 
 Tokens are whitespace-led words, and template markers (``<|im_end|>``) on their own, so a
 rendering cut at a message boundary tokenizes to a prefix of the whole. Service time is
@@ -74,6 +79,9 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+from tests import fake_memory
+from tests.fake_memory import Memory, SlotMemory
 
 _TOKEN = re.compile(r"<\|[a-z_]+\|>|\s*(?:(?!<\|)\S)+|\s+")  # special markers alone
 
@@ -110,6 +118,7 @@ class FakeSlot:
     last_used: int = 0
     task_id: int | None = None
     holder: str = ""  # what runs on it (diagnostics)
+    memory: SlotMemory = field(default_factory=SlotMemory)  # pos_min, checkpoints (SWA...)
 
 
 def reply_words(prompt: list[str], count: int) -> list[str]:
@@ -161,7 +170,10 @@ class FakeLlamaServer:
         unified: bool = False,
         cache_idle_slots: bool = True,
         empty_pin_loads_ram: bool = False,
+        memory: Memory | None = None,
     ) -> None:
+        self.memory = memory or Memory()  # dense; SWA or recurrent: reuse rules of their own
+        self._ram_memory: dict[tuple[str, ...], SlotMemory] = {}  # entries' checkpoints
         self.save_dir = save_dir
         self.empty_pin_loads_ram = empty_pin_loads_ram  # True: as if upstream #28139 were fixed
         self.unified = unified
@@ -507,6 +519,7 @@ class FakeLlamaServer:
             )
             return self._error(400, message, "invalid_request_error")
         slot.tokens = list(saved["tokens"])
+        slot.memory.restored(self.memory, len(slot.tokens), checkpoints=False)
         self.tokens_restored += len(slot.tokens)
         return _slot_answer(slot.id, name, "restored", "read", len(slot.tokens), data, started)
 
@@ -608,9 +621,12 @@ class FakeLlamaServer:
             return best, _lcp(best.tokens, prompt) / len(best.tokens) < 0.5
         return min(idle, key=lambda s: s.last_used, default=None), True
 
-    def _ram_save(self, tokens: list[str]) -> None:
+    def _ram_save(self, tokens: list[str], slot: FakeSlot) -> None:
         if not self.ram_cache or not tokens:
             return
+        if self.memory.kind != fake_memory.DENSE:  # an entry carries its slot's checkpoints
+            slot.memory.sync(self.memory, len(tokens))
+            self._ram_memory[tuple(tokens)] = slot.memory.snapshot()
         if any(_lcp(e, tokens) == len(tokens) for e in self.ram):
             return  # an entry already contains it
         budget = self.ram_tokens
@@ -622,7 +638,7 @@ class FakeLlamaServer:
         self.ram.insert(0, list(tokens))
 
     def _ram_load(self, slot: FakeSlot, prompt: list[str]) -> None:
-        self._ram_save(slot.tokens)
+        self._ram_save(slot.tokens, slot)
         if not self.ram_cache or not prompt:
             return
         cur_keep = _lcp(slot.tokens, prompt) / len(slot.tokens) if slot.tokens else 0.0
@@ -636,6 +652,8 @@ class FakeLlamaServer:
         if best is not None:
             self.ram.remove(best)
             slot.tokens = list(best)
+            slot.memory = self._ram_memory.pop(tuple(best), SlotMemory())
+            slot.memory.restored(self.memory, len(best), checkpoints=True)
 
     async def _take_slots(self, prompt: list[str], pinned: int, n: int) -> list[FakeSlot]:
         self._wake()
@@ -659,7 +677,7 @@ class FakeLlamaServer:
                         s.holder = f"{''.join(prompt)[-40:]!r} via {self._via} at {time.time():.4f}"
                     for idle in self.slots if self.cache_idle_slots else ():
                         if not idle.busy:  # --cache-idle-slots: save every idle slot
-                            self._ram_save(idle.tokens)
+                            self._ram_save(idle.tokens, idle)
                             idle.tokens = [] if self.unified else idle.tokens  # and clear it
                     return [slot, *others]
                 await self._changed.wait()
@@ -708,6 +726,7 @@ class FakeLlamaServer:
         the final result's fields."""
         reuse = body.get("cache_prompt", True) is not False
         n_past = _lcp(slot.tokens, prompt) if reuse else 0
+        n_past = self._kept(body, prompt, slot, n_past)
         n_past = min(n_past, len(prompt) - 1) if prompt else 0
         slot.tokens = prompt[:n_past]
         processed = len(prompt) - n_past
@@ -731,6 +750,20 @@ class FakeLlamaServer:
             "predicted_ms": 0.0,
         }
         return reply, {"slot": slot.id, "timings": timings, "prompt_tokens": len(prompt)}
+
+    def _kept(self, body: dict[str, Any], prompt: list[str], slot: FakeSlot, n_past: int) -> int:
+        """The common prefix the slot's memory still holds (``tests.fake_memory``), the rest
+        of the prompt processed as the server batches it (taking checkpoints)."""
+        if self.memory.kind == fake_memory.DENSE:
+            return n_past
+        state = slot.memory
+        state.sync(self.memory, len(slot.tokens))
+        n_past = fake_memory.reuse(self.memory, state, n_past, len(prompt))
+        chat = "messages" in body or "message_delimiters" in body
+        users = fake_memory.user_starts(prompt) if chat else []
+        kept = min(n_past, len(prompt) - 1)
+        fake_memory.prefill(self.memory, state, kept, len(prompt), users, slot.task_id or 0)
+        return n_past
 
     async def _batch(
         self, request: web.Request, body: dict[str, Any], prompts: list[str]

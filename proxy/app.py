@@ -30,6 +30,7 @@ from proxy.health import Prober
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import Handler, ProtocolLog, make_middleware, make_preflight
 from proxy.offload import Offload
+from proxy.reuse_probe import ReuseProber
 from proxy.router import Router
 from proxy.scheduler import Scheduler
 from proxy.shared_state import SharedState
@@ -69,6 +70,8 @@ def create_app(
         idle_saves=[b.cache_idle_slots for b in settings.backends],
         unified=[b.kv_unified is True for b in settings.backends],
     )
+    for state, backend in zip(fleet.backends, settings.backends, strict=True):
+        state.reuse_known = backend.kv_reuse != "auto"  # probed (``reuse_probe``)
     scheduler = Scheduler(fleet, settings.queue, metrics, clock)
     if store is None:
         store = RedisStateStore(settings.redis_url) if settings.redis_url else InMemoryStateStore()
@@ -135,6 +138,8 @@ def create_app(
             status.client = client
             forwarder.client = client
             shared.on_down = prober.drain_all
+            reuse = ReuseProber(settings, scheduler, client, prober.drain)
+            prober.on_ready = reuse.schedule
             disk.attach(client)
             if settings.routing.tokenizer == "backend":
                 router.backend_tokens = _backend_counter(client, settings, fleet)
@@ -154,6 +159,7 @@ def create_app(
                 task.cancel()
             if tasks:  # bounded: a task whose cancellation a client library swallowed
                 await asyncio.wait(tasks, timeout=STOP_SECONDS)  # ends after its round
+            await reuse.close()
             await prober.close()
             with contextlib.suppress(TimeoutError):  # a hung store must not hang shutdown
                 await asyncio.wait_for(shared.leave(), timeout=STOP_SECONDS)

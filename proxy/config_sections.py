@@ -27,9 +27,11 @@ class BackendSettings(_Frozen):
     name: str | None = Field(
         default=None, description="label in metrics and logs; default host:port"
     )
-    kv_reuse: Literal["prefix", "exact"] = Field(
-        default="prefix",
-        description="exact: hybrid/recurrent/SWA model, reuse only an exact extension of a slot",
+    kv_reuse: Literal["auto", "prefix", "exact"] = Field(
+        default="auto",
+        description="how the server reuses a slot's KV. auto: probed once per start (two "
+        "short prompts on one idle slot); prefix: up to any divergence (dense, or --swa-full); "
+        "exact: only at checkpoints or as an exact extension (SWA, hybrid, recurrent)",
     )
     ram_cache: bool = Field(True, description="backend keeps llama-server's RAM prompt cache on")
     ram_cache_tokens: int | None = Field(

@@ -20,11 +20,12 @@ request's ``prefix_cache``: ``core.disk_scope.narrowed``):
    prefill speed.
 
 Snapshots live in the state store's index (``SnapshotIndex``); a backend's layout comes
-from its ``/props`` (read again whenever the fleet sees it restart). A backend without
-``--slot-save-path`` answers 501 and is left out of the disk tier until it restarts. The
-disk tier never fails a request: every step that goes wrong is logged and counted, and the
-request goes on as if the disk were empty. A client over its write cap (``core.disk_quota``)
-is served without the save.
+from its ``/props`` (read again whenever the fleet sees it restart). Left out: a backend
+without ``--slot-save-path`` (501) until it restarts, and one that cannot reuse a restored
+slot (checkpoint-only, ``reuse_probe``) or whose rule is not probed yet. The disk tier
+never fails a request: every step that goes wrong is logged and counted, and the request
+goes on as if the disk were empty. A client over its write cap (``core.disk_quota``) is
+served without the save.
 """
 
 from __future__ import annotations
@@ -182,8 +183,13 @@ class DiskTier:
         return [
             BackendDisk(i, self.directory(i), s.layout, b.prefill_tps, s.restore_bps)
             for (i, s), b in zip(enumerate(self.backends), self._fleet.backends, strict=True)
-            if s.supported and s.layout is not None
+            if self._layout(i) is not None
         ]
+
+    def _layout(self, index: int) -> Layout | None:
+        """Its layout while its snapshots are reusable (not checkpoint-only: ``reuse_probe``)."""
+        b, s = self._fleet.backends[index], self.backends[index]
+        return s.layout if s.supported and b.reuse_known and not b.exact else None
 
     # -- 1. before routing ----------------------------------------------------------------------
     async def plan(
@@ -245,9 +251,8 @@ class DiskTier:
         assert self.steps is not None
         assert placement.pin is not None
         index, slot_id = placement.backend, placement.pin
-        state = self.backends[index]
-        if state.supported and state.layout is not None:
-            await self.steps.park(dp, fp, index, slot_id, state.layout)
+        if (layout := self._layout(index)) is not None:
+            await self.steps.park(dp, fp, index, slot_id, layout)
             if restore is not None:
                 await self.steps.restore(dp, restore, index, slot_id)
                 predicted = (dp.restored_tokens and restore.reuse) or predicted
@@ -263,7 +268,7 @@ class DiskTier:
                     choice.tokens,
                 )
                 if choice.segments and predicted <= choice.tokens:
-                    args = (dp, fp, choice.segments, index, slot_id, body, state.layout)
+                    args = (dp, fp, choice.segments, index, slot_id, body, layout)
                     save = partial(self.steps.scoped_save, *args)
                     await self.steps.save_once(dp, choice.segments, index, slot_id, save)
         if not dp.offers and predicted < self._settings.routing.min_prefix_tokens:
@@ -278,19 +283,12 @@ class DiskTier:
     ) -> None:
         assert self.steps is not None
         assert placement.pin is not None
-        state = self.backends[placement.backend]
+        layout = self._layout(placement.backend)
         if usage is not None:
             await self.judge_restore(dp, usage.cached_tokens, usage.prompt_tokens)
-        if dp.scope.mode is ScopeMode.FULL and state.supported and state.layout is not None:
-            await self.steps.save_slot(
-                dp,
-                content,
-                len(content.hashes),
-                placement.backend,
-                placement.pin,
-                state.layout,
-                "full",
-            )
+        if dp.scope.mode is ScopeMode.FULL and layout is not None:
+            at = (placement.backend, placement.pin, layout)
+            await self.steps.save_slot(dp, content, len(content.hashes), *at, "full")
 
     async def judge_restore(self, dp: DiskPlan, cached: int, prompt: int) -> None:
         """The first request after a restore tells whether the file was what it should be."""

@@ -54,6 +54,7 @@ class Prober:
         self._clock = clock
         self._drains: dict[int, asyncio.Task[None]] = {}
         self._asked: dict[int, float] = {}  # backend -> when its /slots was last called
+        self.on_ready: Callable[[int], None] | None = None  # it came up or restarted
 
     async def probe_all(self) -> None:
         due = [i for i in range(len(self._backends)) if self._quiet_left(i) <= 0]
@@ -87,6 +88,9 @@ class Prober:
         if before is not backend.phase:
             log.info("backend=%s phase=%s", backend.label, backend.phase.value)
         self._export(index)
+        up = invalidated and backend.phase is BackendPhase.READY and not probe.sleeping
+        if up and self.on_ready is not None:  # it came up or restarted
+            self.on_ready(index)
         freed = [(index, s.id) for s in backend.idle_slots() if s.id not in idle]
         if before is not backend.phase or invalidated:
             self._scheduler.wake()

@@ -22,8 +22,10 @@ REPLICA_SECRET = "test replicas' shared secret"
 
 
 def make_settings(urls: list[str], **over: Any) -> Settings:
+    """Backends' reuse rule is configured (``prefix``) unless a test sets it: the probe of an
+    ``auto`` backend would add its own requests to what the fakes record."""
     data: dict[str, Any] = {
-        "backends": urls,
+        "backends": [{"kv_reuse": "prefix", **_backend(u)} for u in urls],
         "health": {"interval_seconds": 0.2, "drain_poll_seconds": 0.05},
         "queue": {"max_wait_seconds": 5.0},
         "timeouts": {"connect_seconds": 1.0, "read_seconds": 5.0, "probe_seconds": 1.0},
@@ -35,6 +37,10 @@ def make_settings(urls: list[str], **over: Any) -> Settings:
         else:
             data[key] = value
     return Settings.model_validate(data)
+
+
+def _backend(url: str | dict[str, Any]) -> dict[str, Any]:
+    return {"url": url} if isinstance(url, str) else url
 
 
 @pytest.fixture

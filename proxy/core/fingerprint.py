@@ -66,6 +66,9 @@ class Fingerprint:
     # the KV holds more after the chain that no later prompt is known to repeat (a raw
     # prompt's reply): no other chain contains this content but its own
     sealed: bool = False
+    # segments at which a user message starts (chat): where a checkpointing backend
+    # (``core.reuse_rules``) can roll a slot back to
+    users: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
@@ -78,7 +81,7 @@ class Fingerprint:
         """This chain followed by ``segments`` (e.g. the reply the client will send back)."""
         hashes, tokens = list(self.hashes), list(self.tokens)
         _append(hashes, tokens, segments, count)
-        return Fingerprint(tuple(hashes), tuple(tokens), self.anchor)
+        return Fingerprint(tuple(hashes), tuple(tokens), self.anchor, users=self.users)
 
     def same_conversation(self, shared: int) -> bool:
         """True when a request sharing ``shared`` segments with this content continues its
@@ -185,7 +188,8 @@ def fingerprint_segments(segments: Sequence[Segment], count: Counter, seed: int 
         (i + 1 for i, seg in enumerate(segments[1:], 1) if not seg.text.startswith("system")),
         len(segments),
     )
-    return Fingerprint(tuple(hashes), tuple(tokens), anchor)
+    users = tuple(i for i, seg in enumerate(segments) if i and seg.text.startswith("user"))
+    return Fingerprint(tuple(hashes), tuple(tokens), anchor, users=users)
 
 
 def reply_segment(content: str, tool_calls: list[Any] | None) -> Segment:

@@ -3,8 +3,10 @@
 1. *Predicted reuse* of slot s: the tokens of the longest common segment prefix of the
    request and s's content, capped at the prompt length minus one (llama-server always
    re-evaluates a token). On backends marked ``exact`` (hybrid, recurrent, or sliding-window
-   models without ``--swa-full``) a slot counts only if its whole content is a strict prefix
-   of the request: those models cannot roll back into the middle of a cached sequence.
+   models without ``--swa-full``; ``core.reuse_rules``) a slot counts whole only if its whole
+   content is a strict prefix of the request: those models cannot roll back into the middle
+   of a cached sequence, except to a checkpoint: for a chat content, the start of its last
+   user message the request shares.
    llama-server's host-RAM prompt cache is modelled per backend (``BackendState.ghosts``:
    contents its slots held that were overwritten; ``core.ram_cache``): pinning to a
    non-empty slot that would lose more than half its content makes the server load the
@@ -48,6 +50,7 @@ from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint, common_segments
 from proxy.core.fleet import BackendState, SlotPhase, SlotState
 from proxy.core.ram_cache import Parked
+from proxy.core.reuse_rules import checkpoint_reuse
 from proxy.core.slots import kv_length
 from proxy.core.snapshots import Offer
 
@@ -120,7 +123,7 @@ def shared_segments(fp: Fingerprint, content: Fingerprint | None) -> int:
 def _reuse(fp: Fingerprint, content: Fingerprint, exact: bool, shared: int | None = None) -> int:
     shared = shared_segments(fp, content) if shared is None else shared
     if exact and (shared < len(content.hashes) or shared == len(fp.hashes)):
-        return 0
+        shared = checkpoint_reuse(content.users, min(shared, len(fp.hashes) - 1))
     return max(0, min(fp.tokens_at(shared), fp.total - 1))
 
 

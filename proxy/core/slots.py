@@ -98,6 +98,7 @@ class BackendState:
     epoch: int = 0
     max_task_id: int = -1
     exact: bool = False  # reuse only as an exact extension (hybrid/recurrent/SWA models)
+    reuse_known: bool = True  # ``exact`` is configured or probed (``core.reuse_rules``)
     ram: bool = True  # runs llama-server's host-RAM prompt cache (default --cache-ram)
     ram_tokens: int | None = None  # what that cache holds, in tokens (None: not bounded)
     idle_saves: bool = True  # --cache-idle-slots: every idle slot is saved as a task starts

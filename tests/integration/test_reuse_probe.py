@@ -1,0 +1,110 @@
+"""Each backend's reuse rule probed at start-up against fakes with dense, sliding-window and
+recurrent memory (``kv_reuse: auto``), and the disk tier left off where it cannot help."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.app import SCHEDULER
+from proxy.core.fleet import BackendState
+from tests.fake_llama import FakeLlamaServer
+from tests.fake_memory import RECURRENT, SWA, Memory
+from tests.integration.test_disk_fake import disk, turn
+
+AUTO = {"url": "", "kv_reuse": "auto"}
+
+
+async def probed(client: Any, index: int = 0) -> BackendState:
+    backend: BackendState = client.server.app[SCHEDULER].fleet.backends[index]
+    for _ in range(200):
+        if backend.reuse_known:
+            return backend
+        await asyncio.sleep(0.02)
+    raise AssertionError("the backend's reuse rule was never probed")
+
+
+def probes(fake: FakeLlamaServer) -> list[dict[str, Any]]:
+    return [body for path, body, _ in fake.received if body.get("n_predict") == 0]
+
+
+@pytest.mark.parametrize(
+    ("memory", "exact"),
+    [
+        (Memory(), False),
+        (Memory(kind=SWA, n_swa=512), True),
+        (Memory(kind=SWA, n_swa=512, swa_full=True), False),
+        (Memory(kind=RECURRENT), True),
+    ],
+    ids=["dense", "swa", "swa-full", "recurrent"],
+)
+async def test_rule_is_probed_on_one_idle_slot(
+    fakes: Any, proxy: Any, memory: Memory, exact: bool
+) -> None:
+    fake = await fakes(n_slots=2, memory=memory)
+    client = await proxy([{**AUTO, "url": fake.url}])
+    backend = await probed(client)
+    assert backend.exact is exact
+    sent = probes(fake)
+    assert len(sent) == 2
+    assert sent[0]["id_slot"] == sent[1]["id_slot"]
+    assert fake.violations == []  # never a busy slot
+    slot = backend.slots[sent[0]["id_slot"]]
+    assert slot.content is None
+    assert slot.n_tokens == len(sent[1]["prompt"])
+    assert (await client.post("/v1/chat/completions", json=turn(0, 1))).status == 200
+
+
+async def test_a_configured_rule_is_not_probed(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=2, memory=Memory(kind=SWA, n_swa=512))
+    client = await proxy([{"url": fake.url, "kv_reuse": "prefix"}])
+    assert (await client.post("/v1/chat/completions", json=turn(0, 1))).status == 200
+    backend = client.server.app[SCHEDULER].fleet.backends[0]
+    assert backend.reuse_known
+    assert not backend.exact
+    assert probes(fake) == []
+
+
+async def test_disk_tier_saves_nothing_on_a_checkpoint_only_backend(
+    fakes: Any, proxy: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = await fakes(n_slots=2, save_dir=tmp_path, memory=Memory(kind=SWA, n_swa=512))
+    with caplog.at_level(logging.WARNING, logger="proxy.reuse_probe"):
+        client = await proxy([{**AUTO, "url": fake.url}], disk=disk(tmp_path, prefix_cache="full"))
+        assert (await probed(client)).exact
+    for session in range(3):
+        assert (await client.post("/v1/chat/completions", json=turn(session, 1))).status == 200
+    assert fake.slot_actions == []
+    told = [r.getMessage() for r in caplog.records if "--swa-full" in r.getMessage()]
+    assert len(told) == 1
+
+
+async def test_disk_tier_saves_on_a_swa_full_backend(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    memory = Memory(kind=SWA, n_swa=512, swa_full=True)
+    fake = await fakes(n_slots=2, save_dir=tmp_path, memory=memory)
+    client = await proxy([{**AUTO, "url": fake.url}], disk=disk(tmp_path, prefix_cache="full"))
+    assert not (await probed(client)).exact
+    assert (await client.post("/v1/chat/completions", json=turn(0, 1))).status == 200
+    assert [a[0] for a in fake.slot_actions] == ["save"]
+
+
+async def test_rule_is_probed_again_after_a_restart(fakes: Any, proxy: Any) -> None:
+    fake = await fakes(n_slots=2)
+    client = await proxy([{**AUTO, "url": fake.url}], health={"interval_seconds": 0.05})
+    assert not (await probed(client)).exact
+    await fake.stop()
+    # another model, and a slot count that tells the proxy it restarted
+    fake = await fakes(port=fake.port, n_slots=3, memory=Memory(kind=SWA, n_swa=512))
+    backend = client.server.app[SCHEDULER].fleet.backends[0]
+    for _ in range(200):
+        if backend.exact and backend.reuse_known:
+            break
+        await asyncio.sleep(0.02)
+    assert backend.exact
+    assert len(probes(fake)) == 2

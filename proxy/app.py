@@ -138,7 +138,7 @@ def create_app(
             status.client = client
             forwarder.client = client
             shared.on_down = prober.drain_all
-            reuse = ReuseProber(settings, scheduler, client, prober.drain)
+            reuse = ReuseProber(settings, scheduler, client, prober.drain, shared)
             prober.on_ready = reuse.schedule
             disk.attach(client)
             if settings.routing.tokenizer == "backend":

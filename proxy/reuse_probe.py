@@ -8,7 +8,8 @@ tier stays off on the backend until the answer (``BackendState.reuse_known``): a
 checkpoint-only backend cannot reuse a restored slot, so every save would be wasted.
 
 The probe claims one idle slot through the scheduler like any request (never a busy slot;
-it waits in the queue like one), preferring an empty slot, then the least recently used.
+it waits in the queue like one, and with shared state takes the slot's lease like one),
+preferring an empty slot, then the least recently used.
 It sends the two prompts of ``core.reuse_rules`` (``n_predict: 0``, tokens from the
 backend's own tokenizer) and releases the slot holding nothing the proxy models (the
 content it replaced is parked in the RAM model as for any request). A failed call drains
@@ -27,6 +28,7 @@ from proxy.core.fleet import BackendPhase, NoPlacement, Placement
 from proxy.core.reuse_rules import Rule
 from proxy.errors import ServiceUnavailable
 from proxy.scheduler import Scheduler
+from proxy.shared_state import SharedState
 from proxy.upstream import LlamaServerClient, SlotActionFailed
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,10 @@ class ReuseProber:
         scheduler: Scheduler,
         client: LlamaServerClient,
         drain: Callable[[int], None],
+        shared: SharedState,
     ) -> None:
         self._settings = settings
+        self._shared = shared
         self._scheduler = scheduler
         self._fleet = scheduler.fleet
         self._client = client
@@ -114,6 +118,10 @@ class ReuseProber:
             answer = await self._client.warm(url, second, placement.pin or 0)
             done = True
         finally:
+            if done:
+                await self._shared.give_back(placement)  # the lease first, then the slot
+            else:
+                self._shared.abandon(placement)  # it may still run upstream: let it expire
             self._scheduler.release(placement, clean=done, n_tokens=len(second) if done else 0)
             if not done:
                 self._drain(index)
@@ -122,9 +130,13 @@ class ReuseProber:
     async def _claim(self, index: int) -> Placement:
         while True:
             try:
-                return await self._scheduler.acquire(lambda: self._idle_slot(index))
+                placement = await self._scheduler.acquire(lambda: self._idle_slot(index))
             except ServiceUnavailable:
                 await asyncio.sleep(RETRY_SECONDS)
+                continue
+            if await self._shared.take(placement):
+                return placement
+            self._scheduler.release(placement, clean=True, sent=False, remote=True)
 
     def _idle_slot(self, index: int) -> Placement | NoPlacement:
         backend = self._fleet.backends[index]

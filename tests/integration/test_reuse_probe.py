@@ -108,3 +108,17 @@ async def test_rule_is_probed_again_after_a_restart(fakes: Any, proxy: Any) -> N
         await asyncio.sleep(0.02)
     assert backend.exact
     assert len(probes(fake)) == 2
+
+
+async def test_two_replicas_probing_one_slot_take_turns_by_its_lease(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Each replica probes, and each leases the slot first: never both on it at once."""
+    fake = await fakes(n_slots=1, prompt_s_per_token=0.0005)  # a probe holds it ~0.6 s
+    replicas = [
+        await proxy([{**AUTO, "url": fake.url}], redis_url=redis_server.url) for _ in range(2)
+    ]
+    for client in replicas:
+        assert not (await probed(client)).exact
+    assert len(probes(fake)) == 4
+    assert fake.violations == []

@@ -192,17 +192,23 @@ class ProxyProcess:
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    # the backends' reuse rule, configured: the probe of ``auto`` (the default) would add
+    # its own requests to what the tests measure (tests of the probe set ``auto``)
+    kv_reuse: str = "prefix"
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ProxyProcess:
+        import json
         import sys
 
         args = [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{self.port}"]
-        for backend in self.backends:
-            args += ["--backend", backend]
+        config = Path(tempfile.mkdtemp(prefix="proxy-")) / "backends.json"
+        backends = [{"url": url, "kv_reuse": self.kv_reuse} for url in self.backends]
+        config.write_text(json.dumps({"backends": backends}))
+        args += ["--config", str(config)]
         if self.redis_url:
             args += ["--redis-url", self.redis_url]
         env = {

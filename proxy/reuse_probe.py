@@ -7,9 +7,11 @@ the backend had (``prefix`` at first, the server's default for dense models). Th
 tier stays off on the backend until the answer (``BackendState.reuse_known``): a
 checkpoint-only backend cannot reuse a restored slot, so every save would be wasted.
 
-The probe claims one idle slot through the scheduler like any request (never a busy slot;
-it waits in the queue like one, and with shared state takes the slot's lease like one),
-preferring an empty slot, then the least recently used.
+The probe never holds a slot a request could use: it claims one only while no request
+waits in the proxy and another slot of the backend stays idle (a backend of one slot is not
+probed: set ``kv_reuse``), checking again every ``RETRY_SECONDS``. It claims the slot through
+the scheduler like any request (never a busy slot; with shared state it takes the slot's
+lease like one), preferring an empty slot, then the least recently used.
 It sends the two prompts of ``core.reuse_rules`` (``n_predict: 0``, tokens from the
 backend's own tokenizer) and releases the slot holding nothing the proxy models (the
 content it replaced is parked in the RAM model as for any request). A failed call drains
@@ -32,7 +34,7 @@ from proxy.shared_state import SharedState
 from proxy.upstream import LlamaServerClient, SlotActionFailed
 
 log = logging.getLogger(__name__)
-RETRY_SECONDS = 1.0  # after the queue refused the probe (full, or no slot in time)
+RETRY_SECONDS = 1.0  # until a slot is spare (or after the queue refused the probe)
 
 
 class ReuseProber:
@@ -129,6 +131,9 @@ class ReuseProber:
 
     async def _claim(self, index: int) -> Placement:
         while True:
+            if not self._spare(index):
+                await asyncio.sleep(RETRY_SECONDS)
+                continue
             try:
                 placement = await self._scheduler.acquire(lambda: self._idle_slot(index))
             except ServiceUnavailable:
@@ -137,6 +142,14 @@ class ReuseProber:
             if await self._shared.take(placement):
                 return placement
             self._scheduler.release(placement, clean=True, sent=False, remote=True)
+
+    def _spare(self, index: int) -> bool:
+        """Whether the backend has a slot to spare: no request waits in the proxy and, with
+        the probe on one, another slot stays idle for the next request (a backend of one
+        slot is never probed: its requests would wait behind two prefills)."""
+        if self._scheduler.waiting():
+            return False
+        return len(self._fleet.backends[index].idle_slots()) >= 2
 
     def _idle_slot(self, index: int) -> Placement | NoPlacement:
         backend = self._fleet.backends[index]

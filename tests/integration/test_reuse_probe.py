@@ -114,7 +114,7 @@ async def test_two_replicas_probing_one_slot_take_turns_by_its_lease(
     fakes: Any, proxy: Any, redis_server: Any
 ) -> None:
     """Each replica probes, and each leases the slot first: never both on it at once."""
-    fake = await fakes(n_slots=1, prompt_s_per_token=0.0005)  # a probe holds it ~0.6 s
+    fake = await fakes(n_slots=2, prompt_s_per_token=0.0005)  # a probe holds one ~0.6 s
     replicas = [
         await proxy([{**AUTO, "url": fake.url}], redis_url=redis_server.url) for _ in range(2)
     ]
@@ -122,3 +122,27 @@ async def test_two_replicas_probing_one_slot_take_turns_by_its_lease(
         assert not (await probed(client)).exact
     assert len(probes(fake)) == 4
     assert fake.violations == []
+
+
+async def test_the_probe_never_holds_a_slot_a_request_could_use(fakes: Any, proxy: Any) -> None:
+    """A one-slot backend is not probed: a request sent as the proxy starts is served at
+    once, not queued behind the probe's two prefills; on two slots the probe takes one
+    only while the other stays idle, and a request sent while it runs takes that one."""
+    slow = {"prompt_s_per_token": 0.002}  # a probe holds its slot ~2.5 s
+    one = await fakes(n_slots=1, **slow)
+    client = await proxy([{**AUTO, "url": one.url}])
+    reply = await client.post("/v1/chat/completions", json=turn(0, 1))
+    assert reply.status == 200
+    assert "wait" not in reply.headers["X-Cache-Route"]
+    assert probes(one) == []
+    two = await fakes(n_slots=2, **slow)
+    client = await proxy([{**AUTO, "url": two.url}])
+    for _ in range(250):
+        if probes(two):
+            break
+        await asyncio.sleep(0.02)
+    assert probes(two), "the two-slot backend was never probed"
+    reply = await client.post("/v1/chat/completions", json=turn(0, 1))
+    assert reply.status == 200
+    assert "wait" not in reply.headers["X-Cache-Route"]
+    assert not (await probed(client)).exact

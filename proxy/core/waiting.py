@@ -38,7 +38,10 @@ frees, bounds the wait, and then decides again without waiting.
   0.8743 -> 0.8767 at 166 -> 186 ms a request (sglang-router, queueing in the server,
   0.8755 at 182 ms), taubench-8 0.8598 -> 0.8605, 2 x 3 0.8746 -> 0.8759; waiting for any
   saving of 4 tokens without the depth bound gave 0.876 at twice the latency,
-  the waiters piling onto one slot.
+  the waiters piling onto one slot. A short queue is joined only when prefilling the tokens
+  it saves takes longer than its wait (``pays``: the requests ahead and the one in flight
+  each hold the slot the backend's measured ``service_s``), or when more requests wait
+  than slots are idle (``pressed``: the idle slot is not wasted).
 - *Saturation*: when at most one slot in ``SATURATED`` is idle, an idle slot elsewhere
   saves the fleet no time — the next request takes it — so any saving of
   ``min_prefix_tokens`` is worth the wait (replay, 4 x 4 fleet: magagent 0.817-0.825 ->

@@ -23,13 +23,19 @@ from tests.real.stack import free_port
 
 
 @asynccontextmanager
-async def serve_process(settings: Settings, ready_within: float = 60.0) -> AsyncIterator[str]:
-    """``async with serve_process(settings) as url``: the proxy's base URL while it runs."""
+async def serve_process(
+    settings: Settings, ready_within: float = 60.0, source: str | None = None
+) -> AsyncIterator[str]:
+    """``async with serve_process(settings) as url``: the proxy's base URL while it runs;
+    ``source``: run the proxy of that checkout instead (another commit, side by side)."""
     port = free_port()
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         json.dump(with_address_headers(settings).model_dump(mode="json"), f)  # JSON is YAML
     command = [sys.executable, "-m", "proxy", "serve", "--config", f.name]
-    proc = await asyncio.create_subprocess_exec(*command, "--listen", f"127.0.0.1:{port}")
+    env = None if source is None else {**os.environ, "PYTHONPATH": source}
+    proc = await asyncio.create_subprocess_exec(
+        *command, "--listen", f"127.0.0.1:{port}", env=env, cwd=source
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         await _until_ready(url, proc, ready_within)

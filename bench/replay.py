@@ -13,8 +13,10 @@ offline), ``round-robin`` (backends in turn, llama-server picks the slot), ``our
 one shared directory), and the peer routers in ``bench/peers.py`` when installed, each
 with its cache-aware policy (``sglang-router``) and its session policy
 (``sglang-router:manual``: those requests carry the session id in the router's header).
-``--chat`` sends each prompt as chat messages (``workloads.chat_body``) instead of a raw
-completion prompt: the disk tier's scoped snapshots need message boundaries.
+``ours-NAME`` (with ``--checkout NAME=DIR``: the proxy of the checkout DIR, out of process,
+to compare commits in one run). ``--chat`` sends each prompt as chat messages
+(``workloads.chat_body``) instead of a raw completion prompt: the disk tier's scoped
+snapshots need message boundaries.
 
     python -m bench.replay [--backends 4] [--slots 4] [--peers] [--repeat N]
 
@@ -112,6 +114,7 @@ SHARD = False  # --shard: the replicas split the backends, sessions sticky (a di
 STREAM = False  # --stream: requests stream their replies (as OpenClaw's do)
 ROUTING: dict[str, Any] = {}  # --routing: settings over ours' routing defaults
 PROCESS = False  # --process: ours as its own process (bench.outproc), as the peers run
+CHECKOUTS: dict[str, str] = {}  # --checkout NAME=DIR: that checkout's proxy runs as ours-NAME
 # bench.per_request: called with (session, position), the response body and its headers
 OBSERVE: Callable[[tuple[int, int], dict[str, Any], Mapping[str, str]], None] | None = None
 WHERE: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("where", default=(-1, -1))
@@ -228,6 +231,7 @@ async def run_policy(
                     "backends": [
                         {
                             "url": u,
+                            "kv_reuse": "prefix",  # the fakes' rule: no start-up probe
                             "ram_cache": RAM_CACHE,
                             "ram_cache_tokens": RAM_TOKENS,
                             "cache_idle_slots": IDLE_SAVES,
@@ -252,7 +256,11 @@ async def run_policy(
                         workload, lambda s, p, i: _post(s, next_url(), p, _key(keyed, i))
                     )
             else:
-                async with (serve_process if PROCESS else serve)(settings) as url:
+                if policy.removeprefix("ours-") in CHECKOUTS:
+                    ours = serve_process(settings, source=CHECKOUTS[policy.removeprefix("ours-")])
+                else:
+                    ours = (serve_process if PROCESS else serve)(settings)
+                async with ours as url:
                     await _run_sessions(workload, lambda s, p, i: _post(s, url, p, _key(keyed, i)))
         else:
             async with peers[policy](urls) as url:
@@ -416,6 +424,12 @@ def main() -> None:
     )
     parser.add_argument("--process", action="store_true", help="ours as its own process")
     parser.add_argument(
+        "--checkout",
+        action="append",
+        default=[],
+        help="NAME=DIR: the proxy of checkout DIR (another commit) runs as policy ours-NAME",
+    )
+    parser.add_argument(
         "--prefill-us",
         type=float,
         default=PREFILL_S_PER_TOKEN * 1e6,
@@ -434,6 +448,7 @@ def main() -> None:
     REPLICAS, SHARD, STREAM = args.replicas, args.shard, args.stream
     ROUTING.update(args.routing)
     PROCESS = args.process
+    CHECKOUTS.update(item.split("=", 1) for item in args.checkout)
     stem = "replay-partial" if (args.only or args.policies or args.quick) else "replay"
     if args.chat:
         stem = "replay-chat" if stem == "replay" else stem + "-chat"

@@ -294,7 +294,7 @@ class DiskSteps:
     ) -> Snapshot:
         now = self._tier.wall()
         chain = content.hashes[segments - 1]
-        shorter = {segments - 1, content.anchor} if whole else set()
+        shorter = {segments - 1, segments - 2, content.anchor} if whole else set()
         aliases = tuple(content.hashes[k - 1] for k in sorted(shorter) if 0 < k < segments)
         return Snapshot(
             name=file_name(layout, chain),

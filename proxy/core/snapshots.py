@@ -14,10 +14,12 @@ prefix, at most one per save directory:
   the same layout; llama-server checks only part of it (a different model of the same shape
   loads silently), so ``refusal`` checks all of it before any restore.
 - A whole-slot snapshot (``full``, park) holds the prompt and the reply; it is also indexed
-  under shorter prefixes (``aliases``: the prompt without the reply, and the session's first
-  user message), since the next turn may not send the reply back verbatim (agents that
-  rewrite or drop it) and a restore serves every request sharing part of the file (the
-  server then reuses the longest common prefix).
+  under shorter prefixes (``aliases``: the prompt without the reply, the prompt without its
+  last message too, and the session's first user message), since the next turn may not
+  send the reply back verbatim (agents that rewrite or drop it), may drop a transient last
+  message (OpenClaw's default profile ends each request with one), and a restore serves
+  every request sharing part of the file (the server then reuses the longest common
+  prefix).
 - ``directory`` names where the file lives: a save directory shared by several backends
   (``dir:PATH``) or one backend's own (``backend:LABEL``); a snapshot can be restored on any
   backend of the same directory.

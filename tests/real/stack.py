@@ -195,6 +195,7 @@ class ProxyProcess:
     # the backends' reuse rule, configured: the probe of ``auto`` (the default) would add
     # its own requests to what the tests measure (tests of the probe set ``auto``)
     kv_reuse: str = "prefix"
+    backend: dict[str, Any] = field(default_factory=dict)  # more settings of every backend
 
     @property
     def url(self) -> str:
@@ -206,7 +207,7 @@ class ProxyProcess:
 
         args = [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{self.port}"]
         config = Path(tempfile.mkdtemp(prefix="proxy-")) / "backends.json"
-        backends = [{"url": url, "kv_reuse": self.kv_reuse} for url in self.backends]
+        backends = [{"url": u, "kv_reuse": self.kv_reuse, **self.backend} for u in self.backends]
         config.write_text(json.dumps({"backends": backends}))
         args += ["--config", str(config)]
         if self.redis_url:

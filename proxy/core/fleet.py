@@ -149,8 +149,10 @@ class Fleet:
         """A task started: with ``--cache-idle-slots`` the server saves each idle slot (and
         clears it too with unified KV, where its cells are room for the others)."""
         for idle in backend.idle_slots() if backend.ram and backend.idle_saves else ():
-            if idle.content is not None:
+            if idle.content is not None and not _saved(idle, backend.ghosts):
                 self._park(backend, backend.parked(idle.content, idle.last_used, idle.n_tokens))
+                # saving it again changes nothing while the cache is this same list
+                idle.saved = (idle.content, backend.ghosts)
             if backend.unified:
                 idle.content, idle.n_tokens = None, 0
 
@@ -298,3 +300,11 @@ def _reconcile(slot: SlotState, seen_tokens: int) -> None:
     keep = content.total * seen_tokens / slot.n_tokens
     segments = sum(1 for t in content.tokens if t <= keep)
     slot.content = Fingerprint(content.hashes[:segments], content.tokens[:segments], content.anchor)
+
+
+def _saved(slot: SlotState, ghosts: list[Parked]) -> bool:
+    """Whether ``slot`` was last saved to the RAM cache with this content into this very
+    cache list (``BackendState.ghosts`` is replaced on every change, never changed in
+    place): saving it again would change nothing."""
+    saved = slot.saved
+    return saved is not None and saved[0] is slot.content and saved[1] is ghosts

@@ -177,7 +177,10 @@ def evicted_by(entries: Sequence[Parked], new: Parked, budget: int | None) -> in
 
 
 def without(entries: Sequence[Parked], gone: Parked | None) -> list[Parked]:
-    """The cache after ``gone`` was loaded into a slot (it leaves the cache)."""
+    """The cache after ``gone`` was loaded into a slot (it leaves the cache); the same list
+    when nothing left it (as ``park``)."""
+    if isinstance(entries, list) and (gone is None or all(e is not gone for e in entries)):
+        return entries
     return [e for e in entries if e is not gone]
 
 

@@ -83,6 +83,9 @@ class SlotState:
     pending: Fingerprint | None = None  # the prompt in flight on it, while BUSY
     record_at: float = 0.0  # wall time of the shared record this content matches
     owner: str | None = None  # tenant whose request wrote the KV (cache isolation)
+    # (content, RAM cache) as this idle slot was last saved to the cache: the same two
+    # objects mean the same save, which changes nothing (``Fleet._save_idle``)
+    saved: tuple[Fingerprint, list[Parked]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def expected(self) -> Fingerprint | None:

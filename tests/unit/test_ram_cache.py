@@ -7,7 +7,10 @@ from hypothesis import strategies as st
 
 from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint, common_segments
+from proxy.core.fleet import Placement
 from proxy.core.ram_cache import Parked
+from tests.unit.test_routing import fleet, hold
+from tests.unit.test_routing import fp as segments_fp
 
 
 def fp(*segments: int) -> Fingerprint:
@@ -197,3 +200,20 @@ def test_needs_park_where_the_server_will_not_bring_the_session_back() -> None:
     assert not ram_cache.needs_park(session, onward, 2600, ram=False, always=True)
     header = Fingerprint((1,), (2000,), anchor=2)  # a system prompt alone: kept whole
     assert not ram_cache.needs_park(header, other, 2000, ram=False, always=True)
+
+
+def test_a_task_that_changes_nothing_in_the_ram_cache_keeps_its_list() -> None:
+    """A task starting on a backend whose idle slots are all saved already (``--cache-idle-
+    slots``), the claimed slot continuing its own content: the RAM cache is the same list
+    after, so no idle slot is saved again and the requests' views of it stay valid."""
+    f = fleet(8)
+    for s in range(8):
+        hold(f, 0, s, segments_fp(10 + s, 20))
+    backend = f.backends[0]
+    f.claim(Placement(0, (0,), 0), now=100.0, content=segments_fp(10, 20, 30))
+    f.release(Placement(0, (0,), 0), now=101.0, clean=True, content=segments_fp(10, 20, 30, 40))
+    cache = backend.ghosts
+    assert len(cache) == 7  # every other idle slot saved once
+    f.claim(Placement(0, (0,), 0), now=102.0, content=segments_fp(10, 20, 30, 40, 50))
+    assert backend.ghosts is cache
+    assert all(s.saved is not None and s.saved[1] is cache for s in backend.slots[1:])

@@ -220,7 +220,7 @@ async def run_policy(
             if policy == "ours-unqueued":  # no short queues for busy slots (before f01a3db)
                 routing.update(short_wait_tokens=0)
             if policy == "ours-patient":
-                routing.update(wait_min_tokens=128, max_slot_wait_seconds=30, balance_abs=4)
+                routing.update(wait_min_tokens=128, max_slot_wait_seconds=30)
             disk = {"prefix_cache": "off"}
             if policy.startswith("ours-disk"):
                 disk = {"prefix_cache": "auto", "slot_save_dir": str(save_dir)}

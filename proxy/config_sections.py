@@ -143,8 +143,6 @@ class RoutingSettings(_Frozen):
     hold_max_seconds: float = Field(default=2.0, ge=0, description="slot held for a session")
     eviction_weight: float = Field(default=1.0, ge=0)
     value_half_life_seconds: float = Field(default=600.0, gt=0)
-    balance_abs: int = Field(default=2, ge=0)
-    balance_rel: float = Field(default=1.5, ge=1)
     cache_key_sources: tuple[str, ...] = Field(
         default=(
             "prompt_cache_key",
@@ -175,8 +173,6 @@ class RoutingSettings(_Frozen):
             short_wait_depth=self.short_wait_depth,
             eviction_weight=self.eviction_weight,
             value_half_life_s=self.value_half_life_seconds,
-            balance_abs=self.balance_abs,
-            balance_rel=self.balance_rel,
             key_similarity=self.slot_cache_key_similarity,
             key_min_prefix=self.slot_cache_key_min_prefix,
         )

@@ -8,36 +8,26 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
 1. *Scores* (``core.scoring``): per idle slot, predicted reuse (the slot's KV, the backend's
    RAM prompt cache, or a disk snapshot restored into it) minus restore cost and the recency-
    weighted damage of evicting what the slot holds.
-2. *cache_key affinity* (seed 000, done outside the server): a keyed request whose mapped
+2. *cache_key affinity* (done outside the server): a keyed request whose mapped
    slot is idle reuses it only when the overlap is real — predicted reuse / prompt tokens
    >= ``key_similarity`` and reuse >= ``key_min_prefix`` tokens ("reuse"), and no other idle
    slot scores higher ("outmatched": an agent session alternating two prompt threads, its
    key mapped to the other thread's slot, which this request would overwrite). A busy mapped
    slot is skipped ("busy"); a too-small overlap ("unsafe") routes normally.
-3. *Load gate* (like SGLang's cache-aware policy): with ``load`` = busy slots of a backend,
-   the fleet is imbalanced when ``max - min > balance_abs`` and ``max > balance_rel * min``.
-   Then a best candidate on a backend loaded above ``min + balance_abs`` is dropped for the
-   least loaded backend ("balance"), so a hot prefix shared by many sessions does not pile
-   onto one backend — unless the prompt extends all of what the candidate reuses (a session
-   continuing in its slot or from its RAM copy: moving it would re-prefill its history), or
-   the candidate saves as much as would be worth a wait (step 5's threshold): the router
-   would wait for that backend if it were full, so it does not flee it while it has an idle
-   slot. (Replay, taubench 4 x 4: when the gate moved one or two diverged sessions per run
-   off their 127-153-token RAM copies, mean 0.870; now 0.872; other traces unchanged.)
-4. Best idle candidate by (score, -backend load, -age) with reuse >= ``min_prefix_tokens``
-   (or, for a shorter prompt, all of it: a short prompt repeated verbatim, such as an agent
-   retrying one 14-token request 30 times, is a hit rather than a stranger) and a positive
-   score: "prefix". Otherwise "cold": among backends loaded at most
-   ``balance_abs`` above the least loaded one, the idle slot with the best score (empty or
-   least valuable first, then the less loaded backend); reported as "prefix" (or "disk")
-   when that slot still serves the floor above (every slot holds another conversation and
-   the least bad holds the prefix). "balance" does the same among the least loaded backends.
-5. *Waiting* (``core.waiting``): rather than place, wait for a busy slot, or for a full
+3. Best idle candidate by (score, -backend load, -age): "prefix" when it reuses at least
+   ``min_prefix_tokens`` (or, for a shorter prompt, all of it: a short prompt repeated
+   verbatim, such as an agent retrying one 14-token request 30 times, is a hit rather than a
+   stranger; "disk" when that comes from a restored snapshot), else "cold": the empty or
+   least valuable slot, on the less loaded backend. A slot holding another conversation
+   with the same system prompt, taken because every idle slot holds another conversation,
+   still serves that prompt: "prefix". There is no load gate beyond the tie on load: one
+   (SGLang's absolute and relative thresholds) changed no replay row when dropped.
+4. *Waiting* (``core.waiting``): rather than place, wait for a busy slot, or for a full
    backend whose RAM cache holds the prefix, when that saves enough more than the best idle
    choice, or a little more in a short queue (``depths``: requests already waiting per
    slot) ("wait"); the caller re-decides whenever a slot frees and bounds the wait.
 
-6. *Holds* (``core.returns``): an idle slot its session left less than ``hold`` seconds
+5. *Holds* (``core.returns``): an idle slot its session left less than ``hold`` seconds
    ago (learned from how fast sessions come back) is not taken by another session when the
    server could not park what it holds; if every idle slot is held the request waits, until
    the session is back or the hold ends (``Decision.until``).
@@ -52,7 +42,7 @@ and slot recency and id.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 
 from proxy.core.fingerprint import Fingerprint
@@ -75,14 +65,7 @@ from proxy.core.scoring import (
     ram_view,
 )
 from proxy.core.snapshots import Offer
-from proxy.core.waiting import (
-    Fleetview,
-    crowded,
-    hit_floor,
-    significant,
-    spare_parked,
-    worth_waiting,
-)
+from proxy.core.waiting import Fleetview, crowded, hit_floor, spare_parked, worth_waiting
 
 __all__ = ["Decision", "Reason", "RoutingParams", "predicted_reuse", "route"]
 
@@ -92,7 +75,6 @@ class Reason(StrEnum):
     PREFIX = "prefix"
     DISK = "disk"  # best served by restoring a disk snapshot
     COLD = "cold"
-    BALANCE = "balance"
     WAIT = "wait"
 
 
@@ -105,11 +87,6 @@ class Decision:
     key_outcome: str | None = None  # reuse | busy | unsafe, for keyed requests
     restore: Offer | None = None  # restore this disk snapshot into the slot first
     until: float | None = None  # waiting for a held slot: its hold ends then
-
-
-def _imbalanced(loads: Sequence[int], params: RoutingParams) -> bool:
-    high, low = max(loads), min(loads)
-    return high - low > params.balance_abs and high > params.balance_rel * low
 
 
 Rank = tuple[float, int, bool, int, float, int]
@@ -125,21 +102,6 @@ def _ranking(remote: frozenset[int]) -> Callable[[Candidate], Rank]:
         return (c.score, -c.load, own, -c.backend.index, -c.slot.last_used, -c.slot.id)
 
     return rank
-
-
-def _cold(
-    options: Sequence[Candidate],
-    ready: Sequence[BackendState],
-    params: RoutingParams,
-    reason: Reason,
-    rank: Callable[[Candidate], Rank],
-) -> Decision:
-    """``options``: every idle slot not held, already scored by ``route``; ``ready``: the
-    backends with an idle slot (held or not), whose least load sets the balance limit."""
-    least = min(b.busy_count() for b in ready)
-    limit = least if reason is Reason.BALANCE else least + params.balance_abs
-    balanced = [c for c in options if c.load <= limit]
-    return _place(max(balanced or options, key=rank), reason)
 
 
 def _place(candidate: Candidate, reason: Reason, key: str | None = None) -> Decision:
@@ -231,11 +193,9 @@ def route(
     if spared and len(spared) == len(free):
         until = min(held_until(b, s, hold) for b, s in free)
         return Decision(None, Reason.WAIT, 0, (free[0][0].index, free[0][1].id), key, until=until)
-    rank = _ranking(remote)
-    best = max(idle, key=rank, default=None)
-    idle_now = len(free)
-    pressed = idle_now < queued  # idle slots go to waiters anyway
-    fleet = Fleetview(up, free_of, crowded(idle_now, up), pressed)
+    best = max(idle, key=_ranking(remote), default=None)
+    pressed = len(free) < queued  # idle slots go to waiters anyway
+    fleet = Fleetview(up, free_of, crowded(len(free), up), pressed)
     waiting = (
         worth_waiting(fp, fleet, best, params, ram, spared, now, depths or {})
         if allow_wait
@@ -247,23 +207,9 @@ def route(
         return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
     if best is None:
         return why_not(backends, avoid)
-    loads = list(load.values())
-    kept = best.extends or best.reuse >= significant(fp, params)
-    overloaded = best.load > min(loads) + params.balance_abs and not kept
-    if _imbalanced(loads, params) and overloaded:
-        return _with_key(_cold(idle, ready, params, Reason.BALANCE, rank), key)
-    if best.reuse >= hit_floor(fp, params) and best.score > 0:
-        return _place(best, Reason.PREFIX, key)
-    cold = _cold(idle, ready, params, Reason.COLD, rank)
-    if cold.predicted >= hit_floor(fp, params):  # none scores; the least bad holds the prefix
-        cold = replace(cold, reason=Reason.DISK if cold.restore else Reason.PREFIX)
-    return _with_key(cold, key)
-
-
-def _with_key(decision: Decision, key: str | None) -> Decision:
-    if key is None:
-        return decision
-    return replace(decision, key_outcome=key)
+    # every idle slot may hold another conversation: the least bad may still hold the prefix
+    reason = Reason.PREFIX if best.reuse >= hit_floor(fp, params) else Reason.COLD
+    return _place(best, reason, key)
 
 
 def _slot(c: Candidate) -> tuple[int, int]:

@@ -64,8 +64,6 @@ class RoutingParams:
     short_wait_depth: int = 4  # ... while fewer requests than this wait for the slot
     eviction_weight: float = 1.0
     value_half_life_s: float = 600.0
-    balance_abs: int = 2
-    balance_rel: float = 1.5
     key_similarity: float = 0.5
     key_min_prefix: int = 64
     ram_discount: float = 0.1  # eviction damage when the evicted content stays in host RAM

@@ -19,7 +19,7 @@ from proxy.core.ram_cache import Parked
 from proxy.core.routing import Decision, Reason, RoutingParams, predicted_reuse, route
 from proxy.core.scoring import RamView, ghost_reuse
 
-PARAMS = RoutingParams(min_prefix_tokens=16, wait_min_tokens=100, balance_abs=2)
+PARAMS = RoutingParams(min_prefix_tokens=16, wait_min_tokens=100)
 USUAL_BAR = replace(PARAMS, short_wait_tokens=0)  # no short queues: the usual bar alone
 
 
@@ -388,21 +388,9 @@ def test_ram_budget_counts_the_servers_real_lengths() -> None:
     assert [(p.content, p.size) for p in f.backends[0].ghosts] == [(fp(3, 4), 600)]
 
 
-def test_load_gate_sends_a_hot_prefix_to_an_idle_backend() -> None:
-    f = fleet(5, 5)
-    for slot in range(4):
-        f.claim(Placement(0, (slot,), slot), now=1.0)
-    hold(f, 0, 4, fp(1, 2, 9, size=10))  # another session behind the hot prefix fp(1, 2)
-    request = fp(1, 2, 3, 4, 5, 6, size=10)  # shares 20 of 60 tokens: less than half
-    d = decided(route(request, f.backends, PARAMS, now=100.0, allow_wait=False))
-    assert d.reason is Reason.BALANCE
-    assert d.placement is not None
-    assert d.placement.backend == 1
-
-
-def test_load_gate_keeps_a_saving_worth_waiting_for() -> None:
-    """A request sharing most of its prompt with the loaded backend stays: moving would
-    give up a saving the router would wait for if that backend were full."""
+def test_a_saving_stays_on_its_loaded_backend() -> None:
+    """A request sharing most of its prompt with a slot of a loaded backend goes there, not
+    to an idle backend: load only breaks ties between equal scores (there is no load gate)."""
     f = fleet(5, 5)
     for slot in range(4):
         f.claim(Placement(0, (slot,), slot), now=1.0)
@@ -412,7 +400,7 @@ def test_load_gate_keeps_a_saving_worth_waiting_for() -> None:
     assert (d.reason, d.placement) == (Reason.PREFIX, Placement(0, (4,), 4))
 
 
-def test_load_gate_does_not_move_a_session_continuing_in_its_slot() -> None:
+def test_a_session_continuing_in_its_slot_stays_on_its_loaded_backend() -> None:
     f = fleet(5, 5)
     for slot in range(4):
         f.claim(Placement(0, (slot,), slot), now=1.0)
@@ -544,7 +532,7 @@ def test_property_no_fewer_reused_tokens_without_a_reason(
 ) -> None:
     """Choosing a slot that reuses less than the best idle one needs a stated reason."""
     f, request, _ = scene
-    params = RoutingParams(min_prefix_tokens=0, eviction_weight=0.0, balance_abs=100)
+    params = RoutingParams(min_prefix_tokens=0, eviction_weight=0.0)
     result = route(request, f.backends, params, now=100.0, allow_wait=False)
     if not isinstance(result, Decision) or result.placement is None:
         return
@@ -559,8 +547,8 @@ def test_property_no_fewer_reused_tokens_without_a_reason(
         default=0,
     )
     if result.predicted < best:
-        assert result.reason in (Reason.BALANCE, Reason.COLD)
-        assert best == 0 or result.reason is Reason.BALANCE
+        assert result.reason is Reason.COLD
+        assert best == 0
 
 
 def test_ram_cache_takes_entries_oldest_first_when_they_beat_the_best_so_far() -> None:

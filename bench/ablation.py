@@ -1,0 +1,282 @@
+"""Ablation of the routing rules: which of them move the hit rate or the latency in the replay.
+
+Each ablation takes one rule of ``proxy.core.routing`` / ``core.waiting`` / ``core.scoring``
+away, either through a routing setting or by patching, in-process, the name where the router
+uses it (``routing.spare_parked``, not ``waiting.spare_parked``: routing imports it by name),
+and runs policy ``ours`` of ``bench.replay`` (same fakes, same default timing, the hit rate
+read from the fakes' counters) on a few trace rows; ``baseline`` runs unpatched. Runs go in
+rounds, every variant once per round (as ``bench.replay``), so drift is shared; the baseline
+runs at least twice so that its run-to-run spread is visible. A patched rule counts the
+decisions it changed (its value differs from the unpatched function's on the same inputs):
+one that changed none decides as the baseline, and its runs show the spread too.
+
+    python -m bench.ablation [--repeat N] [--baseline N] [--only WORKLOAD ...] [--ablations ID ...]
+
+Prints a Markdown table (hit rate, its delta against the baseline mean, mean request latency)
+and saves ``bench/results/ablation.json`` with every run, the commit and the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from bench import replay
+from bench.results_io import load, print_markdown, save
+from proxy import config_sections
+from proxy.core import routing, waiting
+from proxy.core.fingerprint import Fingerprint
+from proxy.core.fleet import BackendState, SlotPhase, SlotState
+from proxy.core.options import first_token
+from proxy.core.scoring import Candidate, RamView, RoutingParams, once_done, predicted_reuse
+
+WORKLOADS = ["lmcache/taubench", "lmcache/taubench (6 sessions, 2x3)", "lmcache/magagent"]
+WORKLOADS += ["mooncake/conversation_trace"]
+Fired = list[int]  # one counter: decisions a patched rule changed in this run
+Patch = Callable[[Fired], AbstractContextManager[Any]]
+
+
+def _swap(
+    target: object, name: str, ablated: Callable[..., Any], key: Callable[[Any], Any] | None = None
+) -> Patch:
+    """Patch ``target.name`` with ``ablated``, counting calls whose result (by ``key``, or
+    the value itself) differs from the original's on the same arguments."""
+    original = getattr(target, name)
+    seen = key or (lambda value: value)
+
+    def patcher(fired: Fired) -> AbstractContextManager[Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            new = ablated(*args, **kwargs)
+            if seen(new) != seen(original(*args, **kwargs)):
+                fired[0] += 1
+            return new
+
+        return mock.patch.object(target, name, wrapper)
+
+    return patcher
+
+
+def _const(value: Any) -> Callable[..., Any]:
+    return lambda *args, **kwargs: value
+
+
+def _unpressed(
+    backends: Sequence[BackendState], free: Mapping[int, Sequence[SlotState]], sat: bool, _: bool
+) -> waiting.Fleetview:
+    return waiting.Fleetview(backends, free, sat, False)
+
+
+_UNPRESSED = (_unpressed, lambda view: view.pressed)  # counted: decisions that were pressed
+
+
+def _worth(ram_wait: bool = True, empty: bool = True) -> Callable[..., Any]:
+    """``waiting.worth_waiting``, a copy, with its full-backend RAM wait (a full backend, or
+    ``_loads_once_freed``) or its empty-slot rule ("only a slot it would take") switchable;
+    both on, it decides as the original (checked by the fired count: 0)."""
+    w = waiting
+
+    def worth(
+        fp: Fingerprint,
+        fleet: waiting.Fleetview,
+        best: Candidate | None,
+        params: RoutingParams,
+        ram: Mapping[int, RamView],
+        spared: frozenset[tuple[int, int]],
+        now: float,
+        depths: Mapping[tuple[int, int], int],
+    ) -> tuple[tuple[int, int], int] | None:
+        base = best.reuse if best is not None else 0
+        saturated, pressed = fleet.saturated, fleet.pressed
+        floor = base + (w.hit_floor(fp, params) if saturated else w.significant(fp, params))
+        short = min(floor, base + (params.short_wait_tokens or floor))
+
+        def bar(backend: BackendState, slot: SlotState, reuse: int) -> float:
+            ahead = depths.get((backend.index, slot.id), 0)
+            if ahead >= params.short_wait_depth or slot.phase is SlotPhase.EXTERNAL:
+                return floor
+            return short if pressed or w.pays(backend, reuse - base, ahead) else floor
+
+        hit: float = w.hit_floor(fp, params)
+        half = max(hit, w.significant(fp, params) / 2)
+        floor_ram = base + (hit if pressed or saturated else half)
+        only_taken = empty and not saturated and best is not None and best.slot.content is None
+        rival = best.score if best is not None else 0.0
+        found: tuple[tuple[int, int], int] | None = None
+        first = first_token(fp)
+        for b in fleet.backends:
+            options = [
+                ((b.index, s.id), reuse)
+                for s in w._distinct_busy(b, fp, first, depths, params)
+                if (reuse := predicted_reuse(fp, s, b.exact)) >= bar(b, s, reuse)
+                and (not only_taken or w._taken(fp, b, once_done(s, now), now, params, ram))
+                and (reuse >= floor or w._taken(fp, b, once_done(s, now), now, params, ram, rival))
+            ]
+            free = [s for s in fleet.free[b.index] if (b.index, s.id) not in spared]
+            view = ram[b.index]
+            full = bool(b.slots) and not free
+            if ram_wait and (
+                full or w._loads_once_freed(fp, b, free, view, floor_ram, params, now)
+            ):
+                options.append(((b.index, -1), view.best))
+            for where, reuse in options:
+                if (where[1] >= 0 or reuse >= floor_ram) and (found is None or reuse > found[1]):
+                    found = (where, reuse)
+        return found
+
+    return worth
+
+
+@dataclass(frozen=True)
+class Ablation:
+    id: str
+    what: str  # the rule taken away
+    patches: Sequence[Patch] = ()  # each counts the decisions it changed
+    routing: dict[str, Any] = field(default_factory=dict)  # routing settings over the defaults
+    params: dict[str, Any] = field(default_factory=dict)  # RoutingParams fields no setting has
+
+    @contextmanager
+    def applied(self, fired: Fired) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(mock.patch.dict(replay.ROUTING, self.routing))
+            for patch in self.patches:
+                stack.enter_context(patch(fired))
+            if self.params:
+                settings = config_sections.RoutingSettings
+                made = settings.params  # the original: this ablation patches it alone
+                over = lambda s: dataclasses.replace(made(s), **self.params)  # noqa: E731
+                stack.enter_context(mock.patch.object(settings, "params", over))
+            yield
+
+
+R, W, A, NO, WW = routing, waiting, Ablation, _const(False), "worth_waiting"
+ABLATIONS = [
+    A("baseline", "nothing: the rules as they are"),
+    A("holds", "holds off (returns.held: never)", [_swap(R, "held", NO)]),
+    A("wait", "no wait (worth_waiting: None)", [_swap(R, WW, _const(None))]),
+    A("short-queue", "short queues off (short_wait_tokens 0)", routing={"short_wait_tokens": 0}),
+    A("pays", "short-queue time guard off (pays: always)", [_swap(W, "pays", _const(True))]),
+    A("saturation", "saturation off (crowded: never)", [_swap(R, "crowded", NO)]),
+    A("pressure", "queue pressure off (pressed: never)", [_swap(R, "Fleetview", *_UNPRESSED)]),
+    A("spare-parked", "spare_parked off", [_swap(R, "spare_parked", _const(None))]),
+    A("ram-wait", "full-backend RAM wait off", [_swap(R, WW, _worth(ram_wait=False))]),
+    A("empty-rule", "'only a slot it would take' off", [_swap(R, WW, _worth(empty=False))]),
+    A("eviction", "eviction damage off (eviction_weight 0)", routing={"eviction_weight": 0}),
+    A("ram-discount", "RAM-parked loss in full (ram_discount 1.0)", params={"ram_discount": 1.0}),
+    A("min-prefix", "no hit floor (min_prefix_tokens 0)", routing={"min_prefix_tokens": 0}),
+    A("recency", "recency off (half life 1e9 s)", routing={"value_half_life_seconds": 1e9}),
+    A("wait-128", "wait bar lowered (wait_min_tokens 128)", routing={"wait_min_tokens": 128}),
+    A("wait-4096", "wait bar raised (wait_min_tokens 4096)", routing={"wait_min_tokens": 4096}),
+]
+
+
+async def run_rows(args: argparse.Namespace, chosen: list[Ablation]) -> list[dict[str, Any]]:
+    rows, started = [], time.perf_counter()
+    for workload, shape in replay.scenarios(True, only=args.only):
+        backends, slots = shape or (4, 4)
+        runs: dict[str, list[dict[str, Any]]] = {a.id: [] for a in chosen}
+        for round_ in range(max(args.repeat, args.baseline)):  # every variant once per round
+            for a in chosen:
+                if round_ >= (args.baseline if a.id == "baseline" else args.repeat):
+                    continue
+                fired = [0]
+                with a.applied(fired):
+                    run = await replay.run_policy("ours", workload, backends, slots, {})
+                count = fired[0] if a.patches else None
+                runs[a.id].append({**dataclasses.asdict(run), "fired": count})
+                took = f"{time.perf_counter() - started:6.0f}s {workload.name} {a.id}:"
+                print(took, run, f"fired {count}", file=sys.stderr, flush=True)
+        row = {"workload": workload.name, "fleet": f"{backends}x{slots}", "runs": runs}
+        rows.append({**row, "ideal": replay.ideal_hit_rate(workload)})
+    return rows
+
+
+def _mean(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.fmean(r[key] for r in runs)
+
+
+def _cell(row: dict[str, Any], ablation: str) -> str:
+    runs, base = row["runs"].get(ablation), row["runs"].get("baseline")
+    if not runs:
+        return "-"
+    hit, ms = _mean(runs, "hit"), _mean(runs, "latency") * 1000
+    if ablation == "baseline" or not base:
+        hits = [r["hit"] for r in runs]
+        return f"{hit:.4f} [{min(hits):.4f}-{max(hits):.4f}], {ms:.0f} ms"
+    low, high = min(r["hit"] for r in base), max(r["hit"] for r in base)
+    mark = "*" if not low <= hit <= high else ""
+    fired = [r["fired"] for r in runs if r["fired"] is not None]
+    count = f", {statistics.fmean(fired):.0f}x" if fired else ""
+    return f"{hit:.4f} ({hit - _mean(base, 'hit'):+.4f}{mark}), {ms:.0f} ms{count}"
+
+
+def print_table(result: dict[str, Any]) -> None:
+    rows, ablations = result["rows"], result["ablations"]
+    print(
+        f"\npolicy ours, fake llama-servers ({result['machine']['machine']}, "
+        f"{result['machine']['cpus']} cpus), commit {result['commit'][:7]}; per cell: mean "
+        "token-weighted hit rate (delta against the baseline mean, * outside the baseline's "
+        "min-max), mean request latency, decisions the patched rule changed per run (Nx); "
+        "baseline: mean [min-max]. Runs: "
+        + ", ".join(f"{a}: {len(rows[0]['runs'][a])}" for a in ("baseline", ablations[-1]["id"]))
+    )
+    header = ["ablation", "rule off", *(f"{r['workload']} {r['fleet']}" for r in rows)]
+    print_markdown(
+        header, ([a["id"], a["what"], *(_cell(r, a["id"]) for r in rows)] for a in ablations)
+    )
+    print("| ideal | infinite cache | " + " | ".join(f"{r['ideal']:.4f}" for r in rows) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeat", type=int, default=2, help="runs per ablation (rounds)")
+    parser.add_argument("--baseline", type=int, help="baseline runs (default: max(2, repeat))")
+    parser.add_argument("--only", nargs="*", default=WORKLOADS, help="workload names")
+    parser.add_argument("--ablations", nargs="*", help="ablation ids (default: all)")
+    parser.add_argument("--out", default="ablation", help="results stem under bench/results")
+    parser.add_argument("--from-json", action="store_true", help="re-print the saved results")
+    args = parser.parse_args()
+    if args.from_json:
+        print_table(load(args.out))
+        return
+    args.baseline = args.baseline or max(2, args.repeat)
+    chosen = [a for a in ABLATIONS if a.id == "baseline" or a.id in (args.ablations or [a.id])]
+    # the replay's defaults, as its main() sets them without options
+    replay.CHAT, replay.RAM_CACHE, replay.RAM_TOKENS, replay.IDLE_SAVES = False, True, None, True
+    replay.REPLICAS, replay.SHARD, replay.STREAM, replay.PROCESS = 1, False, False, False
+    replay.PREFILL_S_PER_TOKEN, replay.DECODE_S_PER_TOKEN = 2e-5, 0.005
+    replay.ROUTING.clear()
+    root = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    rows = asyncio.run(run_rows(args, chosen))
+    result = {
+        "commit": commit,
+        "command": shlex.join(["python", "-m", "bench.ablation", *sys.argv[1:]]),
+        "machine": {"machine": platform.machine(), "cpus": os.cpu_count()},
+        "timing": {"prefill_s_per_token": 2e-5, "decode_s_per_token": 0.005},
+        "ablations": [
+            {"id": a.id, "what": a.what, "routing": a.routing, "params": a.params} for a in chosen
+        ],
+        "rows": rows,
+    }
+    save(args.out, result)
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()

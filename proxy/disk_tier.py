@@ -204,8 +204,12 @@ class DiskTier:
         if scope.mode is ScopeMode.OFF or not fp.hashes:
             return None
         await self.refresh_layouts()
-        await self._after_parks(fp)
-        lookup = await self.lookup(fp)
+        # a prompt under min_tokens: no snapshot is a prefix of it, none is cut from it (it
+        # may still evict a session worth parking: the plan stays)
+        small = fp.total < self._disk.min_tokens
+        if not small:
+            await self._after_parks(fp)
+        lookup = Lookup({}, 0) if small else await self.lookup(fp)
         if lookup.refused:
             self._metrics.disk_refusals.labels("layout").inc(lookup.refused)
             self._metrics.disk_events.labels("refusal").inc(lookup.refused)
@@ -213,7 +217,7 @@ class DiskTier:
         if tenant is not None:
             model = f"{model}|{tenant}"  # each tenant's own window
         window: list[Fingerprint] = []
-        if scope.mode is ScopeMode.AUTO and is_chat(body):  # raw prompts have no boundaries
+        if scope.mode is ScopeMode.AUTO and is_chat(body) and not small:  # (raw: no boundaries)
             window = await self.windows.read(model)
         dp = DiskPlan(scope, model, fp, lookup, window, lookup.found, tenant=tenant)
         dp.client = client or ANONYMOUS
@@ -256,7 +260,8 @@ class DiskTier:
             if restore is not None:
                 await self.steps.restore(dp, restore, index, slot_id)
                 predicted = (dp.restored_tokens and restore.reuse) or predicted
-            if chat and dp.scope.mode in (ScopeMode.AUTO, ScopeMode.FIXED):
+            small = fp.total < self._disk.min_tokens
+            if chat and not small and dp.scope.mode in (ScopeMode.AUTO, ScopeMode.FIXED):
                 choice = select_prefix(dp.scope, fp, dp.window, self._disk.min_tokens)
                 seen = min(len(dp.window), dp.scope.window)
                 seen = seen if dp.scope.mode is ScopeMode.AUTO else 0
@@ -273,8 +278,8 @@ class DiskTier:
                     await self.steps.save_once(dp, choice.segments, index, slot_id, save)
         if not dp.offers and predicted < self._settings.routing.min_prefix_tokens:
             self._metrics.disk_events.labels("miss").inc()
-        if not chat:
-            return  # only chat requests are scoped, and only their windows are read
+        if not chat or fp.total < self._disk.min_tokens:
+            return  # only chat requests are scoped, and of those only prompts a scope fits
         await self.windows.push(dp.model, fp)
 
     # -- 3. after the response ------------------------------------------------------------------

@@ -1,34 +1,33 @@
 """Coordination between proxy replicas through the state store.
 
 With Redis configured, a replica:
-- takes a *lease* on a slot after choosing it and before sending (atomic, so two replicas
-  never pin one slot at once); a lost race marks the slot REMOTE and the request is routed
-  again; leases are renewed (extended only, never re-created) every 0.5 s while held and
-  released when the request ends, *before* the slot is free locally, so a later request of
-  the same replica cannot take the slot under a lease that is being deleted; an aborted
-  request's lease is left to expire (the slot may still be busy upstream); a replica that
-  dies leaves leases that expire after ``lease_ttl_seconds``;
-- *refreshes* its view before routing each request (one round trip for leases and slot
-  records, shared by the requests that arrive while it is in flight), and in the background
-  so queued requests see slots freed elsewhere: slots leased by others become REMOTE, and
-  slot records written by others (what their requests left in the KV) replace older local
-  content;
+- takes a *lease* on a slot after choosing it and before sending (atomic, so two replicas never
+  pin one slot at once); a lost race marks the slot REMOTE and the request is routed again;
+  leases are renewed (extended only, never re-created) every 0.5 s while held and released when
+  the request ends, *before* the slot is free locally, so a later request of the same replica
+  cannot take the slot under a lease that is being deleted; an aborted request's lease is left
+  to expire (the slot may still be busy upstream); a replica that dies leaves leases that expire
+  after ``lease_ttl_seconds``;
+- *refreshes* its view before routing each request (one round trip for leases and slot records,
+  shared by the requests that arrive while it is in flight), and in the background so queued
+  requests see slots freed elsewhere: slots leased by others become REMOTE, and slot records
+  written by others (what their requests left in the KV) replace older local content;
 - *clears* the records of a backend it saw restart;
-- registers each *release* (the hashes its session's next prompt will contain) and claims
-  the release an arriving prompt continues, so how soon sessions come back is measured
-  across replicas (``core.returns``; ``shared_releases``).
+- registers each *release* (the hashes its session's next prompt will contain) and claims the
+  release an arriving prompt continues, so how soon sessions come back is measured across
+  replicas (``core.returns``; ``shared_releases``).
 
-Redis unavailable: every operation degrades to local state, the outage is counted and
-logged once, and when Redis answers again the local slot table is written back (resync). A
-client request never fails because of Redis. Leases are then only local claims: replicas
-pin only their part of a split of the slots, and peers that still reach the store fence the
-part of one whose heartbeat lapsed (``core.partition``, which explains the rules). As the
-store goes away every slot this replica is not running on drains like an aborted one
-(pinnable once ``/slots`` shows it idle): a slot another replica held could not otherwise
-be freed before Redis came back, and one leased since the last view read looked idle.
-Coming back, a replica leases the slots it pinned that still run and for ``HEARTBEAT_TTL``
-keeps to its part of the outage's split (peers reconnect within a maintenance round and
-lease theirs; a restarted Redis lists no heartbeats yet). A replica that shuts down leaves.
+Redis unavailable: every operation degrades to local state, the outage is counted and logged
+once, and when Redis answers again the local slot table is written back (resync). A client
+request never fails because of Redis. Leases are then only local claims: replicas pin only their
+part of a split of the slots, and peers that still reach the store fence the part of one whose
+heartbeat lapsed (``core.partition``, which explains the rules). As the store goes away every
+slot this replica is not running on drains like an aborted one (pinnable once ``/slots`` shows
+it idle): a slot another replica held could not otherwise be freed before Redis came back, and
+one leased since the last view read looked idle. Coming back, a replica leases the slots it
+pinned that still run and for ``HEARTBEAT_TTL`` keeps to its part of the outage's split (peers
+reconnect within a maintenance round and lease theirs; a restarted Redis lists no heartbeats
+yet). A replica that shuts down leaves.
 """
 
 from __future__ import annotations
@@ -186,7 +185,7 @@ class SharedState:
     async def publish(self, backend: int, slot: int, fp: Fingerprint, n_tokens: int) -> None:
         if not self.enabled:
             return
-        record = SlotRecord(fp.hashes, fp.tokens, fp.anchor, n_tokens, 0.0, fp.sealed)
+        record = SlotRecord(fp.hashes, fp.tokens, fp.anchor, n_tokens, 0.0, fp.sealed, fp.users)
         put = self.store.put_slot(self._ref(backend, slot), record, self._record_ttl, self.wall())
         stamp = await self.call("put_slot", put, None)  # the store's: a view then leaves it out
         state = self._fleet.backends[backend].slots[slot]
@@ -194,10 +193,10 @@ class SharedState:
             state.record_at = stamp
 
     async def refresh(self) -> None:
-        """Read the shared view (one round trip) and fold it into the fleet. Requests that
-        arrive while a read is in flight share it rather than each sending its own: the
-        view cannot be older than their arrival by more than that round trip, and leases,
-        not the view, keep two replicas off one slot."""
+        """Read the shared view (one round trip) and fold it into the fleet. Requests that arrive
+        while a read is in flight share it rather than each sending its own: the view cannot be
+        older than their arrival by more than that round trip, and leases, not the view, keep
+        two replicas off one slot."""
         if not self.enabled or not self.up:
             return
         if self._refreshing is None:
@@ -224,7 +223,7 @@ class SharedState:
                 if label == backend.label and o != self.owner
             }
             mine = {
-                s: (Fingerprint(r.hashes, r.tokens, r.anchor, r.sealed), r.n_tokens, r.updated_at)
+                s: (Fingerprint(*r.content()), r.n_tokens, r.updated_at)
                 for (label, s), r in view.records.items()
                 if label == backend.label
             }

@@ -72,16 +72,31 @@ class SlotRecord:
     n_tokens: int
     updated_at: float
     sealed: bool = False  # ``Fingerprint.sealed``: packed as the anchor's top bit
+    # ``Fingerprint.users``: the segments that open a user message (where a sliding-window
+    # or recurrent backend's checkpoints are); packed after the token counts, flagged by the
+    # count's top bit, so a record without them reads as before
+    users: tuple[int, ...] = ()
+
+    def content(self) -> tuple[tuple[int, ...], tuple[int, ...], int, bool, tuple[int, ...]]:
+        """The slot content's fields, in ``Fingerprint``'s order (hashes, tokens, anchor,
+        sealed, users)."""
+        return self.hashes, self.tokens, self.anchor, self.sealed, self.users
 
     def pack(self) -> bytes:
-        """Little-endian: counts, hashes, token counts, then ``n_tokens`` and the stamp; the
-        last ``STAMP_BYTES`` are the stamp, so a store can read or set it alone."""
-        head = struct.pack("<II", len(self.hashes), self.anchor | self.sealed << 31)
+        """Little-endian: counts, hashes, token counts, the user-message segments (when any),
+        then ``n_tokens`` and the stamp; the last ``STAMP_BYTES`` are the stamp, so a store
+        can read or set it alone."""
+        count = len(self.hashes) | bool(self.users) << 31
+        head = struct.pack("<II", count, self.anchor | self.sealed << 31)
         hashes, tokens = array("Q", self.hashes), array("I", self.tokens)
+        users = array("I", self.users)
         if sys.byteorder != "little":
             hashes.byteswap()
             tokens.byteswap()
+            users.byteswap()
         body = hashes.tobytes() + tokens.tobytes()
+        if self.users:
+            body += struct.pack("<I", len(users)) + users.tobytes()
         return head + body + struct.pack("<IQ", self.n_tokens, stamp_ms(self.updated_at))
 
     @classmethod
@@ -91,20 +106,33 @@ class SlotRecord:
         if len(raw) < 20:
             raise ValueError("not a slot record: too short")
         count, anchor = struct.unpack_from("<II", raw)
+        flagged, count = bool(count >> 31), count & 0x7FFFFFFF
         hashes_end = 8 + 8 * count
-        tokens_end = hashes_end + 4 * count
-        if len(raw) != tokens_end + 12:
+        end = tokens_end = hashes_end + 4 * count
+        users = array("I")
+        if flagged:
+            if len(raw) < tokens_end + 4:
+                raise ValueError("not a slot record: too short for its user segments")
+            (n_users,) = struct.unpack_from("<I", raw, tokens_end)
+            end = tokens_end + 4 + 4 * n_users
+            users.frombytes(raw[tokens_end + 4 : end][: 4 * n_users])
+        if len(raw) != end + 12:
             raise ValueError("not a slot record: its length does not match its count")
         hashes = array("Q")
         hashes.frombytes(raw[8:hashes_end])
         tokens = array("I")
         tokens.frombytes(raw[hashes_end:tokens_end])
-        n_tokens, updated = struct.unpack_from("<IQ", raw, tokens_end)
+        n_tokens, updated = struct.unpack_from("<IQ", raw, end)
         if sys.byteorder != "little":
             hashes.byteswap()
             tokens.byteswap()
+            users.byteswap()
+        if any(u >= count for u in users):
+            raise ValueError("not a slot record: a user segment past its segments")
         sealed, anchor = bool(anchor >> 31), anchor & 0x7FFFFFFF
-        return cls(tuple(hashes), tuple(tokens), anchor, n_tokens, updated / 1000, sealed)
+        return cls(
+            tuple(hashes), tuple(tokens), anchor, n_tokens, updated / 1000, sealed, tuple(users)
+        )
 
 
 STAMP_BYTES = 8  # a packed record ends with its stamp: little-endian milliseconds

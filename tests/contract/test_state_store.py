@@ -121,6 +121,27 @@ async def test_a_sealed_record_stays_sealed(store: StateStore) -> None:
     assert stored.anchor == 5
 
 
+async def test_a_record_keeps_its_user_message_segments(store: StateStore) -> None:
+    """Where a chat content's user messages start (``Fingerprint.users``: the checkpoints a
+    sliding-window or recurrent backend rolls back to) reads back on every replica, so their
+    predictions there follow the checkpoints as the writer's do."""
+    record = SlotRecord((7, 8, 9), (100, 140, 200), 2, 210, 0.0, users=(1, 2))
+    stored = await put(store, ("b0", 0), record, now())
+    assert (await store.view([("b0", 0)], now())).records == {("b0", 0): stored}
+    assert stored.users == (1, 2)
+
+
+def test_a_record_with_a_user_segment_past_its_segments_is_refused() -> None:
+    """Anything in the store may have been written by anyone: a user-message segment past
+    the record's segments, or one whose bytes do not add up, is no record."""
+    good = SlotRecord((7, 8), (100, 140), 1, 150, 0.0, users=(1,))
+    assert SlotRecord.unpack(good.pack()) == replace(good, updated_at=0.0)
+    bad = SlotRecord((7, 8), (100, 140), 1, 150, 0.0, users=(5,)).pack()
+    for raw in (bad, good.pack()[:-13], good.pack() + b"\0"):
+        with pytest.raises(ValueError):
+            SlotRecord.unpack(raw)
+
+
 async def test_the_view_holds_leases_and_records_of_the_same_slots(store: StateStore) -> None:
     stored = await put(store, ("b0", 1), SlotRecord((7,), (3,), 1, 3, 0.0), now())
     assert await store.acquire_lease(("b1", 0), "r1", ttl=5, now=now())

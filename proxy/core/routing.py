@@ -32,6 +32,25 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    server could not park what it holds; if every idle slot is held the request waits, until
    the session is back or the hold ends (``Decision.until``).
 
+*Parameters*, each with its unit and default (what dropping each rule does to the replays:
+``bench.ablation``, recorded in ``bench/HISTORY.md``):
+
+- ``min_prefix_tokens`` (tokens, 16): less reuse reports as a cold start; under saturation
+  or queue pressure, the least saving worth a wait.
+- ``wait_min_tokens`` (tokens, 1024) / ``wait_min_fraction`` (share of the prompt, 0.5): a
+  saving worth waiting for a busy slot (half of it for a full backend's RAM copy).
+- ``short_wait_tokens`` (tokens, 4) / ``short_wait_depth`` (requests, 4): short queues.
+- ``max_slot_wait_seconds`` (s, 5): the bound on any wait.
+- ``hold_max_seconds`` (s, 2): the longest hold of a slot for its session (``core.returns``).
+- ``eviction_weight`` (a multiplier, 1) and ``value_half_life_seconds`` (s, 600): how much,
+  and for how long, what a slot holds counts against overwriting it.
+- ``slot_cache_key_similarity`` (share, 0.5) / ``slot_cache_key_min_prefix`` (tokens, 64):
+  when a cache_key's mapped slot is really the session's.
+- Constants: ``waiting.SATURATED`` (slots per idle one, 16), ``waiting.SHORT_WHOLE`` (tokens,
+  4), ``waiting.SPARE_PARKED`` (tokens, 256), ``RoutingParams.ram_discount`` (share of the
+  damage when the server parks the content in RAM, 0.1), ``ram_cache.SURE_CONSULT`` (share of
+  a slot kept, 0.4), ``options.SPARES`` (slots, 2).
+
 Only IDLE slots are placed (property-tested). Ties break by load, then towards a backend this
 replica schedules (``remote``: the others, with several replicas; no forwarding hop for an
 equal choice — a burst of new sessions, routed from one read of an empty fleet, went to the

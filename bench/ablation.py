@@ -6,9 +6,11 @@ uses it (``routing.spare_parked``, not ``waiting.spare_parked``: routing imports
 and runs policy ``ours`` of ``bench.replay`` (same fakes, same default timing, the hit rate
 read from the fakes' counters) on a few trace rows; ``baseline`` runs unpatched. Runs go in
 rounds, every variant once per round (as ``bench.replay``), so drift is shared; the baseline
-runs at least twice so that its run-to-run spread is visible. A patched rule counts the
-decisions it changed (its value differs from the unpatched function's on the same inputs):
-one that changed none decides as the baseline, and its runs show the spread too.
+runs at least twice so that its run-to-run spread is visible. A patched rule counts the calls
+whose value it changed (it differs from the unpatched function's on the same inputs): one
+that changed none decides as the baseline, and its runs show the spread too. (A patched
+predicate inside ``worth_waiting`` counts the calls where it would have held, not whether
+the decision changed.)
 
     python -m bench.ablation [--repeat N] [--baseline N] [--only WORKLOAD ...] [--ablations ID ...]
 
@@ -39,14 +41,11 @@ from bench import replay
 from bench.results_io import load, print_markdown, save
 from proxy import config_sections
 from proxy.core import routing, waiting
-from proxy.core.fingerprint import Fingerprint
-from proxy.core.fleet import BackendState, SlotPhase, SlotState
-from proxy.core.options import first_token
-from proxy.core.scoring import Candidate, RamView, RoutingParams, once_done, predicted_reuse
+from proxy.core.fleet import BackendState, SlotState
 
 WORKLOADS = ["lmcache/taubench", "lmcache/taubench (6 sessions, 2x3)", "lmcache/magagent"]
 WORKLOADS += ["mooncake/conversation_trace"]
-Fired = list[int]  # one counter: decisions a patched rule changed in this run
+Fired = list[int]  # one counter: calls whose value a patched rule changed in this run
 Patch = Callable[[Fired], AbstractContextManager[Any]]
 
 
@@ -83,68 +82,11 @@ def _unpressed(
 _UNPRESSED = (_unpressed, lambda view: view.pressed)  # counted: decisions that were pressed
 
 
-def _worth(ram_wait: bool = True, empty: bool = True) -> Callable[..., Any]:
-    """``waiting.worth_waiting``, a copy, with its full-backend RAM wait (a full backend, or
-    ``_loads_once_freed``) or its empty-slot rule ("only a slot it would take") switchable;
-    both on, it decides as the original (checked by the fired count: 0)."""
-    w = waiting
-
-    def worth(
-        fp: Fingerprint,
-        fleet: waiting.Fleetview,
-        best: Candidate | None,
-        params: RoutingParams,
-        ram: Mapping[int, RamView],
-        spared: frozenset[tuple[int, int]],
-        now: float,
-        depths: Mapping[tuple[int, int], int],
-    ) -> tuple[tuple[int, int], int] | None:
-        base = best.reuse if best is not None else 0
-        saturated, pressed = fleet.saturated, fleet.pressed
-        floor = base + (w.hit_floor(fp, params) if saturated else w.significant(fp, params))
-        short = min(floor, base + (params.short_wait_tokens or floor))
-
-        def bar(backend: BackendState, slot: SlotState, reuse: int) -> float:
-            ahead = depths.get((backend.index, slot.id), 0)
-            if ahead >= params.short_wait_depth or slot.phase is SlotPhase.EXTERNAL:
-                return floor
-            return short if pressed or w.pays(backend, reuse - base, ahead) else floor
-
-        hit: float = w.hit_floor(fp, params)
-        half = max(hit, w.significant(fp, params) / 2)
-        floor_ram = base + (hit if pressed or saturated else half)
-        only_taken = empty and not saturated and best is not None and best.slot.content is None
-        rival = best.score if best is not None else 0.0
-        found: tuple[tuple[int, int], int] | None = None
-        first = first_token(fp)
-        for b in fleet.backends:
-            options = [
-                ((b.index, s.id), reuse)
-                for s in w._distinct_busy(b, fp, first, depths, params)
-                if (reuse := predicted_reuse(fp, s, b.exact)) >= bar(b, s, reuse)
-                and (not only_taken or w._taken(fp, b, once_done(s, now), now, params, ram))
-                and (reuse >= floor or w._taken(fp, b, once_done(s, now), now, params, ram, rival))
-            ]
-            free = [s for s in fleet.free[b.index] if (b.index, s.id) not in spared]
-            view = ram[b.index]
-            full = bool(b.slots) and not free
-            if ram_wait and (
-                full or w._loads_once_freed(fp, b, free, view, floor_ram, params, now)
-            ):
-                options.append(((b.index, -1), view.best))
-            for where, reuse in options:
-                if (where[1] >= 0 or reuse >= floor_ram) and (found is None or reuse > found[1]):
-                    found = (where, reuse)
-        return found
-
-    return worth
-
-
 @dataclass(frozen=True)
 class Ablation:
     id: str
     what: str  # the rule taken away
-    patches: Sequence[Patch] = ()  # each counts the decisions it changed
+    patches: Sequence[Patch] = ()  # each counts the calls whose value it changed
     routing: dict[str, Any] = field(default_factory=dict)  # routing settings over the defaults
     params: dict[str, Any] = field(default_factory=dict)  # RoutingParams fields no setting has
 
@@ -172,8 +114,8 @@ ABLATIONS = [
     A("saturation", "saturation off (crowded: never)", [_swap(R, "crowded", NO)]),
     A("pressure", "queue pressure off (pressed: never)", [_swap(R, "Fleetview", *_UNPRESSED)]),
     A("spare-parked", "spare_parked off", [_swap(R, "spare_parked", _const(None))]),
-    A("ram-wait", "full-backend RAM wait off", [_swap(R, WW, _worth(ram_wait=False))]),
-    A("empty-rule", "'only a slot it would take' off", [_swap(R, WW, _worth(empty=False))]),
+    A("ram-wait", "full-backend RAM wait off", [_swap(W, "_ram_wait", NO)]),
+    A("empty-rule", "'only a slot it would take' off", [_swap(W, "_only_taken", NO)]),
     A("eviction", "eviction damage off (eviction_weight 0)", routing={"eviction_weight": 0}),
     A("ram-discount", "RAM-parked loss in full (ram_discount 1.0)", params={"ram_discount": 1.0}),
     A("min-prefix", "no hit floor (min_prefix_tokens 0)", routing={"min_prefix_tokens": 0}),

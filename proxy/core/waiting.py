@@ -8,14 +8,11 @@ frees, bounds the wait, and then decides again without waiting.
   when that is fewer (most of a short prompt is worth a short wait too, and going elsewhere
   would evict another session). A full backend whose RAM cache holds the request's prefix
   needs half that (at least ``hit_floor``): it frees *some* slot far sooner than one given
-  slot finishes its request (replay, ours alone, taubench 4 x 4: 0.8730 over ten runs ->
-  0.8741 over eleven, at the same latency; the other rows within their spread).
+  slot finishes its request.
 - *A backend whose free slots cannot load it*: a backend whose RAM cache holds the
   request's prefix but none of whose free slots would load it (the prompt keeps half of
   their content, or they are empty: the server skips its cache), while a busy one would once
-  done, counts as a full one (Mooncake conversation, twenty alternating runs each: 0.1649 ->
-  0.1656 together with ``ram_cache.SURE_CONSULT``, the same latency; the wait alone gained
-  less, 0.1639 -> 0.1645 over ten: the free slot was predicted to load what it did not).
+  done, counts as a full one (``_ram_wait``).
 - *Only a slot it would take*: while the best idle choice is an empty slot (and the fleet is
   not saturated, below), a busy slot counts only if the request would take it once free
   (scored as ``scoring.once_done``, the score positive). A burst of new sessions sharing a
@@ -33,36 +30,29 @@ frees, bounds the wait, and then decides again without waiting.
   freed slot one after another, so the short prompts that share a few head tokens with a
   busy session (taubench's identical 7-token openers, its prompts opening with a shared
   7-18-token head) reuse them; the depth bounds how long the last one waits (each waits
-  one request's time per waiter ahead). Replay, out of process at a CPU's timing (1 ms a
-  prefill token, 5 ms a decoded one), two runs each, without -> with: taubench 4 x 4
-  0.8743 -> 0.8767 at 166 -> 186 ms a request (sglang-router, queueing in the server,
-  0.8755 at 182 ms), taubench-8 0.8598 -> 0.8605, 2 x 3 0.8746 -> 0.8759; waiting for any
-  saving of 4 tokens without the depth bound gave 0.876 at twice the latency,
-  the waiters piling onto one slot. A short queue is joined only when prefilling the tokens
+  one request's time per waiter ahead; without the bound the waiters pile onto one slot).
+  A short queue is joined only when prefilling the tokens
   it saves takes longer than its wait (``pays``: the requests ahead and the one in flight
   each hold the slot the backend's measured ``service_s``), or when more requests wait
   than slots are idle (``pressed``: the idle slot is not wasted).
 - *Saturation*: when at most one slot in ``SATURATED`` is idle, an idle slot elsewhere
   saves the fleet no time — the next request takes it — so any saving of
-  ``min_prefix_tokens`` is worth the wait (replay, 4 x 4 fleet: magagent 0.817-0.825 ->
-  0.825-0.830, Mooncake conversation 0.161 -> 0.165, miniswe 0.943 -> 0.945 of 0.945, same
-  wall time). Small fleets are never saturated while a slot is idle, so a lone request
-  never waits beside an idle slot for a few tokens.
+  ``min_prefix_tokens`` is worth the wait. Small fleets are never saturated while a slot
+  is idle, so a lone request never waits beside an idle slot for a few tokens.
 - *A parked session spared* (``spare_parked``): outside saturation a request also waits
   when pinning the best idle slot would make the server load a parked RAM entry and
   overwrite more of it than the request gains (score below ``-SPARE_PARKED``): any non-empty
   slot it keeps less than half of would load that entry, so it waits until the entry's own
-  session takes it back or the bound passes (replay, magagent 2 x 3: a new prompt type
-  sharing only the 358-token system header destroyed a session's parked 926-token prompt,
-  567 tokens re-prefilled, twice per run).
+  session takes it back or the bound passes.
 - *Queue pressure*: when more requests wait in the proxy than slots are idle, an idle slot
   this request passes up goes to another waiter at once, so waiting for a full backend whose
   RAM cache holds its prefix costs the fleet nothing either: any saving of
-  ``min_prefix_tokens`` (or all of a shorter prompt, ``hit_floor``) is worth it (replay,
-  taubench 4 x 4, ten runs each: 0.8719 / 0.8721 -> 0.8727; taubench as chat, 24 sessions
-  on 2 x 2: 0.846-0.869 -> 0.866-0.874; magagent there 0.829 -> 0.837). Not for a busy
-  slot: a full backend frees *some* slot far sooner than one given slot finishes its
-  request (the same rule for busy slots: magagent 4 x 4 0.830 -> 0.828, wall 19 -> 23 s).
+  ``min_prefix_tokens`` (or all of a shorter prompt, ``hit_floor``) is worth it. Not for a
+  busy slot: a full backend frees *some* slot far sooner than one given slot finishes its
+  request.
+
+The measurements behind each rule, and what dropping each does, are in ``bench/HISTORY.md``
+(``bench.ablation``).
 """
 
 from __future__ import annotations
@@ -164,7 +154,7 @@ def worth_waiting(
 
     hit: float = hit_floor(fp, params)
     floor_ram = base + (hit if pressed or saturated else max(hit, significant(fp, params) / 2))
-    empty = not saturated and best is not None and best.slot.content is None
+    empty = not saturated and _only_taken(best)
     rival = best.score if best is not None else 0.0  # a short queue's slot must beat it
     found: tuple[tuple[int, int], int] | None = None
     first = first_token(fp)  # a busy slot sharing no token with the prompt saves nothing
@@ -178,13 +168,18 @@ def worth_waiting(
         ]
         free = [s for s in fleet.free[backend.index] if (backend.index, s.id) not in spared]
         view = ram[backend.index]
-        full = bool(backend.slots) and not free  # or its idle slots held for their sessions
-        if full or _loads_once_freed(fp, backend, free, view, floor_ram, params, now):
+        if _ram_wait(fp, backend, free, view, floor_ram, params, now):
             options.append(((backend.index, -1), view.best))
         for where, reuse in options:  # the busy slots passed their bar above
             if (where[1] >= 0 or reuse >= floor_ram) and (found is None or reuse > found[1]):
                 found = (where, reuse)
     return found
+
+
+def _only_taken(best: Candidate | None) -> bool:
+    """Whether a busy slot counts only if the request would take it once free: the best idle
+    choice is an empty slot (outside saturation; *Only a slot it would take* above)."""
+    return best is not None and best.slot.content is None
 
 
 def pays(backend: BackendState, saved: int, ahead: int) -> bool:
@@ -228,7 +223,7 @@ def _distinct_busy(
     return out
 
 
-def _loads_once_freed(
+def _ram_wait(
     fp: Fingerprint,
     backend: BackendState,
     free: Sequence[SlotState],
@@ -237,9 +232,13 @@ def _loads_once_freed(
     params: RoutingParams,
     now: float,
 ) -> bool:
-    """Whether the backend's RAM cache gives the request its best entry, worth ``floor``,
-    only in a slot that is busy now: none of its free slots would load it (a slot the prompt
-    keeps half of, or an empty one, skips the cache), and some busy one would, once done."""
+    """Whether waiting for any slot of ``backend`` is an option: it is full (or its idle
+    slots are held for their sessions), or its RAM cache gives the request its best entry,
+    worth ``floor``, only in a slot that is busy now: none of its free slots would load it (a
+    slot the prompt keeps half of, or an empty one, skips the cache), and some busy one
+    would, once done."""
+    if backend.slots and not free:
+        return True
     busy = [s for s in backend.slots if s.phase is not SlotPhase.IDLE]
     # cheapest first: the best entry scans the whole cache, scoring slots costs more still
     if not busy or view.best < floor:

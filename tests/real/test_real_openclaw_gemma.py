@@ -28,17 +28,19 @@ READ_SECONDS = {"LLAMA_CACHE_PROXY_TIMEOUTS__READ_SECONDS": "600"}
 
 
 class Turns:
-    """``openclaw agent --local`` turns through one proxy, each measured from its metrics."""
+    """``openclaw agent --local`` turns through one proxy, each measured from its metrics;
+    each session with its own OpenClaw home (``envs``): OpenClaw's session-store maintenance
+    can fail a turn when another session's writes changed the store under it."""
 
-    def __init__(self, proxy: ProxyProcess, env: dict[str, str]) -> None:
-        self.proxy, self.env, self.seen = proxy, env, (0.0, 0.0)
+    def __init__(self, proxy: ProxyProcess, envs: dict[str, dict[str, str]]) -> None:
+        self.proxy, self.envs, self.seen = proxy, envs, (0.0, 0.0)
 
     def run(self, session: str, message: str) -> tuple[float, float]:
         """One turn of ``session``: its (prompt, cached) tokens."""
         done = subprocess.run(
             [str(OPENCLAW), "agent", "--local", "--agent", "main", "--session-id", session,
              "--message", message, "--json", "--timeout", "600"],
-            env=self.env, capture_output=True, text=True, timeout=700,
+            env=self.envs[session], capture_output=True, text=True, timeout=700,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
         page = scrape(self.proxy)
@@ -63,7 +65,8 @@ def test_openclaw_sessions_sharing_one_slot_come_back_from_their_snapshots(
     proxy.start()
     home = Path(tempfile.mkdtemp(prefix="openclaw-"))
     try:
-        turns = Turns(proxy, configure(home, proxy.url, cache_key=False, minimal=False))
+        envs = {s: configure(home / s, proxy.url, cache_key=False, minimal=False) for s in "ab"}
+        turns = Turns(proxy, envs)
         previous = {s: turns.run(s, "Say hello.")[0] for s in ("a", "b")}
         for session, message in (("a", "Say goodbye."), ("b", "Say goodbye."), ("a", "Thanks.")):
             prompt, cached = turns.run(session, message)  # the slot holds the other session

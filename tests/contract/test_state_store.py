@@ -30,7 +30,7 @@ def redis_url() -> Iterator[str]:
     server.stop()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 async def store(request: Any) -> AsyncIterator[StateStore]:
     if request.param == "memory":
         yield InMemoryStateStore()
@@ -46,12 +46,37 @@ def now() -> float:
     return time.time()
 
 
-async def test_affinity_roundtrip_and_expiry(store: StateStore) -> None:
-    assert await store.get_affinity("k", now()) is None
-    await store.set_affinity("k", ("b0", 1), ttl=0.2, now=now())
-    assert await store.get_affinity("k", now()) == ("b0", 1)
-    await asyncio.sleep(0.3)
-    assert await store.get_affinity("k", now()) is None
+class Clock:
+    """The time a test gives its store, and time passing for the store's expiries. The
+    in-memory store reads only the ``now`` it is given, so its time is moved on at once;
+    Redis expires keys on its own clock, so on Redis the time really passes (the waiting is
+    what is tested: the server's expiry)."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.fake = isinstance(store, InMemoryStateStore)
+        self._at = time.time()
+
+    def now(self) -> float:
+        return self._at if self.fake else time.time()
+
+    async def passes(self, seconds: float) -> None:
+        if self.fake:
+            self._at += seconds
+        else:
+            await asyncio.sleep(seconds)
+
+
+@pytest.fixture
+def clock(store: StateStore) -> Clock:
+    return Clock(store)
+
+
+async def test_affinity_roundtrip_and_expiry(store: StateStore, clock: Clock) -> None:
+    assert await store.get_affinity("k", clock.now()) is None
+    await store.set_affinity("k", ("b0", 1), ttl=0.2, now=clock.now())
+    assert await store.get_affinity("k", clock.now()) == ("b0", 1)
+    await clock.passes(0.3)
+    assert await store.get_affinity("k", clock.now()) is None
 
 
 async def test_lease_has_one_owner_and_only_the_owner_releases(store: StateStore) -> None:
@@ -65,25 +90,26 @@ async def test_lease_has_one_owner_and_only_the_owner_releases(store: StateStore
     assert await store.acquire_lease(ref, "r2", ttl=5, now=now())
 
 
-async def test_renewal_extends_only_a_held_lease(store: StateStore) -> None:
+async def test_renewal_extends_only_a_held_lease(store: StateStore, clock: Clock) -> None:
     ref = ("b2", 0)
-    assert not await store.renew_lease(ref, "r1", ttl=5, now=now())  # never re-created
-    assert (await store.view([ref], now())).owners == {}
-    assert await store.acquire_lease(ref, "r1", ttl=0.3, now=now())
-    assert not await store.renew_lease(ref, "r2", ttl=5, now=now())
-    assert await store.renew_lease(ref, "r1", ttl=5, now=now())
-    await asyncio.sleep(0.4)
-    assert (await store.view([ref], now())).owners == {ref: "r1"}  # extended past 0.3 s
+    assert not await store.renew_lease(ref, "r1", ttl=5, now=clock.now())  # never re-created
+    assert (await store.view([ref], clock.now())).owners == {}
+    assert await store.acquire_lease(ref, "r1", ttl=0.3, now=clock.now())
+    assert not await store.renew_lease(ref, "r2", ttl=5, now=clock.now())
+    assert await store.renew_lease(ref, "r1", ttl=5, now=clock.now())
+    await clock.passes(0.4)
+    assert (await store.view([ref], clock.now())).owners == {ref: "r1"}  # extended past 0.3 s
     await store.release_lease(ref, "r1")
-    assert not await store.renew_lease(ref, "r1", ttl=5, now=now())
-    assert (await store.view([ref], now())).owners == {}
+    assert not await store.renew_lease(ref, "r1", ttl=5, now=clock.now())
+    assert (await store.view([ref], clock.now())).owners == {}
 
 
-async def test_lease_expires(store: StateStore) -> None:
+async def test_lease_expires(store: StateStore, clock: Clock) -> None:
     ref = ("b1", 3)
-    assert await store.acquire_lease(ref, "dead-replica", ttl=0.2, now=now())
-    await asyncio.sleep(0.3)
-    assert await store.acquire_lease(ref, "r2", ttl=5, now=now())
+    assert await store.acquire_lease(ref, "dead-replica", ttl=0.2, now=clock.now())
+    assert not await store.acquire_lease(ref, "r2", ttl=5, now=clock.now())
+    await clock.passes(0.3)
+    assert await store.acquire_lease(ref, "r2", ttl=5, now=clock.now())
 
 
 async def test_concurrent_takers_get_one_lease(store: StateStore) -> None:
@@ -186,43 +212,45 @@ async def test_window_is_bounded_newest_first(store: StateStore) -> None:
     assert await store.window("model", now()) == [b"e4", b"e3", b"e2"]
 
 
-async def test_replicas_are_the_live_heartbeats(store: StateStore) -> None:
-    assert (await store.heartbeat("b", 5.0, now())).ids() == ["b"]
-    assert (await store.heartbeat("a", 0.3, now())).ids() == ["a", "b"]
-    await asyncio.sleep(0.4)
-    assert (await store.heartbeat("c", 0.3, now())).ids() == ["b", "c"]  # a's heartbeat expired
-    await asyncio.sleep(0.4)
-    assert (await store.heartbeat("a", 5.0, now())).ids() == ["a", "b"]  # and c's
+async def test_replicas_are_the_live_heartbeats(store: StateStore, clock: Clock) -> None:
+    assert (await store.heartbeat("b", 5.0, clock.now())).ids() == ["b"]
+    assert (await store.heartbeat("a", 0.3, clock.now())).ids() == ["a", "b"]
+    await clock.passes(0.4)
+    assert (await store.heartbeat("c", 0.3, clock.now())).ids() == ["b", "c"]  # a's expired
+    await clock.passes(0.4)
+    assert (await store.heartbeat("a", 5.0, clock.now())).ids() == ["a", "b"]  # and c's
 
 
 async def test_a_heartbeat_lists_each_entry_with_when_it_lapses_on_the_stores_clock(
-    store: StateStore,
+    store: StateStore, clock: Clock
 ) -> None:
     """An entry lives ``ttl`` or up to the expiry its writer gives, if sooner; it replaces
     the writer's previous entry; a read gives the store's time and every entry's score, so
     the reader can judge entries anyone may have written (``core.replica_auth``)."""
-    first = await store.heartbeat("a|1", 5.0, now())
+    first = await store.heartbeat("a|1", 5.0, clock.now())
     assert first.ids() == ["a|1"]
     assert first.now < first.entries[0][1] <= first.now + 5.0
-    capped = await store.heartbeat("a|2", 5.0, now(), first.now + 0.3, "a|1")
+    capped = await store.heartbeat("a|2", 5.0, clock.now(), first.now + 0.3, "a|1")
     assert capped.entries == [("a|2", pytest.approx(first.now + 0.3, abs=0.01))]
-    await asyncio.sleep(0.4)
-    assert (await store.heartbeat("b", 5.0, now())).ids() == ["b"]  # a|2 lapsed, as it said
+    await clock.passes(0.4)
+    assert (await store.heartbeat("b", 5.0, clock.now())).ids() == ["b"]  # a|2 lapsed
 
 
 async def test_a_replica_that_leaves_stops_being_live_and_is_listed_as_left(
-    store: StateStore,
+    store: StateStore, clock: Clock
 ) -> None:
-    await store.heartbeat("a", 5.0, now())
-    await store.heartbeat("b", 5.0, now())
-    await store.leave("a", 0.3, now())
-    assert (await store.heartbeat("b", 5.0, now())).ids() == ["a" + LEFT, "b"]
-    await store.leave("b", 0.3, now(), mark="b-signed-mark")
-    assert (await store.heartbeat("c", 5.0, now())).ids() == ["a" + LEFT, "b-signed-mark", "c"]
-    await asyncio.sleep(0.4)
-    assert (await store.heartbeat("b", 5.0, now())).ids() == ["b", "c"]  # the marks expire too
+    await store.heartbeat("a", 5.0, clock.now())
+    await store.heartbeat("b", 5.0, clock.now())
+    await store.leave("a", 0.3, clock.now())
+    assert (await store.heartbeat("b", 5.0, clock.now())).ids() == ["a" + LEFT, "b"]
+    await store.leave("b", 0.3, clock.now(), mark="b-signed-mark")
+    listed = (await store.heartbeat("c", 5.0, clock.now())).ids()
+    assert listed == ["a" + LEFT, "b-signed-mark", "c"]
+    await clock.passes(0.4)
+    assert (await store.heartbeat("b", 5.0, clock.now())).ids() == ["b", "c"]  # marks expire
 
 
+@pytest.mark.redis
 async def test_a_redis_store_judges_liveness_returns_and_records_by_its_own_clock(
     redis_url: str,
 ) -> None:
@@ -237,7 +265,7 @@ async def test_a_redis_store_judges_liveness_returns_and_records_by_its_own_cloc
             await behind.heartbeat("behind", 1.0, now() - 1.0)
             assert (await ahead.heartbeat("ahead", 1.0, now() + 1.0)).ids() == ["ahead", "behind"]
             assert (await behind.heartbeat("behind", 1.0, now() - 1.0)).ids() == ["ahead", "behind"]
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # rounds apart on Redis's clock: the time passing is tested
         await behind.leave("behind", 1.0, now() - 1.0)
         assert (await ahead.heartbeat("ahead", 1.0, now() + 1.0)).ids() == [
             "ahead",
@@ -275,6 +303,7 @@ async def test_unreachable_redis_raises_unavailable() -> None:
     await store.close()
 
 
+@pytest.mark.redis
 async def test_a_slow_redis_is_not_down(redis_url: str) -> None:
     """On local state two replicas can pin one slot, so a Redis that answers late (here
     every reply and the connection held back 0.4 s, as on a CPU-starved host) must not be
@@ -303,34 +332,36 @@ async def test_snapshot_index_put_get_delete_list(store: StateStore) -> None:
     assert await store.get_snapshots([]) == {}
 
 
-async def test_a_release_is_claimed_once_by_its_latest_hash(store: StateStore) -> None:
+async def test_a_release_is_claimed_once_by_its_latest_hash(
+    store: StateStore, clock: Clock
+) -> None:
     """The release under the last hash that has one names what a prompt continues; once
     claimed (by any replica) it is never returned again, and older releases still are; a
     claim says how many seconds ago its release was registered."""
-    await store.put_release("r1:1", [10, 11], ttl=5, now=now())
-    await asyncio.sleep(0.2)
-    await store.put_release("r2:7", [20, 21, 22], ttl=5, now=now())
-    first = await store.claim_release([1, 10, 11, 2], ttl=5, now=now())
+    await store.put_release("r1:1", [10, 11], ttl=5, now=clock.now())
+    await clock.passes(0.2)
+    await store.put_release("r2:7", [20, 21, 22], ttl=5, now=clock.now())
+    first = await store.claim_release([1, 10, 11, 2], ttl=5, now=clock.now())
     assert first is not None
     assert first[0] == "r1:1"
     assert 0.2 <= first[1] < 2.0
-    assert await store.claim_release([10, 11], ttl=5, now=now()) is None
-    second = await store.claim_release([10, 21, 3], ttl=5, now=now())
+    assert await store.claim_release([10, 11], ttl=5, now=clock.now()) is None
+    second = await store.claim_release([10, 21, 3], ttl=5, now=clock.now())
     assert second is not None
     assert second[0] == "r2:7"
     assert 0.0 <= second[1] < first[1]
-    assert await store.claimed(["r1:1", "r2:7", "r3:1"], now=now()) == {"r1:1", "r2:7"}
-    await store.put_release("r3:1", [10, 30], ttl=5, now=now())  # a later release of key 10
-    third = await store.claim_release([10], ttl=5, now=now())
+    assert await store.claimed(["r1:1", "r2:7", "r3:1"], now=clock.now()) == {"r1:1", "r2:7"}
+    await store.put_release("r3:1", [10, 30], ttl=5, now=clock.now())  # a later release of 10
+    third = await store.claim_release([10], ttl=5, now=clock.now())
     assert third is not None
     assert third[0] == "r3:1"
-    assert await store.claim_release([], ttl=5, now=now()) is None
+    assert await store.claim_release([], ttl=5, now=clock.now()) is None
 
 
-async def test_releases_and_their_claims_expire(store: StateStore) -> None:
-    await store.put_release("r1:1", [40], ttl=0.2, now=now())
-    await store.put_release("r1:2", [41], ttl=5, now=now())
-    assert await store.claim_release([41], ttl=0.2, now=now()) is not None
-    await asyncio.sleep(0.3)
-    assert await store.claim_release([40], ttl=5, now=now()) is None
-    assert await store.claimed(["r1:2"], now=now()) == set()
+async def test_releases_and_their_claims_expire(store: StateStore, clock: Clock) -> None:
+    await store.put_release("r1:1", [40], ttl=0.2, now=clock.now())
+    await store.put_release("r1:2", [41], ttl=5, now=clock.now())
+    assert await store.claim_release([41], ttl=0.2, now=clock.now()) is not None
+    await clock.passes(0.3)
+    assert await store.claim_release([40], ttl=5, now=clock.now()) is None
+    assert await store.claimed(["r1:2"], now=clock.now()) == set()

@@ -1,4 +1,5 @@
-"""Replay workloads built from ../shared/data/traces.
+"""Replay workloads built from the traces in ``bench/data`` (each directory's SOURCE.md: origin,
+commit, licence, format).
 
 - LMCache agent traces: one session per file, one call per line; ``input`` is sent as a raw
   completion prompt (it is a flattening of the conversation, not chat messages).
@@ -12,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
+TRACES = Path(__file__).resolve().parent / "data"
 
 
 @dataclass(frozen=True)

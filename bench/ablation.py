@@ -15,7 +15,8 @@ the decision changed.)
     python -m bench.ablation [--repeat N] [--baseline N] [--only WORKLOAD ...] [--ablations ID ...]
 
 Prints a Markdown table (hit rate, its delta against the baseline mean, mean request latency)
-and saves ``bench/results/ablation.json`` with every run, the commit and the command line.
+and saves every run under ``bench/results/ablation/`` (with the commit and the command line,
+as every result: ``bench.results_io``).
 """
 
 from __future__ import annotations
@@ -23,17 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -201,23 +197,16 @@ def main() -> None:
     replay.REPLICAS, replay.SHARD, replay.STREAM, replay.PROCESS = 1, False, False, False
     replay.PREFILL_S_PER_TOKEN, replay.DECODE_S_PER_TOKEN = 2e-5, 0.005
     replay.ROUTING.clear()
-    root = Path(__file__).resolve().parents[1]
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-    ).stdout.strip()
     rows = asyncio.run(run_rows(args, chosen))
     result = {
-        "commit": commit,
-        "command": shlex.join(["python", "-m", "bench.ablation", *sys.argv[1:]]),
-        "machine": {"machine": platform.machine(), "cpus": os.cpu_count()},
         "timing": {"prefill_s_per_token": 2e-5, "decode_s_per_token": 0.005},
         "ablations": [
             {"id": a.id, "what": a.what, "routing": a.routing, "params": a.params} for a in chosen
         ],
         "rows": rows,
     }
-    save(args.out, result)
-    print_table(result)
+    saved = save(args.out, result)
+    print_table(load(str(saved)))  # with the commit and machine save added
 
 
 if __name__ == "__main__":

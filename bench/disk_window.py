@@ -1,4 +1,4 @@
-"""The disk scope's window trade-off on real traces (like the table in seed 003).
+"""The disk scope's window trade-off on real traces.
 
 For each trace and policy, requests are replayed in arrival order through the proxy's own
 scope selection (``proxy.core.disk_scope.select_prefix``, the code the proxy runs) against
@@ -7,7 +7,7 @@ prefix of it is what a restore would serve; then the policy's selected prefix is
 it is not on disk yet. Reported per policy:
 
 - tokens/snapshot: mean size of the selected prefixes (what a save writes);
-- key hits: requests whose selected prefix was already on disk (seed 003's hit rate);
+- key hits: requests whose selected prefix was already on disk;
 - disk hits: requests with any snapshot of at least ``min_tokens`` that is a prefix of it;
 - served: share of all prompt tokens a restore would serve;
 - snapshots: files written (disk use).
@@ -29,7 +29,7 @@ from typing import Any
 
 import xxhash
 
-from bench.results_io import RESULTS, print_markdown, save
+from bench.results_io import print_markdown, save
 from bench.workloads import TRACES
 from proxy.core.disk_scope import ScopeMode, parse_scope, select_prefix
 from proxy.core.fingerprint import Fingerprint
@@ -148,11 +148,11 @@ def main() -> None:
     parser.add_argument("--min-tokens", type=int, default=256)
     args = parser.parse_args()
     rows = run(args.min_tokens)
-    save("disk_window", rows)
+    path = save("disk_window", rows)
     print_table(rows, args.min_tokens)
     from bench.plots import plot_disk_window
 
-    plot_disk_window(rows, RESULTS / "disk_window.png")
+    plot_disk_window(rows, path.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +30,7 @@ import aiohttp
 
 from bench.overhead import _pct, _process
 from bench.peers import available_peers
-from bench.results_io import print_markdown, save
+from bench.results_io import machine_line, print_markdown, save
 from tests.real.stack import free_port
 
 SLOTS = 64
@@ -134,14 +131,12 @@ def main() -> None:
     parser.add_argument("--out", default="peer_overhead")
     args = parser.parse_args()
     rows = asyncio.run(run(args.requests, args.concurrency, args.prompts, args.peers))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}; commit {commit.stdout.strip()}; {args.requests} requests "
-        f"per cell; fake backend with {SLOTS} slots and zero service time"
+        f"{machine_line()}; {args.requests} requests per cell; fake backend with {SLOTS} slots "
+        "and zero service time"
     )
     print_table(rows, args.peers)
-    save(args.out, {"args": vars(args), "commit": commit.stdout.strip(), "rows": rows})
+    save(args.out, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ import collections
 import json
 import statistics
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from bench import replay
+from bench.results_io import save
 
 Row = list[Any]  # [[session, position], prompt, cached, route, backend, slot, predicted]
 
@@ -125,8 +127,7 @@ def main() -> None:
         replay.SHARD = args.shard
         replay.ROUTING.update(args.routing)
         found = asyncio.run(run(args.policies, args.runs, args.only, args.backends, args.slots))
-        with open(args.out, "w") as f:
-            json.dump(found, f)
+        save(str(Path(args.out).resolve()), found)  # a file path, with the run's provenance
     else:
         diff(args.a, args.b, args.top)
 

@@ -62,7 +62,7 @@ from bench.outproc import serve_process
 from bench.peers import SESSION_HEADERS
 from bench.plots import plot_replay, policy_columns
 from bench.replicas import serve_replicas, serve_shards
-from bench.results_io import load, path_of, print_markdown, save
+from bench.results_io import latest, load, print_markdown, rows_of, save
 from bench.workloads import Workload, chat_body, lmcache, mooncake
 from proxy.config import Settings
 from tests.fake_llama import FakeLlamaServer, tokenize
@@ -393,7 +393,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two small scenarios")
     parser.add_argument("--from-json", action="store_true", help="re-print the last results")
     parser.add_argument("--only", nargs="*", help="workloads by name, e.g. lmcache/magagent")
-    parser.add_argument("--out", help="results file stem under bench/results (default: derived)")
+    parser.add_argument(
+        "--out", help="results name (bench/results/NAME/; default: derived) or a .json path"
+    )
     parser.add_argument(
         "--policies", nargs="*", help="run only these (ours-patient, sglang-router, ...)"
     )
@@ -466,12 +468,12 @@ def main() -> None:
         stem += "-stream"
     stem = args.out or stem
     if args.from_json:
-        rows = load(stem)
+        path, rows = latest(stem), rows_of(load(stem))
     else:
         rows = asyncio.run(main_async(args))
-        save(stem, rows)
+        path = save(stem, rows)
     print_table(rows)
-    plot_replay(rows, path_of(stem).with_suffix(".png"))
+    plot_replay(rows, path.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.results_io import print_markdown, save
+from bench.results_io import machine_line, print_markdown, save
 from tests.real.stack import _wait_http, free_port
 
 SLOTS = 8
@@ -113,16 +111,12 @@ def main() -> None:
     parser.add_argument("--out", default="sessions_memory")
     args = parser.parse_args()
     rows = run(args.sessions, args.step, args.concurrency)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}; commit {commit.stdout.strip()}"
-    )
+    print(machine_line())
     print_markdown(
         ("sessions tracked", "proxy RSS MB", "proxy peak RSS MB"),
         [(r["sessions"], r["VmRSS"], r["VmHWM"]) for r in rows],
     )
-    save(args.out, {"args": vars(args), "commit": commit.stdout.strip(), "rows": rows})
+    save(args.out, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ async def _case(url: str, backends: int, slots: int, segments: int, reads: int) 
     return [f"{backends}x{slots}", str(segments), f"{size:.0f}", *cells, f"{ratio:.1f}x"]
 
 
-async def main(reads: int) -> None:
+async def run(reads: int) -> None:
     redis = RedisServer().start()
     try:
         rows = [await _case(redis.url, b, s, g, reads) for b, s, g in CASES]
@@ -104,7 +104,11 @@ async def main(reads: int) -> None:
     )
 
 
-if __name__ == "__main__":
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reads", type=int, default=30)
-    asyncio.run(main(parser.parse_args().reads))
+    asyncio.run(run(parser.parse_args().reads))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""Sweep the cache_key thresholds on the traces (seed 000: 0.25/0.5/0.75/0.9 x 16/32/64).
+"""Sweep the cache_key thresholds on the traces: similarity 0.25/0.5/0.75/0.9 x 16/32/64 tokens.
 
 Every request carries its trace session id as ``prompt_cache_key``; the proxy (prefix routing
 on) runs against a fresh 4 x 4 fake fleet per setting. Reported: token-weighted hit rate and

@@ -37,7 +37,6 @@ from proxy.core.request_body import is_chat, raw_prompt, type_error
 from proxy.core.returns import SCAN, ReturnTracker
 from proxy.core.routing import Decision, Reason, route
 from proxy.core.scoring import RamView
-from proxy.core.slots import measured
 from proxy.core.usage import Reply, Usage
 from proxy.core.waiting import Depths
 from proxy.disk_tier import DiskPlan, DiskTier
@@ -162,6 +161,11 @@ class Router:
     ) -> Decision | NoPlacement:
         hold = self.returns.hold(now)
         self._metrics.slot_hold.set(hold)
+        backends = self._fleet.backends
+        if any(b.exact or not b.ram for b in backends):  # where the odds weigh (scoring)
+            odds = self.returns.odds(now, sum(len(b.slots) for b in backends))
+            if odds is not self.params.returns:
+                self.params = replace(self.params, returns=odds)
         return route(
             plan.fp,
             self._fleet.backends,
@@ -230,6 +234,7 @@ class Router:
                 if decision.until is not None:
                     self._held(plan, decision.until, now)
                 return NoPlacement.BUSY
+            self.returns.placed(now)
             return decision.placement
 
         return decide
@@ -263,15 +268,6 @@ class Router:
             return decision.predicted
         return self._fleet.backends[decision.placement.backend].from_estimate(decision.predicted)
 
-    def _learn(self, backend: int, plan: Plan, usage: Usage) -> None:
-        """From a response's usage: the backend's prefill rate and its tokens per estimate."""
-        state = self._fleet.backends[backend]
-        if usage.prompt_ms and usage.prompt_tokens > usage.cached_tokens:
-            tps = (usage.prompt_tokens - usage.cached_tokens) / (usage.prompt_ms / 1000)
-            state.prefill_tps = measured(state.prefill_tps, tps)
-        if plan.fp.total > 0 and usage.prompt_tokens > 0:
-            state.token_scale = measured(state.token_scale, usage.prompt_tokens / plan.fp.total)
-
     def headers(self, plan: Plan) -> dict[str, str]:
         decision = plan.decision
         if decision is None:
@@ -291,7 +287,7 @@ class Router:
         if decision is not None:
             self._count(decision, label, usage)
         if usage is not None:
-            self._learn(placement.backend, plan, usage)
+            self._fleet.backends[placement.backend].learn(plan.fp.total, usage)
         if placement.pin is None:
             return
         if plan.key is not None:

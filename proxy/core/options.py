@@ -105,7 +105,7 @@ def _cheapest(
     def cost(slot: SlotState) -> tuple[float, float, int]:
         assert slot.content is not None
         lost = max(slot.content.total, backend.kv_estimate(slot.content, slot.n_tokens))
-        return (lost * recency(slot, now, params), *_lru(slot))
+        return (lost * recency(slot, now, params, backend), *_lru(slot))
 
     held = sorted((s for s in slots if s.content is not None), key=cost)[:SPARES]
     return held + ([empty] if empty is not None else [])
@@ -142,7 +142,7 @@ def _stranger_rank(
     # the segments it shares hold no token: its conversation only when it has no more
     ours = content.anchor <= first and content.same_conversation(shared_segments(fp, content))
     discount = params.ram_discount if backend.ram and length > 0 and not ours else 1.0
-    damage = lost_tokens(content, 0, 0, length) * recency(slot, now, params) * discount
+    damage = lost_tokens(content, 0, 0, length) * recency(slot, now, params, backend) * discount
     return (-params.eviction_weight * damage, -slot.last_used, -slot.id)
 
 

@@ -53,41 +53,56 @@ from collections.abc import Sequence
 
 from proxy.core.fingerprint import Fingerprint, common_segments
 from proxy.core.fleet import BackendState, SlotState
+from proxy.core.return_odds import HORIZON, ClaimRate, ReturnOdds, odds
+from proxy.core.return_odds import WINDOW as ODDS_WINDOW
 
 SCAN = 512  # hashes of an arriving chain searched for a release (8k tokens of raw blocks)
 WINDOW = 128  # outcomes the hold is estimated from
 PENDING = 4096  # releases awaiting their session, at most
 AMBIGUOUS = 0  # release ids start at 1
+# seconds between estimates of the return odds: they move with hundreds of outcomes, and
+# building them (a sort of the window) per request cost more than the decision
+REESTIMATE = 1.0
 
 
 class ReturnTracker:
-    """Return gaps of sessions, from releases and arrivals; ``now`` comes from the caller."""
+    """Return gaps of sessions, from releases and arrivals; ``now`` comes from the caller.
+
+    A release is pending until its session is back or ``HORIZON`` passes; its outcome for
+    the hold (a gap within ``max_hold``, else a miss) is decided by ``max_hold``, its outcome
+    for the return odds (``core.return_odds``: a gap, or gone) by ``HORIZON``."""
 
     def __init__(self, max_hold: float, *, shared: bool = False) -> None:
         self.max_hold = max_hold
+        self._claims = ClaimRate()  # how often a slot is taken
         self.shared = shared
         self._expired: list[int] = []  # shared: releases past max_hold, claimed or not
         self._pending: OrderedDict[int, tuple[float, tuple[int, ...]]] = OrderedDict()
+        self._open: OrderedDict[int, float] = OrderedDict()  # releases within max_hold
         self._keys: dict[int, int] = {}  # chain hash -> release id
         self._next = 0
         self._outcomes: deque[float | None] = deque(maxlen=WINDOW)  # gap, or None: a miss
+        self._seen: deque[float | None] = deque(maxlen=ODDS_WINDOW)  # gap, or None: gone
         self._hold: float | None = None  # cached estimate; None: recompute
+        self._odds: tuple[float, ReturnOdds | None] | None = None  # (when built, odds)
 
     def released(
         self, prompt: Fingerprint, content: Fingerprint, now: float
     ) -> tuple[int, tuple[int, ...]] | None:
         """Register a release; returns its id and the hashes that name it."""
-        if self.max_hold <= 0 or not prompt.hashes:
+        if not prompt.hashes:
             return None
         self._expire(now)
         if len(self._pending) >= PENDING:
-            self._drop(next(iter(self._pending)), None)
+            self._forget(next(iter(self._pending)), None)
         self._next += 1
         keys = _keys(prompt, content)
         self._pending[self._next] = (now, keys)
+        if self.max_hold > 0:
+            self._open[self._next] = now
         for key in keys:  # a prefix two pending sessions share names neither
             self._keys[key] = AMBIGUOUS if key in self._keys else self._next
-        return self._next, keys
+        return (self._next, keys) if self.max_hold > 0 else None  # (the shared store's)
 
     def arrived(self, fp: Fingerprint, now: float) -> float | None:
         """The gap since the release this request continues, if any (and count it)."""
@@ -97,17 +112,23 @@ class ReturnTracker:
             release = self._keys.get(hashes[i], AMBIGUOUS)
             if release in self._pending:
                 gap = now - self._pending[release][0]
-                self._drop(release, gap)
+                if release in self._open:
+                    self._close(release, gap)
+                self._forget(release, gap)
                 return gap
         return None
 
     def returned(self, gap: float, release: int | None = None) -> None:
         """A return matched through the shared store; ``release``: when it was one of ours."""
+        if release is not None and release in self._open:
+            self._close(release, gap)
+        else:
+            self._outcomes.append(gap)
+            self._hold = None
         if release is not None and release in self._pending:
-            self._drop(release, gap)
-            return
-        self._outcomes.append(gap)
-        self._hold = None
+            self._forget(release, gap)
+        else:
+            self._seen.append(gap)
 
     def expired(self) -> list[int]:
         """Shared: this replica's releases that expired since the last call."""
@@ -127,23 +148,48 @@ class ReturnTracker:
             self._hold = estimate(list(self._outcomes), self.max_hold)
         return self._hold
 
-    def _drop(self, release: int, outcome: float | None) -> None:
-        _, keys = self._pending.pop(release)
-        for key in keys:
-            if self._keys.get(key) in (release, AMBIGUOUS):
-                del self._keys[key]
+    def placed(self, now: float) -> None:
+        """A request was placed on a slot (the claim rate)."""
+        self._claims.placed(now)
+
+    def odds(self, now: float, slots: int, mu: float | None = None) -> ReturnOdds | None:
+        """The return odds now, at claim rate ``mu`` (default: the one measured over the
+        fleet's ``slots``); None before any outcome."""
+        if self._odds is None or now - self._odds[0] >= REESTIMATE or mu is not None:
+            self._expire(now)
+            mu = self._claims.rate(slots) if mu is None else mu
+            self._odds = (now, odds(self._seen, mu))
+        return self._odds[1]
+
+    def _close(self, release: int, outcome: float | None) -> None:
+        """The hold outcome of ``release``: a return within ``max_hold``, or a miss."""
+        del self._open[release]
         if outcome is None and self.shared:
             self._expired.append(release)  # a miss unless another replica saw it come back
             return
         self._outcomes.append(outcome)
         self._hold = None
 
+    def _forget(self, release: int, outcome: float | None) -> None:
+        """The end of ``release``: its session is back after ``outcome`` s, or gone (None)."""
+        _, keys = self._pending.pop(release)
+        self._open.pop(release, None)
+        for key in keys:
+            if self._keys.get(key) in (release, AMBIGUOUS):
+                del self._keys[key]
+        self._seen.append(outcome)
+
     def _expire(self, now: float) -> None:
+        while self._open:
+            release, at = next(iter(self._open.items()))
+            if now - at <= self.max_hold:
+                break
+            self._close(release, None)
         while self._pending:
             release, (at, _) = next(iter(self._pending.items()))
-            if now - at <= self.max_hold:
+            if now - at <= HORIZON:
                 return
-            self._drop(release, None)
+            self._forget(release, None)
 
 
 def _keys(prompt: Fingerprint, content: Fingerprint) -> tuple[int, ...]:

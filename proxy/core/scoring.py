@@ -19,7 +19,11 @@
    ``core.snapshots``) serves its tokens in any idle slot, at the restore's cost in
    prefill-token equivalents; the candidate restores when that nets more than the slot's
    own reuse.
-3. *Eviction damage* of s, weighted by recency ``0.5 ** (age / value_half_life_s)``: when
+3. *Eviction damage* of s, weighted by the odds that its session is back for it: on a backend
+   that cannot bring overwritten content back itself (``exact``, or no RAM cache), the measured
+   odds (``core.return_odds``: content whose session is due back soon outweighs fresher
+   content whose session is due back later); else, and before any return was measured, the
+   prior ``0.5 ** (age / value_half_life_s)``. When
    the request continues s's conversation (the shared prefix reaches s's first user message,
    ``Fingerprint.same_conversation``), only the tail it overwrites (s's tokens beyond the
    shared prefix); otherwise s's whole content, since that conversation loses its slot: its
@@ -50,6 +54,7 @@ from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint, common_segments
 from proxy.core.fleet import BackendState, SlotPhase, SlotState
 from proxy.core.ram_cache import Parked
+from proxy.core.return_odds import ReturnOdds
 from proxy.core.reuse_rules import checkpoint_reuse
 from proxy.core.slots import kv_length
 from proxy.core.snapshots import Offer
@@ -67,6 +72,9 @@ class RoutingParams:
     key_similarity: float = 0.5
     key_min_prefix: int = 64
     ram_discount: float = 0.1  # eviction damage when the evicted content stays in host RAM
+    # the measured odds that a slot's content is used again (``core.return_odds``); None
+    # before any session came back: the half-life prior
+    returns: ReturnOdds | None = None
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,13 @@ def predicted_reuse(fp: Fingerprint, slot: SlotState, exact: bool, parked: int =
     return direct
 
 
-def recency(slot: SlotState, now: float, params: RoutingParams) -> float:
+def recency(slot: SlotState, now: float, params: RoutingParams, backend: BackendState) -> float:
+    """The weight of what ``slot`` holds: where the server cannot bring content back itself
+    once it is overwritten (an ``exact`` backend, or one without the RAM cache), the measured
+    odds that its session is back for it (``core.return_odds``); else, and before any return
+    was measured, the half-life prior."""
+    if params.returns is not None and (backend.exact or not backend.ram):
+        return params.returns.weight(max(0.0, now - slot.last_used))
     return _recency(slot.last_used, now, params)
 
 
@@ -230,7 +244,7 @@ def candidate(
     # what the slot's own content loses is judged by what the request shares with *it*, not
     # by tokens a RAM entry or a snapshot brings into the slot
     lost = lost_tokens(content, shared, direct, length)
-    damage = lost * recency(slot, now, params) * discount + destroyed
+    damage = lost * recency(slot, now, params, backend) * discount + destroyed
     score = gain - params.eviction_weight * damage
     source = loads.content if loads is not None else content
     extends = restore is None and shared_segments(fp, source) == len(source.hashes) and reuse > 0

@@ -26,6 +26,7 @@ from enum import StrEnum
 
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.ram_cache import Parked
+from proxy.core.usage import Usage
 
 # A backend's rates (prefill tokens/s, restore bytes/s, a request's hold on its slot) are
 # means over its recent responses, each weighted this much against what came before: the
@@ -132,6 +133,15 @@ class BackendState:
         estimate (a chat content's holds the reply; one scale for every content would be
         several times off on code)."""
         return kv_length(content, n_tokens, self.token_scale or 1.0)
+
+    def learn(self, estimate: int, usage: Usage) -> None:
+        """From a response's usage (a prompt of ``estimate`` fingerprint tokens): the prefill
+        rate and the tokens per estimate."""
+        if usage.prompt_ms and usage.prompt_tokens > usage.cached_tokens:
+            tps = (usage.prompt_tokens - usage.cached_tokens) / (usage.prompt_ms / 1000)
+            self.prefill_tps = measured(self.prefill_tps, tps)
+        if estimate > 0 and usage.prompt_tokens > 0:
+            self.token_scale = measured(self.token_scale, usage.prompt_tokens / estimate)
 
     def parked(self, content: Fingerprint, at: float, n_tokens: int = 0) -> Parked:
         return Parked(content, at, self.kv_tokens(content, n_tokens))

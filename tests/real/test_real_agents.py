@@ -198,9 +198,28 @@ async def test_three_agents_on_one_gemma_backend_with_swa_full(
 ) -> None:
     """The same on a sliding-window model (Gemma 3 270M) run with ``--swa-full``, whose rule
     the proxy probes (a slot rolls back to any prefix): 0.9 of the ideal, predictions within
-    10 %. (Without ``--swa-full`` the server reuses a slot's content only up to a checkpoint,
-    the ideal is out of reach and the proxy equals llama-server alone: README.)"""
+    10 % (without ``--swa-full``: the next test)."""
     servers = [gemma_servers(swa_full=True, slots=2, ctx_per_slot=4096)]
     through = report("gemma --swa-full 1x2 through the proxy", await proxied(proxy, servers, 3))
     assert through.predicted_ok >= 0.9, through
     assert through.hit >= 0.9 * through.ideal, through
+
+
+async def test_three_agents_on_one_gemma_backend_without_swa_full(
+    gemma_servers: Any, proxy: Any
+) -> None:
+    """Without ``--swa-full`` a slot is reused only as an exact extension or up to a
+    checkpoint, and the server parks nothing a returning turn could load (every overwrite
+    keeps the shared system prompt): what a slot holds is lost once overwritten. The proxy,
+    its rule probed (exact), overwrites the content whose session is back last (the return
+    odds), so it beats llama-server alone, predicts ``cache_n`` within 10 %, and saves
+    nothing to disk (a restored slot would not be reused)."""
+    servers = [gemma_servers(slots=2, ctx_per_slot=4096)]
+    through = report("gemma 1x2 through the proxy", await proxied(proxy, servers, 3))
+    alone = report(
+        "gemma 1x2 straight to llama-server",
+        await straight([gemma_servers(slots=2, ctx_per_slot=4096)], 3),
+    )
+    assert through.hit > alone.hit, (through, alone)
+    assert through.predicted_ok >= 0.9, through
+    assert [f.name for f in servers[0].save_dir.iterdir()] == ["server.log"]

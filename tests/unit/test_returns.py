@@ -72,11 +72,14 @@ def test_shared_misses_wait_for_the_store_and_returns_come_through_it() -> None:
     assert tracker.hold(5.0) == 0.0  # two returns in five outcomes
 
 
-def test_holding_is_off_at_max_hold_zero() -> None:
+def test_holding_is_off_at_max_hold_zero_while_returns_still_count_for_the_odds() -> None:
     tracker = ReturnTracker(max_hold=0.0)
     tracker.released(chat(1, 2), chat(1, 2, 3), now=0.0)
-    assert tracker.arrived(chat(1, 2, 3, 4), now=0.01) is None
+    assert tracker.arrived(chat(1, 2, 3, 4), now=0.01) == pytest.approx(0.01)
     assert tracker.hold(0.01) == 0.0
+    found = tracker.odds(0.01, slots=1, mu=0.0)
+    assert found is not None
+    assert found.gaps == pytest.approx((0.01,))
 
 
 @given(st.lists(st.one_of(st.none(), st.floats(0, 2.0)), max_size=50), st.floats(0, 5))

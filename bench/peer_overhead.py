@@ -13,7 +13,10 @@ Prompts: ``tiny`` is a one-word chat message; ``4k`` gives each worker its own
 context), so the router fingerprints 4,000 tokens per request.
 
     python -m bench.peer_overhead [--requests 2000] [--concurrency 1 16 64] \
-        [--prompts tiny 4k] [--peers sglang-router]
+        [--prompts tiny 4k] [--peers sglang-router] [--floor]
+
+``--floor`` adds ``bench.bare_relay``, an aiohttp relay with no routing at all (column
+``bare``): what any Python relay adds on the machine, the floor under the proxy's figure.
 """
 
 from __future__ import annotations
@@ -70,6 +73,15 @@ async def load(url: str, prompt: str, concurrency: int, total: int) -> dict[str,
 
 
 @asynccontextmanager
+async def _bare(fake: str) -> AsyncIterator[str]:
+    """``bench.bare_relay``: the floor of an aiohttp relay on this machine."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with _process([sys.executable, "-m", "bench.bare_relay", fake, str(port)], url + "/readyz"):
+        yield url
+
+
+@asynccontextmanager
 async def _proxy(fake: str) -> AsyncIterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -79,7 +91,11 @@ async def _proxy(fake: str) -> AsyncIterator[str]:
 
 
 async def run(
-    requests: int, concurrencies: list[int], prompts: list[str], peers: list[str]
+    requests: int,
+    concurrencies: list[int],
+    prompts: list[str],
+    peers: list[str],
+    floor: bool = False,
 ) -> list[dict[str, Any]]:
     started = available_peers()
     missing = [p for p in peers if p not in started]
@@ -89,6 +105,8 @@ async def run(
         "proxy": lambda urls: _proxy(urls[0]),
         **{p: started[p] for p in peers},
     }
+    if floor:
+        routers["bare"] = lambda urls: _bare(urls[0])
     port = free_port()
     fake = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "tests.fake_llama", "--port", str(port), "--slots", str(SLOTS)]
@@ -108,6 +126,8 @@ async def run(
 
 def print_table(rows: list[dict[str, Any]], peers: list[str]) -> None:
     header = ["prompt", "conc", "direct req/s", "proxy req/s", "proxy added p50 ms"]
+    if rows and "bare" in rows[0]:
+        peers = ["bare", *peers]
     for peer in peers:
         header += [f"{peer} req/s", f"{peer} added p50 ms", f"proxy / {peer}"]
     cells = []
@@ -129,8 +149,13 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="+", choices=sorted(PROMPT_WORDS), default=["tiny"])
     parser.add_argument("--peers", nargs="*", default=["sglang-router"])
     parser.add_argument("--out", default="peer_overhead")
+    parser.add_argument(
+        "--floor", action="store_true", help="also run bench.bare_relay (column 'bare')"
+    )
     args = parser.parse_args()
-    rows = asyncio.run(run(args.requests, args.concurrency, args.prompts, args.peers))
+    rows = asyncio.run(
+        run(args.requests, args.concurrency, args.prompts, args.peers, floor=args.floor)
+    )
     print(
         f"{machine_line()}; {args.requests} requests per cell; fake backend with {SLOTS} slots "
         "and zero service time"

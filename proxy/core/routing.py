@@ -191,7 +191,9 @@ def route(
     free = [(b, s) for b in ready for s in free_of[b.index]]
     least = params.min_prefix_tokens
     spared = frozenset(
-        (b.index, s.id) for b, s in free if allow_wait and held(b, s, fp, now, hold, least)
+        (b.index, s.id)
+        for b, s in (free if allow_wait and hold > 0 else ())
+        if held(b, s, fp, now, hold, least)
     )
     idle = [
         option

@@ -159,6 +159,8 @@ def worth_waiting(
     found: tuple[tuple[int, int], int] | None = None
     first = first_token(fp)  # a busy slot sharing no token with the prompt saves nothing
     for backend in fleet.backends:  # the ready ones
+        if not spared and len(fleet.free[backend.index]) == len(backend.slots):
+            continue  # every slot idle and free to take: nothing to wait for
         options = [
             ((backend.index, s.id), reuse)
             for s in _distinct_busy(backend, fp, first, depths, params)

@@ -235,8 +235,8 @@ class DiskTier:
         """A park of this request's conversation in flight (another request took its slot as
         its last turn ended, and saves what it held): wait for it, bounded, so the lookup finds
         the snapshot. The session's next turn arrives as the park starts — both follow its
-        release — and missed it (replay, ours-disk miniswe, chat 2 x 2, RAM off: a yield before
-        the lookup alone, catching the parks that had just finished, took 0.90 to 0.94)."""
+        release — and would miss it (a yield before the lookup alone catches only the parks
+        that have just finished: bench/HISTORY.md)."""
         waiting = [done for content, done in self.parking if continues(fp, content)]
         if waiting:
             await asyncio.wait(waiting, timeout=self._settings.routing.max_slot_wait_seconds)

@@ -15,9 +15,8 @@ idle backend is probed by ``/health`` and ``/props``, which carries ``is_sleepin
 sleep destroys the server's context, so every slot's content and the RAM cache are forgotten.
 
 Each backend's RAM prompt cache is modelled (``core.ram_cache``) up to ``GHOST_LIMIT`` entries
-or its token budget (the server bounds it only by memory: 64 entries forgot prefixes it held,
-Mooncake synthetic 0.086 -> 0.110 hit rate at 256, the ideal); O(1) per entry unless the
-prompt shares a quarter of it.
+or its token budget (the server bounds it only by memory: a model of fewer entries forgets
+prefixes the server still holds); O(1) per entry unless the prompt shares a quarter of it.
 """
 
 from __future__ import annotations

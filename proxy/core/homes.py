@@ -4,17 +4,12 @@ Replicas sharing one store never pin one slot at once (leases), but each keeps i
 of requests waiting for a slot. When requests of two replicas wait for the same slot, neither
 queue knows the other's: the slot goes to whichever replica's lease lands first, not to the
 waiter whose prefix it holds, and a session's turn waits behind strangers queued elsewhere.
-On the two-replica taubench replay that cost about 0.03 of the hit rate against the same
-fleet split between replicas (0.478 vs 0.505).
 
 So every backend has one home replica, which alone places requests on its slots. A replica
 that would place a request on a backend, or wait for one of its slots, forwards the request to
 that backend's home; it routes it again, on its own backends and its own queue. A forwarded
 request is never forwarded again, so there are no loops. A replica with none of its own
-backends up places on the others rather than fail. (Replay, taubench over 2 x 2 slots, two
-replicas: about 0.48 over 25 runs, against 0.46 without forwarding and 0.51 with the fleet
-split between the replicas; forwarding alone, with homes that also placed on other
-backends, 0.455 against 0.441.)
+backends up places on the others rather than fail (measured: bench/HISTORY.md).
 
 Homes: each replica that can be forwarded to advertises its URL in its replica id
 (``<token>@<url>``, listed by the store's heartbeats). Among the live advertising replicas,

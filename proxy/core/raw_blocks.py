@@ -39,7 +39,7 @@ def fingerprint_tokens(ids: Sequence[int], block_tokens: int, seed: int = 0) -> 
     Anchor 0: with no message boundaries, any content counts as the conversation a request
     continues (damage = the tail it overwrites). The server's own rule instead (continuing
     when it keeps half the content, so other content is discounted as parked in RAM) replayed
-    worse: magagent 0.830 -> 0.825, Mooncake conversation 0.164 -> 0.162."""
+    worse (bench/HISTORY.md)."""
     return Fingerprint(*token_blocks(ids, block_tokens, seed))
 
 

@@ -38,12 +38,8 @@ loses another session's content), when what it would overwrite is at least ``min
 and would be lost: the backend runs no RAM prompt cache, or a bounded one smaller than what
 all its slots hold, in the server's tokens (whatever it parks now is pushed out before the
 session is back). With an unbounded RAM cache nothing is held: the server parks the content
-and loads it back (holding there anyway lowered magagent 4 x 4 0.832 -> 0.829).
-(Replay, RAM cache off, 20-25 sessions on 2 x 2 slots as chat: miniswe 0.008 -> 0.821,
-magagent 0.029 -> 0.441, taubench 0.083 -> 0.503, every peer router 0.003-0.203; a RAM cache
-of 8k tokens on 4 x 4: magagent 0.588 -> 0.696, peers 0.472-0.548. A first variant that held
-every such slot a fixed 0.1 s: taubench 0.411 at 18 s wall, against 0.500 at 15 s with the
-learned hold.)
+and loads it back (holding there anyway replayed worse). The holds' measurements, and a
+fixed hold tried first: bench/HISTORY.md.
 """
 
 from __future__ import annotations

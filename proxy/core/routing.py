@@ -55,9 +55,8 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
 
 Only IDLE slots are placed (property-tested). Ties break by load, then towards a backend this
 replica schedules (``remote``: the others, with several replicas; no forwarding hop for an
-equal choice — a burst of new sessions, routed from one read of an empty fleet, went to the
-lowest backend's home before: two replicas, RAM 8k, miniswe 0.739 -> 0.944), then backend index
-and slot recency and id.
+equal choice: a burst of new sessions, routed from one read of an empty fleet, would all go to
+the lowest backend's home), then backend index and slot recency and id.
 """
 
 from __future__ import annotations

@@ -28,10 +28,7 @@
    ``Fingerprint.same_conversation``), only the tail it overwrites (s's tokens beyond the
    shared prefix); otherwise s's whole content, since that conversation loses its slot: its
    whole KV, which for a raw prompt holds its reply too (``kv_estimate``; a chat content's
-   estimate already does). (Replay, taubench 2 x 3: a stranger took the slot of a session's
-   16-token question with its 63-token reply, whose prompt counted 20, over 28-38-token
-   contents, and the question's next turn found nothing: 0.8723 -> 0.8745, six alternating
-   runs each; other rows within their spread.)
+   estimate already does: a short question with a long reply is not a cheap slot).
    Content of another conversation evicted on a backend with the RAM cache, by a request
    that keeps less than half of it, is parked there rather than lost (and comes back the
    same way), so its damage is scaled by ``ram_discount``. A RAM entry the server would load

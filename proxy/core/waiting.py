@@ -18,10 +18,8 @@ frees, bounds the wait, and then decides again without waiting.
   (scored as ``scoring.once_done``, the score positive). A burst of new sessions sharing a
   long system prompt then starts on empty slots at once instead of queueing behind the first
   one's slot — which, free, holds another conversation they do not take — to start cold
-  after it anyway (``bench.burst``, four such 2k-token chats on one 4-slot fake: 5.7 -> 4.5
-  s wall, as fast as the server's own slot choice, the same tokens computed). The rule never
-  fires in the replay traces (0 calls on Mooncake conversation, taubench and magagent 4 x
-  4), whose fleets are full of content.
+  after it anyway (``bench.burst``). The replay traces' fleets are full of content: there
+  the rule does not fire.
 - *Short queues*: a busy slot saving only ``short_wait_tokens`` (4) more than the best idle
   choice is worth a wait too, while fewer than ``short_wait_depth`` (4) other requests wait
   for it (``depths``) and the request would take it once free over that idle choice (not

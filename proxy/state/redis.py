@@ -10,10 +10,8 @@ a release is claimed with ``SET NX``; the snapshot index is one hash
 records of every slot) is one script (``_VIEW``: each lease, and each record whose stamp —
 the last 8 bytes of the packed value — is newer than the one the caller holds, so unchanged
 records of long prompts are not sent and parsed again; it was one ``MGET`` of everything).
-(Claiming a release as one script instead of ``MGET`` + ``SET NX``, semantically the same,
-lowered the 2-replica miniswe replay from 0.937 to 0.924, five runs each alternating; with
-holds off both gave 0.89: the holds are sensitive to that timing, not understood, so not
-kept.) Every redis error
+(Claiming a release as one script instead, semantically the same, replayed worse:
+bench/HISTORY.md.) Every redis error
 becomes ``StateStoreUnavailable`` here; socket timeouts keep a dead Redis from stalling
 requests (the caller then routes on local state, and skips Redis until a ping answers).
 They are not *short*: on local state two replicas can pin one slot, so a Redis that is only

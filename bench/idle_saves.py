@@ -4,7 +4,7 @@ With ``--cache-idle-slots`` (the default), every task that starts first copies e
 slot's KV into the host-RAM prompt cache, unless the cache already holds that content. In
 an agent fleet a slot's content changes with every request it serves, so a request usually
 starts by copying the KV of the slot that finished last. ``--no-cache-idle-slots`` skips
-that (the proxy is told with ``backends[].cache_idle_slots: false``; README, "Idle-slot
+that (the proxy is told with ``backends[].cache_idle_slots: false``; docs/benchmarks.md, "Idle-slot
 saves").
 
 Two llama-servers side by side, one per mode, 4 slots each. Per round and server: a new

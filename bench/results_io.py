@@ -1,5 +1,5 @@
 """Where benchmarks keep their results, and how they print them: JSON files under
-``bench/results`` and Markdown tables on stdout (pasted into the README as they are).
+``bench/results`` and Markdown tables on stdout (pasted into docs/benchmarks.md as they are).
 
 Every result ``save`` writes carries its provenance: ``commit`` (git HEAD, ``-dirty`` when
 tracked files differ from it), ``command`` (the command line that ran), ``machine`` and

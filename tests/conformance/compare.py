@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-# Tests that exercise what the proxy refuses on purpose (README, "Endpoints"), with the reason.
+# Tests that exercise what the proxy refuses on purpose (docs/endpoints.md), with the reason.
 REFUSED: dict[str, str] = {
     "unit/test_slot_save.py::*": "POST /slots/{id} actions: the proxy manages slots itself",
     "unit/test_metrics.py::test_metrics_disabled": "/metrics serves the proxy's own metrics "

@@ -13,7 +13,7 @@ from tests.conftest import metric
 def turn(clock: str, n: int) -> dict[str, Any]:
     messages = [
         {"role": "system", "content": f"You are an agent. Current time: {clock}. " + "rule " * 60},
-        {"role": "user", "content": "session 7: fix the build"},
+        {"role": "user", "content": "task seven: fix the build"},
     ]
     for i in range(n):
         messages += [

@@ -13,7 +13,7 @@ A reply that differs from the cold one must be what llama-server itself answers 
 proxy's traffic: every request the proxy sent (warm-ups and slot actions included) is
 recorded and replayed straight to a fresh server, and the reply must match byte for byte
 (on SmolLM2 every path equals the cold reply; on Gemma 3 the prefix and affinity hits do
-not, and the replay reproduces them: see the README).
+not, and the replay reproduces them: see docs/disk-tier.md).
 """
 
 from __future__ import annotations

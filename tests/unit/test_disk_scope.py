@@ -54,7 +54,7 @@ def test_auto_with_an_empty_window_selects_nothing() -> None:
 
 
 def test_auto_selects_what_half_of_the_related_requests_share() -> None:
-    request = fp(0, 1, 5, 6, 7)  # system 0+1, then its own session 5..
+    request = fp(0, 1, 5, 6, 7)  # system 0+1, then its own turns 5..
     window = [
         fp(0, 1, 5, 6),  # its own previous turn: shares 4
         fp(0, 1, 8, 9),  # other sessions of the same agent: share 2

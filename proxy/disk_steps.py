@@ -14,18 +14,16 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from math import ceil
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from proxy.core.disk_quota import WriteQuota
 from proxy.core.fingerprint import Fingerprint, common_segments
 from proxy.core.isolation import may_reuse
 from proxy.core.ram_cache import needs_park
 from proxy.core.snapshots import Layout, Offer, Snapshot, file_name
+from proxy.disk_plan import DiskPlan, Tier
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import LlamaServerClient, SlotActionFailed
-
-if TYPE_CHECKING:
-    from proxy.disk_tier import DiskPlan, DiskTier
 
 log = logging.getLogger(__name__)
 SAFE_BOUNDARY_TRIES = 3  # boundaries stepped down when a template rewrites earlier turns
@@ -38,7 +36,7 @@ def prefix_of(fp: Fingerprint, segments: int) -> Fingerprint:
 
 
 class DiskSteps:
-    def __init__(self, client: LlamaServerClient, tier: DiskTier, metrics: ProxyMetrics) -> None:
+    def __init__(self, client: LlamaServerClient, tier: Tier, metrics: ProxyMetrics) -> None:
         self._client = client
         self._tier = tier
         self._metrics = metrics

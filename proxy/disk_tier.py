@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -51,12 +51,12 @@ from proxy.core.snapshots import (
     Layout,
     Lookup,
     Offer,
-    Snapshot,
     offers,
     restore_failed,
     touched,
 )
 from proxy.core.usage import Usage
+from proxy.disk_plan import BackendDiskState, DiskPlan
 from proxy.disk_steps import DiskSteps
 from proxy.health import flag_warnings
 from proxy.metrics import ProxyMetrics
@@ -66,40 +66,6 @@ from proxy.upstream import LlamaServerClient, SlotActionFailed
 from proxy.windows import RecentWindows
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class BackendDiskState:
-    epoch: int = -1
-    layout: Layout | None = None
-    supported: bool = True  # False after a 501: no --slot-save-path
-    restore_bps: float = 1e9  # measured from restores (EMA)
-
-
-@dataclass
-class DiskPlan:
-    """One request's disk-tier state, from ``plan`` to ``after``."""
-
-    scope: Scope
-    model: str
-    fp: Fingerprint
-    lookup: Lookup
-    window: list[Fingerprint] = field(default_factory=list)
-    found: list[Snapshot] = field(default_factory=list)  # indexed prefixes of the request
-    saved: dict[int, Snapshot] = field(default_factory=dict)  # chain -> written here
-    restored: Snapshot | None = None
-    restored_tokens: int = 0  # of the restored tokens, those the request should reuse
-    tenant: str | None = None  # writes to slots are this tenant's (cache isolation)
-    client: str = ANONYMOUS  # whose write cap its saves count against
-
-    @property
-    def offers(self) -> dict[int, Offer]:
-        return self.lookup.offers
-
-    def lookup_chain(self, chain: int) -> list[Snapshot]:
-        """Known snapshots of the prefix ending at ``chain`` (usable ones: not bad)."""
-        known = [s for s in self.found if s.chain == chain and not s.bad]
-        return known + ([self.saved[chain]] if chain in self.saved else [])
 
 
 class DiskTier:

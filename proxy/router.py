@@ -39,7 +39,8 @@ from proxy.core.routing import Decision, Reason, route
 from proxy.core.scoring import RamView
 from proxy.core.usage import Reply, Usage
 from proxy.core.waiting import Depths
-from proxy.disk_tier import DiskPlan, DiskTier
+from proxy.disk_plan import DiskPlan
+from proxy.disk_tier import DiskTier
 from proxy.metrics import ProxyMetrics
 from proxy.offload import Offload
 from proxy.scheduler import Scheduler

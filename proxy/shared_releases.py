@@ -8,15 +8,29 @@ down, nothing is registered and nothing found.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from proxy.shared_state import SharedState
+from proxy.state import StateStore
+
+T = TypeVar("T")
+
+
+class Shared(Protocol):
+    """What the releases use of ``SharedState``: its store, this replica's id, and how it
+    degrades when the store is down (``call``)."""
+
+    store: StateStore
+    enabled: bool
+    up: bool
+    owner: str
+    wall: Callable[[], float]
+
+    async def call(self, op: str, call: Awaitable[T], default: T) -> T: ...
 
 
 class SharedReleases:
-    def __init__(self, shared: SharedState) -> None:
+    def __init__(self, shared: Shared) -> None:
         self._shared = shared
 
     async def put_release(self, release: int, hashes: Sequence[int], ttl: float) -> None:

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry
@@ -73,6 +72,8 @@ def create_app(
     for state, backend in zip(fleet.backends, settings.backends, strict=True):
         state.reuse_known = backend.kv_reuse != "auto"  # probed (``reuse_probe``)
     scheduler = Scheduler(fleet, settings.queue, metrics, clock)
+    keys = {b.base_url: b.key for b in settings.backends}
+    client = LlamaServerClient(None, settings.timeouts, keys)  # its pool opens at startup
     if store is None:
         store = RedisStateStore(settings.redis_url) if settings.redis_url else InMemoryStateStore()
     shared = SharedState(
@@ -86,20 +87,52 @@ def create_app(
         clock=clock,
         url=advertised_url(settings),
         secret=settings.replicas.key,
+        on_down=lambda backends, after: prober.drain_all(backends, after),
     )
-    disk = DiskTier(settings, fleet, shared, metrics, wall, clock)
+    prober = Prober(
+        settings,
+        client,
+        scheduler,
+        metrics,
+        clock,
+        shared.forget_backend,
+        on_ready=lambda index: reuse.schedule(index),
+    )
+    reuse = ReuseProber(settings, scheduler, client, prober.drain, shared)
+    disk = DiskTier(settings, fleet, shared, metrics, wall, clock, client)
     offload = Offload()  # large bodies: parsed, fingerprinted and encoded in worker threads
-    router = Router(settings, fleet, shared, TokenCounter(), metrics, clock, offload, disk)
-    router.queued = scheduler.waiting
-
-    def wake_later(delay: float) -> None:
-        asyncio.get_running_loop().call_later(delay, scheduler.wake)
-
-    router.wake_later = wake_later
-    router.churn = churn = ChurnTracker(metrics, wall)
-    forwarder = Forwarder(shared, fleet, metrics, clock, settings.replicas)
+    churn = ChurnTracker(metrics, wall)
+    tokens = (
+        _backend_counter(client, settings, fleet)
+        if settings.routing.tokenizer == "backend"
+        else None
+    )
+    router = Router(
+        settings,
+        fleet,
+        shared,
+        TokenCounter(),
+        metrics,
+        clock,
+        offload,
+        scheduler,
+        disk,
+        churn,
+        tokens,
+    )
+    forwarder = Forwarder(shared, fleet, metrics, clock, settings.replicas, client)
     handlers = ProxyHandlers(
-        settings, scheduler, router, shared, metrics, clock, disk, forwarder, offload
+        settings,
+        scheduler,
+        router,
+        shared,
+        metrics,
+        clock,
+        disk,
+        forwarder,
+        offload,
+        client,
+        prober,
     )
 
     app = web.Application(
@@ -111,8 +144,10 @@ def create_app(
             "lingering_time": LINGER_SECONDS,
         },
     )
-    app[HANDLERS], app[METRICS], app[SCHEDULER] = handlers, metrics, scheduler
-    status = StatusHandlers(fleet, metrics, [(b.label, b.base_url) for b in settings.backends])
+    app[HANDLERS], app[METRICS], app[SCHEDULER], app[PROBER] = handlers, metrics, scheduler, prober
+    status = StatusHandlers(
+        fleet, metrics, client, [(b.label, b.base_url) for b in settings.backends]
+    )
     app.router.add_get("/healthz", status.healthz)
     app.router.add_get("/readyz", status.readyz)
     app.router.add_get("/metrics", status.metrics)
@@ -129,20 +164,8 @@ def create_app(
             app.router.add_route(method, path, handlers.forward)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            keys = {b.base_url: b.key for b in settings.backends}
-            client = LlamaServerClient(session, settings.timeouts, keys)
-            prober = Prober(settings, client, scheduler, metrics, clock, shared.forget_backend)
-            handlers.client, handlers.prober, app[PROBER] = client, prober, prober
-            status.client = client
-            forwarder.client = client
-            shared.on_down = prober.drain_all
-            reuse = ReuseProber(settings, scheduler, client, prober.drain, shared)
-            prober.on_ready = reuse.schedule
-            disk.attach(client)
-            if settings.routing.tokenizer == "backend":
-                router.backend_tokens = _backend_counter(client, settings, fleet)
+        await client.open()
+        try:
             await prober.probe_all()
             await disk.refresh_layouts()
             await disk.index.reconcile(disk.directories())
@@ -165,6 +188,8 @@ def create_app(
                 await asyncio.wait_for(shared.leave(), timeout=STOP_SECONDS)
             await store.close()
             offload.close()
+        finally:
+            await client.close()
 
     app.cleanup_ctx.append(upstream_ctx)
     return app

@@ -77,6 +77,7 @@ class DiskTier:
         metrics: ProxyMetrics,
         wall: Callable[[], float],
         clock: Callable[[], float],
+        client: LlamaServerClient,
     ) -> None:
         self.settings = self._settings = settings
         self._disk = settings.disk
@@ -91,8 +92,8 @@ class DiskTier:
         self.quota = WriteQuota(settings.disk.client_max_bytes, settings.disk.client_window_seconds)
         self.windows = RecentWindows(shared, wall, clock)
         self.parking: list[tuple[Fingerprint, asyncio.Future[None]]] = []  # parks in flight
-        self.client: LlamaServerClient | None = None  # attached at startup
-        self.steps: DiskSteps | None = None
+        self.client = client
+        self.steps = DiskSteps(client, self, metrics)
         metrics.disk_policy.labels(str(self.default)).set(1)
 
     def now(self) -> float:
@@ -119,14 +120,9 @@ class DiskTier:
     def path(self, directory: str) -> Path | None:
         return Path(directory[4:]) if directory.startswith("dir:") else None
 
-    def attach(self, client: LlamaServerClient) -> None:
-        self.client = client
-        self.steps = DiskSteps(client, self, self._metrics)
-
     # -- layouts ------------------------------------------------------------------------------
     async def refresh_layouts(self) -> None:
         """Read ``/props`` of every ready backend whose layout is unknown or stale."""
-        assert self.client is not None
         for backend in self._fleet.backends:
             state = self.backends[backend.index]
             if backend.phase is not BackendPhase.READY or state.epoch == backend.epoch:
@@ -218,7 +214,6 @@ class DiskTier:
         body: dict[str, Any],
         chat: bool,
     ) -> None:
-        assert self.steps is not None
         assert placement.pin is not None
         index, slot_id = placement.backend, placement.pin
         if (layout := self._layout(index)) is not None:
@@ -252,7 +247,6 @@ class DiskTier:
     async def after(
         self, dp: DiskPlan, placement: Placement, usage: Usage | None, content: Fingerprint
     ) -> None:
-        assert self.steps is not None
         assert placement.pin is not None
         layout = self._layout(placement.backend)
         if usage is not None:

@@ -103,6 +103,7 @@ class Forwarder:
         metrics: ProxyMetrics,
         clock: Callable[[], float],
         trust: ReplicaSettings,
+        client: LlamaServerClient,
     ) -> None:
         self._secret = trust.key
         self._allow, self._window = trust.allow, trust.forward_window_seconds
@@ -112,7 +113,7 @@ class Forwarder:
         self._metrics = metrics
         self._clock = clock
         self._unreachable: dict[str, float] = {}  # URL -> until
-        self.client: LlamaServerClient | None = None  # attached at startup (app.py)
+        self._client = client
 
     def _homes(self) -> Callable[[int], str | None] | None:
         """Each backend's home URL (None: this replica), or None when not forwarding."""
@@ -195,7 +196,6 @@ class Forwarder:
 
     async def send(self, request: web.Request, body: bytes, url: str) -> web.StreamResponse | None:
         """Relay the request through the replica at ``url``; None when it cannot be reached."""
-        assert self.client is not None
         record = request[RECORD]
         headers = [
             (name, value)
@@ -207,7 +207,7 @@ class Forwarder:
         mark = sign_forward(self._secret, self._shared.owner, self._shared.wall(), parts)
         headers += [(FORWARDED_BY, mark), ("X-Request-Id", record.request_id)]
         try:
-            async with self.client.send(
+            async with self._client.send(
                 url,
                 request.rel_url.raw_path_qs,  # (the query string too, as the mark covers)
                 method=request.method,

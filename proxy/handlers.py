@@ -48,6 +48,8 @@ class ProxyHandlers:
         disk: DiskTier,
         forwarder: Forwarder,
         offload: Offload,
+        client: LlamaServerClient,
+        prober: Prober,
     ) -> None:
         self._settings = settings
         self._offload = offload  # large bodies: parsed and encoded in worker threads
@@ -59,8 +61,8 @@ class ProxyHandlers:
         self._fleet = scheduler.fleet
         self._metrics = metrics
         self._clock = clock
-        self.client: LlamaServerClient | None = None  # attached at startup (app.py)
-        self.prober: Prober | None = None
+        self._client = client
+        self._prober = prober
 
     # -- proxied endpoints ---------------------------------------------------------------
     async def preflight(self, request: web.Request) -> web.StreamResponse:
@@ -199,7 +201,6 @@ class ProxyHandlers:
         placement: Placement | None,
         plan: Plan | None = None,
     ) -> web.StreamResponse:
-        assert self.client is not None
         backend = self._settings.backends[index]
         record = request[RECORD]
         record.backend, record.slot = backend.label, (placement.pin if placement else None)
@@ -214,7 +215,7 @@ class ProxyHandlers:
                 await to_the_end(self._finish(plan, placement, done))
 
         try:
-            async with self.client.send(
+            async with self._client.send(
                 backend.base_url,
                 via or request.rel_url.raw_path_qs,  # (the query string too)
                 method=request.method,
@@ -281,8 +282,7 @@ class ProxyHandlers:
                 n_tokens = outcome.usage.kv_tokens
         self._scheduler.release(placement, clean=clean, content=content, n_tokens=n_tokens)
         if not clean:
-            assert self.prober is not None
-            self.prober.drain(placement.backend)
+            self._prober.drain(placement.backend)
         return content
 
     def _route_headers(self, request: web.Request, plan: Plan | None) -> dict[str, str]:

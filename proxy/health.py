@@ -43,6 +43,7 @@ class Prober:
         metrics: ProxyMetrics,
         clock: Callable[[], float],
         on_restart: Callable[[int], Awaitable[None]] | None = None,
+        on_ready: Callable[[int], None] | None = None,  # it came up or restarted
     ) -> None:
         self._backends = settings.backends
         self._on_restart = on_restart
@@ -54,7 +55,7 @@ class Prober:
         self._clock = clock
         self._drains: dict[int, asyncio.Task[None]] = {}
         self._asked: dict[int, float] = {}  # backend -> when its /slots was last called
-        self.on_ready: Callable[[int], None] | None = None  # it came up or restarted
+        self.on_ready = on_ready
 
     async def probe_all(self) -> None:
         due = [i for i in range(len(self._backends)) if self._quiet_left(i) <= 0]

@@ -10,6 +10,7 @@ State-store failures never fail a request (``SharedState`` degrades to local sta
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -84,7 +85,11 @@ class Router:
         metrics: ProxyMetrics,
         clock: Callable[[], float],
         offload: Offload,  # a large prompt is fingerprinted in a worker thread
+        scheduler: Scheduler,  # its queue length, and a wake-up when a hold ends
         disk: DiskTier | None = None,
+        churn: ChurnTracker | None = None,  # prefix-churn diagnostics
+        # with ``tokenizer: backend``: counts a text with a ready backend's tokenizer
+        backend_tokens: Callable[[str], Awaitable[int | None]] | None = None,
     ) -> None:
         self._settings = settings
         self._disk = disk
@@ -95,13 +100,10 @@ class Router:
         self._depths = Depths()  # per busy slot, the plans waiting for it
         self.params = settings.routing.params()
         self._labels = {b.label: b.index for b in fleet.backends}
-        self.churn: ChurnTracker | None = None  # prefix-churn diagnostics (app.py)
-        # with ``tokenizer: backend``: counts a text with a ready backend's tokenizer
-        self.backend_tokens: Callable[[str], Awaitable[int | None]] | None = None
-        self.queued: Callable[[], int] = lambda: 0  # requests waiting for a slot (app.py)
+        self._scheduler = scheduler
+        self._churn, self._backend_tokens = churn, backend_tokens
         # how soon sessions come back, and so how long a slot they left is held for them
         self.returns = ReturnTracker(settings.routing.hold_max_seconds, shared=shared.enabled)
-        self.wake_later: Callable[[float], None] = lambda delay: None  # re-decide (app.py)
         self._wake_due = 0.0
 
     def tenant(self, request: web.Request) -> str | None:
@@ -128,8 +130,8 @@ class Router:
         the shared view): enough to tell where it would go (``target``); ``size``: its bytes."""
         chat = is_chat(body)
         segments = await self._offload.run(size, partial(chat_segments, body)) if chat else None
-        if segments is not None and self.backend_tokens is not None:
-            await self._counter.prepare([s.text for s in segments], self.backend_tokens)
+        if segments is not None and self._backend_tokens is not None:
+            await self._counter.prepare([s.text for s in segments], self._backend_tokens)
         tenant = self.tenant(request)
         seed = salt(tenant) if tenant is not None else 0
         fp = await self._offload.run(size, partial(self.fingerprint, body, segments, seed))
@@ -176,7 +178,7 @@ class Router:
             allow_wait=allow_wait,
             avoid=avoid,
             disk=disk.offers if disk is not None else None,
-            queued=self.queued(),
+            queued=self._scheduler.waiting(),
             hold=hold,
             views=plan.views,
             remote=remote,
@@ -198,8 +200,8 @@ class Router:
 
     async def prepare(self, plan: Plan, body: dict[str, Any], scope: Scope | None) -> None:
         """The request is routed here: count its arrival, plan its disk-tier work."""
-        if plan.segments is not None and self.churn is not None:
-            self.churn.observe(plan.key, plan.fp, body, plan.segments)
+        if plan.segments is not None and self._churn is not None:
+            self._churn.observe(plan.key, plan.fp, body, plan.segments)
         await self._arrived(plan.fp)
         if self._disk is not None and self._settings.routing.pin_slots:
             plan.disk = await self._disk.plan(plan.fp, body, scope, plan.tenant, plan.client)
@@ -247,7 +249,7 @@ class Router:
             self._metrics.slot_hold_waits.inc()
         if not now < self._wake_due <= until:
             self._wake_due = until
-            self.wake_later(max(0.0, until - now))
+            asyncio.get_running_loop().call_later(max(0.0, until - now), self._scheduler.wake)
 
     def released(self, plan: Plan, content: Fingerprint) -> None:
         """A response ended: the slot now holds ``content`` until its session is back."""

@@ -69,6 +69,8 @@ class SharedState:
         clock: Callable[[], float] = time.monotonic,
         url: str | None = None,
         secret: bytes | None = None,
+        # backends whose slots could not be seen while the store was down: drain them
+        on_down: Callable[[list[int], float], None] = lambda backends, after: None,
     ) -> None:
         self.store = store
         self.enabled = enabled
@@ -90,7 +92,7 @@ class SharedState:
         self.up = True
         # called with the backends whose slots now drain (the store just went down: another
         # replica's leases can no longer be seen); the app polls them after ``after`` s
-        self.on_down: Callable[[list[int], float], None] = lambda backends, after: None
+        self.on_down = on_down
         metrics.store_up.set(1)
 
     def _ref(self, backend: int, slot: int) -> SlotRef:

@@ -27,12 +27,16 @@ from proxy.upstream import REFUSED, LlamaServerClient
 
 class StatusHandlers:
     def __init__(
-        self, fleet: Fleet, metrics: ProxyMetrics, backends: Sequence[tuple[str, str]] = ()
+        self,
+        fleet: Fleet,
+        metrics: ProxyMetrics,
+        client: LlamaServerClient,
+        backends: Sequence[tuple[str, str]] = (),
     ) -> None:
         self._fleet = fleet
         self._metrics = metrics
+        self._client = client
         self._backends = backends  # (label, base URL) of each backend, in order
-        self.client: LlamaServerClient | None = None  # set once the session is open
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -68,7 +72,5 @@ class StatusHandlers:
 
     async def _scrape(self) -> list[tuple[str, str | None] | None]:
         """Each backend's metrics text and start time, or None (see ``upstream``)."""
-        client = self.client
-        if client is None:  # not serving yet
-            return [None] * len(self._backends)
+        client = self._client
         return await asyncio.gather(*(client.metrics(url) for _, url in self._backends))

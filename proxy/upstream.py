@@ -143,17 +143,35 @@ class LlamaServerClient:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | None,
         timeouts: TimeoutSettings,
         keys: Mapping[str, str | None] | None = None,
     ) -> None:
-        self._session = session
+        self._session = session  # None: opened by ``open`` (and closed by ``close``)
+        self._owned = session is None
         self._keys = keys or {}  # base URL -> that backend's API key
         self._timeouts = timeouts
         self._request_timeout = aiohttp.ClientTimeout(
             total=None, connect=timeouts.connect_seconds, sock_read=timeouts.read_seconds
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=timeouts.probe_seconds)
+
+    async def open(self) -> None:
+        """Open the client's own connection pool (inside the running event loop)."""
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+            self._session = aiohttp.ClientSession(connector=connector)
+
+    async def close(self) -> None:
+        if self._owned and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("LlamaServerClient: open() it first")
+        return self._session
 
     @asynccontextmanager
     async def send(
@@ -170,7 +188,7 @@ class LlamaServerClient:
         url = URL(base_url + path, encoded=True)
         headers = with_credential(headers, self._keys.get(base_url))
         try:
-            response = await self._session.request(
+            response = await self._http.request(
                 method, url, data=body, headers=headers, timeout=self._request_timeout
             )
         except aiohttp.ClientConnectorError as exc:
@@ -198,7 +216,7 @@ class LlamaServerClient:
         """``/health``, ``/props``, then, if ``slots`` and awake, ``/slots`` (a task: it wakes a
         sleeping server and restarts its idle timer; the others do neither)."""
         try:
-            async with self._session.get(base_url + "/health", **self._short(base_url)) as up:
+            async with self._http.get(base_url + "/health", **self._short(base_url)) as up:
                 if up.status != 200:
                     return Probe(BackendPhase.LOADING if up.status == 503 else BackendPhase.DOWN)
             return await self._slots(base_url, slots)
@@ -209,7 +227,7 @@ class LlamaServerClient:
         """Tokens of ``text`` by the backend's own tokenizer (``/tokenize``); None on failure."""
         body = {"content": text, "add_special": False}
         try:
-            async with self._session.post(
+            async with self._http.post(
                 base_url + "/tokenize", json=body, **self._short(base_url)
             ) as resp:
                 if resp.status != 200:
@@ -222,7 +240,7 @@ class LlamaServerClient:
         """``/metrics`` text and ``Process-Start-Time-Unix``; None unless a 200 (not a 501:
         no ``--metrics``) within the probe timeout."""
         try:
-            async with self._session.get(base_url + "/metrics", **self._short(base_url)) as resp:
+            async with self._http.get(base_url + "/metrics", **self._short(base_url)) as resp:
                 start = resp.headers.get("Process-Start-Time-Unix")
                 return (await resp.text("utf-8"), start) if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
@@ -241,9 +259,9 @@ class LlamaServerClient:
         opts: dict[str, Any] = {"timeout": self._request_timeout, "headers": self._auth(base_url)}
         try:
             if body is None:
-                request = self._session.get(base_url + path, **opts)
+                request = self._http.get(base_url + path, **opts)
             else:
-                request = self._session.post(base_url + path, json=body, **opts)
+                request = self._http.post(base_url + path, json=body, **opts)
             async with request as resp:
                 answer = await resp.json(content_type=None)
                 if resp.status != 200:
@@ -291,14 +309,14 @@ class LlamaServerClient:
 
     async def _slots(self, base_url: str, wanted: bool) -> Probe:
         options = self._short(base_url)
-        async with self._session.get(base_url + "/props", **options) as resp:
+        async with self._http.get(base_url + "/props", **options) as resp:
             locked = resp.status == 401  # --api-key and no key here: run it as one slot
             props = {} if locked else await resp.json()
         sleeping = bool(props.get("is_sleeping"))
         total = int(props.get("total_slots", locked))
         counted = tuple(SlotProbe(i, False, 0, -1) for i in range(total))
         if wanted and not sleeping and not locked and props.get("endpoint_slots") is not False:
-            async with self._session.get(base_url + "/slots", **options) as resp:
+            async with self._http.get(base_url + "/slots", **options) as resp:
                 if resp.status == 200:
                     return Probe(BackendPhase.READY, tuple(map(_slot_probe, await resp.json())))
         return Probe(BackendPhase.READY, counted, read=False, sleeping=sleeping)

@@ -1,10 +1,13 @@
-"""Structural rules: the core is pure; only upstream.py knows llama-server endpoints."""
+"""Structural rules: the layers contract holds (no import cycle), the core is pure, and only
+upstream.py knows llama-server endpoints."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -49,9 +52,22 @@ def test_only_upstream_knows_llama_server_endpoints() -> None:
             assert endpoint not in text, f"{path} mentions {endpoint}"
 
 
-def test_modules_stay_small() -> None:
-    for path in (ROOT / "proxy").rglob("*.py"):
-        assert len(path.read_text().splitlines()) <= 320, path
+def test_no_module_imports_a_layer_above_it() -> None:
+    """The layers contract in pyproject.toml (``lint-imports``): no import cycle, and each
+    layer imports only from those below it."""
+    done = subprocess.run(
+        ["lint-imports", "--no-cache"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_every_module_has_a_layer() -> None:
+    """A new module is placed in the layers contract, so the contract sees its imports."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (contract,) = config["tool"]["importlinter"]["contracts"]
+    placed = {name.strip() for layer in contract["layers"] for name in re.split("[:|]", layer)}
+    tops = {".".join(m.split(".")[:2]) for m in MODULES if m != "proxy.__init__"}
+    assert sorted(tops - placed - {"proxy.__init__"}) == []
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -3,7 +3,6 @@ outcome of a broken stream, and which routing headers a client sees."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -14,6 +13,7 @@ import pytest
 
 from proxy.middleware import SAFE_ID, JsonLogFormatter
 from tests.conftest import chat
+from tests.waiting import until
 
 
 def access(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -103,10 +103,7 @@ async def test_a_client_that_leaves_mid_stream_is_logged_as_gone(
             resp = await session.post(url, json=chat("x", stream=True, max_tokens=60))
             await resp.content.readany()
             resp.close()
-        for _ in range(100):
-            if access(caplog):
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: bool(access(caplog)), "the request is logged")
     (line,) = [r.getMessage() for r in access(caplog)]
     assert " status=499 outcome=client_gone " in line
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from tests.conftest import metric
 from tests.fake_llama import FakeLlamaServer
+from tests.waiting import scrape, until, until_down, until_metric
 
 SYSTEM = "You are a careful coding agent. " + " ".join(f"rule{i} applies." for i in range(150))
 
@@ -30,17 +31,17 @@ def snapshot_files(directory: Path) -> set[str]:
     return {p.name for p in directory.glob("llp-*.bin")}
 
 
-async def restart(fakes: Any, fake: FakeLlamaServer, **kwargs: Any) -> FakeLlamaServer:
+async def restart(fakes: Any, fake: FakeLlamaServer, client: Any, **kwargs: Any) -> FakeLlamaServer:
+    """``fake`` stopped and started again on its port, once the proxy behind ``client`` has
+    seen it go (a restart between two probes of an idle backend can pass unseen) and come
+    back (its slot state invalidated)."""
+    restarts = "llama_cache_proxy_backend_restarts_total"
+    before = await scrape(client, restarts)
     await fake.stop()
+    await until_down(client, fake)
     fresh: FakeLlamaServer = await fakes(port=fake.port, **kwargs)
+    await until_metric(client, restarts, lambda n: n > before)
     return fresh
-
-
-async def wait_ready(client: Any) -> None:
-    for _ in range(100):
-        if (await client.get("/readyz")).status == 200:
-            return
-        await asyncio.sleep(0.05)
 
 
 async def test_auto_scope_saves_the_shared_prefix_once_and_restores_it_after_restart(
@@ -61,9 +62,7 @@ async def test_auto_scope_saves_the_shared_prefix_once_and_restores_it_after_res
     prompt = (await second.json())["usage"]["prompt_tokens"]
     assert fake.tokens_processed - before == prompt
 
-    fake = await restart(fakes, fake, n_slots=2, save_dir=tmp_path)
-    await asyncio.sleep(0.3)
-    await wait_ready(client)
+    fake = await restart(fakes, fake, client, n_slots=2, save_dir=tmp_path)
     third = await client.post("/v1/chat/completions", json=turn(2, 1))
     assert third.status == 200
     assert third.headers["X-Cache-Route"] == "disk"
@@ -127,7 +126,7 @@ async def test_snapshot_from_another_layout_is_refused(
     saved_on = two if two.slot_actions else three
     other = three if saved_on is two else two
     await saved_on.stop()  # only the other layout is left
-    await asyncio.sleep(0.5)
+    await until_down(client, saved_on)
     resp = await client.post("/v1/chat/completions", json=turn(0, 2, **scoped))
     assert resp.status == 200
     assert not [a for a in other.slot_actions if a[0] == "restore"]
@@ -191,10 +190,7 @@ async def test_a_session_back_while_its_slot_is_being_parked_waits_and_restores_
     reply = await (await client.post("/v1/chat/completions", json=a1)).json()
     stranger = {"messages": [{"role": "user", "content": "unrelated " * 50}], "max_tokens": 4}
     taking = asyncio.create_task(client.post("/v1/chat/completions", json=stranger))
-    for _ in range(200):
-        if fake.slot_actions:
-            break  # the park has started
-        await asyncio.sleep(0.005)
+    await until(lambda: bool(fake.slot_actions), "the park starts", every=0.005)
     assert [a[0] for a in fake.slot_actions] == ["save"]
     a2 = {
         **a1,
@@ -228,9 +224,7 @@ async def test_a_restore_that_is_not_reused_marks_the_snapshot_bad(
     (tmp_path / name).write_text(
         json.dumps({"layout": {"n_stream": 1, "n_ctx": 8192}, "tokens": ["x"] * 400})
     )
-    fake = await restart(fakes, fake, n_slots=1, save_dir=tmp_path)
-    await asyncio.sleep(0.3)
-    await wait_ready(client)
+    fake = await restart(fakes, fake, client, n_slots=1, save_dir=tmp_path)
     resp = await client.post("/v1/chat/completions", json=turn(0, 2, **scoped))
     assert resp.status == 200
     assert resp.headers["X-Cache-Route"] == "disk"  # restored the (tampered) file ...
@@ -283,9 +277,7 @@ async def test_replicas_share_the_snapshot_index(
     assert (await a.post("/v1/chat/completions", json=turn(0, 1))).status == 200
     assert (await b.post("/v1/chat/completions", json=turn(1, 1))).status == 200  # window in Redis
     assert [x[0] for x in fake.slot_actions] == ["save"]
-    fake = await restart(fakes, fake, n_slots=2, save_dir=tmp_path)
-    await asyncio.sleep(0.3)
-    await wait_ready(a)
+    fake = await restart(fakes, fake, a, n_slots=2, save_dir=tmp_path)
     resp = await a.post("/v1/chat/completions", json=turn(2, 1))
     assert resp.headers["X-Cache-Route"] == "disk"  # saved through b, restored through a
 

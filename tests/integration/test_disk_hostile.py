@@ -22,6 +22,7 @@ from proxy.state.redis import RedisStateStore
 from tests.conftest import make_settings, metric
 from tests.integration.test_disk_fake import disk, snapshot_files, turn
 from tests.real.stack import free_port
+from tests.waiting import until
 
 LLP = "llp-" + "0" * 32 + ".bin"
 
@@ -154,20 +155,13 @@ async def test_files_the_index_lost_are_counted_and_deleted_after_a_restart(
     age(*strays)
     client = await proxy([fake], disk={**settings, "reconcile_seconds": 0.05})
     assert (await client.get("/healthz")).status == 200
-    for _ in range(100):
-        if len(snapshot_files(tmp_path)) <= 3:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: len(snapshot_files(tmp_path)) <= 3, "the strays are deleted")
     assert snapshot_files(tmp_path) == {strays[-1].name, strays[-2].name, "llp-zz.bin"}
     text = await (await client.get("/metrics")).text()
     assert metric(text, "llama_cache_proxy_disk_events_total", event="stray") == 4
     strays[0].write_bytes(b"x" * 4000)
     age(strays[0], seconds=7200)  # the oldest of three: deleted by the periodic pass
-    for _ in range(100):
-        if not exists(strays[0]):
-            break
-        await asyncio.sleep(0.05)
-    assert not exists(strays[0])
+    await until(lambda: not exists(strays[0]), "the periodic pass deletes the oldest")
     assert exists(other)
     assert exists(bad_name)
 

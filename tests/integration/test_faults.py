@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import chat, metric, server_timing
+from tests.waiting import ADMIN, admin_view, until, until_down, until_metric
 
 
 def _is_openai_error(body: dict[str, Any]) -> bool:
@@ -51,10 +52,7 @@ async def test_wait_past_limit_answers_503(fakes: Any, proxy: Any) -> None:
     client = await proxy([fake], queue={"max_wait_seconds": 0.1})
     body = chat("slow", max_tokens=20)
     first = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-    for _ in range(500):  # until the first request holds the only slot
-        if fake.slots[0].busy:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: fake.slots[0].busy, "the first request holds the only slot")
     second = await client.post("/v1/chat/completions", json=body)
     assert second.status == 503
     assert (await second.json())["error"]["code"] == "wait_timeout"
@@ -84,9 +82,14 @@ async def test_connect_failure_retries_on_another_backend(fakes: Any, proxy: Any
 async def test_loading_backend_holds_requests_until_ready(fakes: Any, proxy: Any) -> None:
     fake = await fakes()
     fake.loading = True
-    client = await proxy([fake])
+    client = await proxy([fake], admin_token=ADMIN)
     pending = asyncio.create_task(client.post("/completion", json={"prompt": "x"}))
-    await asyncio.sleep(0.3)
+    await until_metric(client, "llama_cache_proxy_requests_in_flight", lambda n: n == 2)
+
+    async def seen_loading() -> bool:  # (a probe since the request arrived)
+        return bool((await admin_view(client, fake))["phase"] == "loading")
+
+    await until(seen_loading, "the proxy sees the backend loading")
     assert not pending.done()
     fake.loading = False
     assert (await pending).status == 200
@@ -146,15 +149,6 @@ async def test_client_disconnect_cancels_upstream_and_frees_slot(fakes: Any, pro
     assert metric(page, "llama_cache_proxy_requests_in_flight") == 1  # the /metrics request
 
 
-async def _until(done: Any, seconds: float) -> bool:
-    """Poll ``done()`` until it is true or ``seconds`` pass; its last answer."""
-    for _ in range(int(seconds / 0.02)):
-        if done():
-            return True
-        await asyncio.sleep(0.02)
-    return bool(done())
-
-
 async def test_client_gone_before_headers_frees_the_slot_at_the_servers_check(
     fakes: Any, proxy: Any
 ) -> None:
@@ -169,7 +163,7 @@ async def test_client_gone_before_headers_frees_the_slot_at_the_servers_check(
         with pytest.raises(TimeoutError):
             await session.post(url, json={"prompt": "x", "n_predict": 200}, timeout=timeout)
     assert fake.slots[0].busy  # (10 s of generation had it not been cancelled)
-    assert await _until(lambda: not fake.slots[0].busy, 3.0)
+    await until(lambda: not fake.slots[0].busy, "the server frees the slot", within=3.0)
     again = await client.post("/completion", json={"prompt": "y", "n_predict": 2})
     assert again.status == 200
     assert fake.violations == []
@@ -183,7 +177,7 @@ async def test_client_gone_while_queued_leaves_the_queue(fakes: Any, proxy: Any)
     fake = await fakes(n_slots=1, gen_s_per_token=0.02)
     client = await proxy([fake])
     first = asyncio.ensure_future(client.post("/completion", json={"prompt": "a", "n_predict": 40}))
-    assert await _until(lambda: fake.slots[0].busy, 3.0)
+    await until(lambda: fake.slots[0].busy, "the first holds the slot", within=3.0)
     url = str(client.make_url("/completion"))
     async with aiohttp.ClientSession() as session:
         timeout = aiohttp.ClientTimeout(total=0.2)
@@ -289,13 +283,14 @@ async def test_backend_restart_invalidates_slot_state(fakes: Any, proxy: Any) ->
     await client.post("/completion", json={"prompt": "a b c"})
     port = fake.port
     await fake.stop()
-    await asyncio.sleep(0.4)
+    await until_down(client, fake)
     assert (await client.post("/completion", json={"prompt": "a"})).status == 503
     await fake.start(port)
-    for _ in range(50):
-        if (await client.get("/readyz")).status == 200:
-            break
-        await asyncio.sleep(0.05)
+
+    async def ready() -> bool:
+        return (await client.get("/readyz")).status == 200
+
+    await until(ready, "the proxy holds the backend ready again")
     assert (await client.post("/completion", json={"prompt": "a"})).status == 200
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_backend_restarts_total") == 1
@@ -340,10 +335,7 @@ async def test_server_timing_and_the_wait_histogram_show_the_time_spent_waiting_
     client = await proxy([fake])
     body = chat("the first holds the only slot for about 200 ms", max_tokens=10)
     first = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-    for _ in range(500):
-        if fake.slots[0].busy:
-            break
-        await asyncio.sleep(0.005)
+    await until(lambda: fake.slots[0].busy, "the first holds the only slot", every=0.005)
     second = await client.post("/v1/chat/completions", json=chat("another", max_tokens=1))
     assert second.status == 200
     waited = server_timing(second.headers["Server-Timing"])

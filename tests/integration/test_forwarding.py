@@ -16,6 +16,7 @@ from proxy.core.replica_auth import request_parts, sign_forward
 from tests.conftest import REPLICA_SECRET, delta_text, events_to_done, metric, until_listed
 from tests.integration.test_routing_fake import SYSTEM
 from tests.real.stack import free_port
+from tests.waiting import until_down
 
 FORWARDS = "llama_cache_proxy_forwarded_requests_total"
 CHAT = "/v1/chat/completions"
@@ -183,12 +184,9 @@ async def test_a_replica_whose_own_backends_are_down_places_on_the_others(
     await _met(*pair)
     first = await pair[0].post("/v1/chat/completions", **_from_replica(_turn(0, []), "r0"))
     own = first.headers["X-Cache-Backend"]
-    await next(b for b in backends if b.url.endswith(own)).stop()
-    for _ in range(50):  # until the prober saw it go
-        page = await (await pair[0].get("/readyz")).json()
-        if own not in page["backends"]:
-            break
-        await asyncio.sleep(0.1)
+    gone = next(b for b in backends if b.url.endswith(own))
+    await gone.stop()
+    await until_down(pair[0], gone)  # the prober saw it go
     resp = await pair[0].post("/v1/chat/completions", **_from_replica(_turn(1, []), "r1"))
     assert resp.status == 200, await resp.text()
     assert resp.headers["X-Cache-Backend"] != own

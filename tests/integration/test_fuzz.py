@@ -214,7 +214,7 @@ def test_slow_loris_upload_is_cut_off(tmp_path: Path) -> None:
             answer = b""
             try:
                 for _ in range(20):
-                    time.sleep(0.1)
+                    time.sleep(0.1)  # a byte every 0.1 s: the slow client is what is tested
                     sock.sendall(b" ")
             except OSError:
                 pass  # the proxy closed the connection

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from tests.conftest import metric
+from tests.waiting import once_placed
 
 SYSTEM = "You are a coding agent. Follow the rules. " * 10
 
@@ -27,8 +28,7 @@ async def two_sessions(client: Any, first_tokens: int = 8) -> tuple[int, int, An
     soon as it has the reply. Returns A's first prompt size, what A's second turn reused,
     and B's headers."""
     first_body = turn("A", [], "start", first_tokens)
-    first_task = asyncio.create_task(post(client, first_body))
-    await asyncio.sleep(0.1)  # A's first turn is generating
+    first_task = await once_placed(post(client, first_body), client)  # A's first turn runs
     other = asyncio.create_task(post(client, turn("B", [], "hello")))
     first, _ = await first_task
     reply = {"role": "assistant", "content": first["choices"][0]["message"]["content"]}
@@ -70,8 +70,7 @@ async def test_a_held_slot_goes_to_the_waiter_when_its_session_does_not_come_bac
 ) -> None:
     backend = await lone_backend(fakes)
     client = await proxy([{"url": backend.url, "ram_cache": False}], queue={"max_wait_seconds": 30})
-    first = asyncio.create_task(post(client, turn("A", [], "start")))
-    await asyncio.sleep(0.1)
+    first = await once_placed(post(client, turn("A", [], "start")), client)
     _, b_headers = await post(client, turn("B", [], "hello"))  # A never comes back
     await first
     assert b_headers["X-Cache-Route"].startswith("wait")

@@ -163,7 +163,7 @@ async def test_only_a_few_large_bodies_are_parsed_and_routed_at_once(
         inside[0] += 1
         most[0] = max(most[0], inside[0])
         try:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # a plan that takes a while: the overlap is what is tested
             return await plan(*args)
         finally:
             inside[0] -= 1

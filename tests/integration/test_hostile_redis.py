@@ -4,7 +4,6 @@ front of fake llama-servers, and an attacker's listener (a fake llama-server too
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -19,6 +18,7 @@ from proxy.core.replica_auth import request_parts, sign_entry, sign_forward
 from proxy.state import keys
 from tests.conftest import REPLICA_SECRET, metric, until_listed
 from tests.integration.test_routing_fake import SYSTEM
+from tests.waiting import until_metric
 
 FORWARDS = "llama_cache_proxy_forwarded_requests_total"
 REQUESTS = "llama_cache_proxy_requests_total"
@@ -96,11 +96,8 @@ async def test_poisoned_replica_entries_never_redirect_traffic(
         await redis.set(keys.lease(backends[0].url.removeprefix("http://"), 0), b"\xff\xfe")
         signed = sign_entry(secret, f"w@http://localhost:{port}", far)  # off the allowlist
         await redis.zadd(keys.REPLICAS, {signed: far - 1})
-        for _ in range(50):  # until both replicas have read the list since (w is live)
-            found = [metric(await _metrics(c), LIVE) for c in pair]
-            if all(n >= 3 for n in found):
-                break
-            await asyncio.sleep(0.1)
+        for c in pair:  # until both replicas have read the list since (w is live)
+            await until_metric(c, LIVE, lambda n: n >= 3)
         await _sessions(pair)
         texts = [await _metrics(c) for c in pair]
     finally:

@@ -3,9 +3,12 @@ sleep and unified KV's idle-slot clearing destroy is not counted on."""
 
 from __future__ import annotations
 
-import asyncio
-import time
+import logging
 from typing import Any
+
+import pytest
+
+from tests.waiting import until
 
 LONG = (
     "Once upon a time in a land far away, there lived a brave knight who traveled across "
@@ -19,18 +22,18 @@ async def _sleeping(client: Any) -> bool:
 
 
 async def test_an_idle_backend_is_let_sleep_and_its_caches_are_forgotten(
-    fakes: Any, proxy: Any
+    fakes: Any, proxy: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = await fakes()
     fake.sleep_idle_s = 0.5
+    caplog.set_level(logging.INFO, "proxy.health")
     client = await proxy([fake], health={"interval_seconds": 0.1})
     body = {"prompt": LONG, "n_predict": 4, "cache_prompt": True}
     assert (await client.post("/completion", json=body)).status == 200
-    deadline = time.monotonic() + 5.0
-    while not await _sleeping(client):  # probes every 0.1 s must not keep it awake
-        assert time.monotonic() < deadline, "the proxy's probes kept the backend awake"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.3)  # a few probes: the proxy sees it sleep
+    # probes every 0.1 s must not keep it awake
+    await until(lambda: _sleeping(client), "the backend sleeps despite the probes", within=5)
+    gone = "sleeping: its slot and RAM caches are gone"  # the proxy has seen it sleep
+    await until(lambda: gone in caplog.text, "the proxy sees the backend sleep")
     resp = await client.post("/completion", json=body)
     assert (await resp.json())["timings"]["cache_n"] == 0  # its context was destroyed
     assert resp.headers["X-Cache-Predicted-Tokens"] == "0"  # and the proxy knew it

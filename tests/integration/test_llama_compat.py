@@ -13,15 +13,9 @@ from proxy.app import SCHEDULER
 from tests.conftest import chat
 from tests.fake_llama import COUNT_PATHS, INVALID_KEY, ROUTER_ROUTES, FakeLlamaServer
 from tests.real.stack import free_port
+from tests.waiting import until, until_metric
 
 LOADING = b'{"error":{"message":"Loading model","type":"unavailable_error","code":503}}'
-
-
-async def _until(condition: Any, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("path", ["/health", "/v1/health"])
@@ -35,12 +29,12 @@ async def test_health_answers_as_llama_server_loading_then_ok(
     assert (resp.status, await resp.read()) == (503, LOADING)
     assert resp.headers["Content-Type"] == "application/json; charset=utf-8"
     fake.loading = False
-    await _until(lambda: fake.loading is False)
-    for _ in range(100):
-        resp = await client.get(path)
-        if resp.status == 200:
-            break
-        await asyncio.sleep(0.05)
+
+    async def ok() -> bool:
+        return (await client.get(path)).status == 200
+
+    await until(ok, "the proxy's health turns ok")
+    resp = await client.get(path)
     assert (resp.status, await resp.read()) == (200, b'{"status":"ok"}')
 
 
@@ -50,7 +44,9 @@ async def test_requests_wait_for_a_backend_not_up_at_start(fakes: Any, proxy: An
     started = time.monotonic()
     pinned = asyncio.create_task(client.post("/completion", json={"prompt": "x"}))
     unpinned = asyncio.create_task(client.post("/tokenize", json={"content": "x"}))
-    await asyncio.sleep(0.5)
+    in_flight = "llama_cache_proxy_requests_in_flight"
+    await until_metric(client, in_flight, lambda n: n == 3)  # both, and the scrape
+    await asyncio.sleep(0.5)  # the time passing is the point: they outlast failed probes
     assert not pinned.done()
     assert not unpinned.done()
     await fakes(port=port)
@@ -181,7 +177,7 @@ async def test_rerank_waits_for_a_whole_idle_backend(fakes: Any, proxy: Any) -> 
     fake = await fakes(n_slots=2, gen_s_per_token=0.05)
     client = await proxy([fake])
     slow = asyncio.create_task(client.post("/completion", json={"prompt": "x", "n_predict": 10}))
-    await _until(lambda: any(s.busy for s in fake.slots))
+    await until(lambda: any(s.busy for s in fake.slots), "the completion runs")
     resp = await client.post("/rerank", json={"query": "q", "documents": ["a"]})
     assert resp.status == 200
     assert slow.done()  # it waited for the completion: the server picks the rerank's slot
@@ -210,7 +206,7 @@ async def test_router_model_management_is_forwarded_and_its_events_relayed_as_th
         client = await proxy([fake])
         events = await client.get("/models/sse")
         assert events.status == 200
-        await _until(lambda: len(fake.sse) == 1)
+        await until(lambda: len(fake.sse) == 1, "the proxy listens to the events")
         for method, path in ROUTER_ROUTES:
             query = "?model=org/m" if method == "DELETE" else ""
             body = None if method == "DELETE" else {"model": "org/m"}

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from proxy.shared_state import FENCE_MARGIN, HEARTBEAT_TTL
-from tests.conftest import chat, metric
+from tests.conftest import chat, metric, until_listed
 from tests.relay import Relay
+from tests.waiting import once_placed, until_metric
 
 
 async def test_a_replica_cut_off_from_redis_and_one_that_is_not_never_pin_one_slot(
@@ -26,12 +26,12 @@ async def test_a_replica_cut_off_from_redis_and_one_that_is_not_never_pin_one_sl
     a = await proxy([backend], redis_url=await relay.start(), health=rare)
     b = await proxy([backend], redis_url=redis_server.url, health=rare)
     try:
-        await asyncio.sleep(1.2)  # two heartbeats: each has read the other
+        await until_listed([str(c.make_url("")).rstrip("/") for c in (a, b)])
         relay.cut()
-        long = asyncio.create_task(
-            a.post("/v1/chat/completions", json=chat("long", max_tokens=150))  # ~4.5 s
-        )
-        await asyncio.sleep(HEARTBEAT_TTL + FENCE_MARGIN + 1.0)  # A runs on its part by now
+        await until_metric(a, "llama_cache_proxy_state_store_up", lambda n: n == 0)
+        long_body = chat("long", max_tokens=150)  # ~4.5 s
+        long = await once_placed(a.post("/v1/chat/completions", json=long_body), a)  # A's part
+        await until_metric(b, "llama_cache_proxy_replicas_fenced", lambda n: n == 1)  # B read it
         assert not long.done()
         short = [
             b.post("/v1/chat/completions", json=chat(f"short {i}", max_tokens=10)) for i in range(2)

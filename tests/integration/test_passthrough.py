@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import pytest
 
 from tests.conftest import chat, metric
+from tests.waiting import until_metric
 
 COMPLETION_PATHS = [
     ("/v1/chat/completions", chat("hello there")),
@@ -183,10 +183,11 @@ async def test_client_closing_after_done_still_records_the_turn(
         if line.startswith(b"data: {"):
             reply.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
     resp.close()
-    await asyncio.sleep(0.6)
-    page = await (await client.get("/metrics")).text()
     labels = {"endpoint": "/v1/chat/completions", "status": "200"}
-    assert metric(page, "llama_cache_proxy_requests_total", **labels) == 1
+    recorded = "llama_cache_proxy_requests_total"
+    await until_metric(client, recorded, lambda n: n >= 1, **labels)  # the turn's end
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, recorded, **labels) == 1
     assert "unexpected error" not in caplog.text
     turn = [*first["messages"], {"role": "assistant", "content": "".join(reply)}]
     second = chat("four", messages=[*turn, {"role": "user", "content": "four"}], max_tokens=2)

@@ -9,9 +9,14 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import chat, delta_text, events_to_done, metric
+from tests.conftest import chat, delta_text, events_to_done, metric, until_listed
 from tests.integration import test_holds_fake as holds
 from tests.integration.test_routing_fake import SYSTEM
+from tests.waiting import ADMIN, PLACED, admin_view, once_placed, until, until_metric
+
+
+def urls(clients: list[Any]) -> list[str]:
+    return [str(c.make_url("")).rstrip("/") for c in clients]
 
 
 async def test_two_replicas_keep_a_session_on_its_slot(
@@ -50,7 +55,7 @@ async def test_a_streamed_turn_ends_after_its_slot_is_given_back_and_recorded(
     original = RedisStateStore.release_lease
 
     async def slow(self: Any, ref: Any, owner: str) -> None:
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the slow give-back is the fault tested
         await original(self, ref, owner)
 
     monkeypatch.setattr(RedisStateStore, "release_lease", slow)
@@ -99,11 +104,13 @@ async def test_a_refused_lease_does_not_hand_its_slot_to_a_waiter_as_another_rep
     from proxy.state.redis import RedisStateStore
 
     original, refused = RedisStateStore.acquire_lease, []
+    asked, b_waits = asyncio.Event(), asyncio.Event()
 
     async def refuse_first(self: Any, *args: Any) -> bool:
         if not refused:
             refused.append(True)
-            await asyncio.sleep(0.1)  # B arrives and waits meanwhile
+            asked.set()
+            await b_waits.wait()  # B arrives and waits meanwhile
             return False
         return await original(self, *args)
 
@@ -111,9 +118,11 @@ async def test_a_refused_lease_does_not_hand_its_slot_to_a_waiter_as_another_rep
     backend = await fakes(n_slots=1, gen_s_per_token=0.1)
     replica = await proxy([backend], redis_url=redis_server.url)
     first = asyncio.create_task(replica.post("/v1/chat/completions", json=chat("a", max_tokens=8)))
-    await asyncio.sleep(0.03)
-    second = await replica.post("/v1/chat/completions", json=chat("b", max_tokens=8))
-    assert [second.status, (await first).status] == [200, 200]
+    await asyncio.wait_for(asked.wait(), 10)  # A is placed; its lease is asked for
+    second = asyncio.create_task(replica.post("/v1/chat/completions", json=chat("b", max_tokens=8)))
+    await until_metric(replica, "llama_cache_proxy_requests_queued", lambda n: n == 1)
+    b_waits.set()
+    assert [(await second).status, (await first).status] == [200, 200]
     assert refused
     assert backend.violations == []
 
@@ -125,7 +134,7 @@ async def test_replicas_that_lose_redis_split_the_slots_instead_of_sharing_them(
     pin disjoint parts of the fleet; every request is still served."""
     backends = [await fakes(n_slots=2, gen_s_per_token=0.003) for _ in range(2)]
     replicas = [await proxy(backends, redis_url=redis_server.url) for _ in range(3)]
-    await asyncio.sleep(1.2)  # two heartbeats: each replica has read the others
+    await until_listed(urls(replicas))  # each replica has read the others
     redis_server.stop()
     bodies = [chat(f"request {i} " + "y " * 20, max_tokens=6) for i in range(36)]
     responses = await asyncio.gather(
@@ -145,17 +154,19 @@ async def rarely_probing_pair(
     fakes: Any, proxy: Any, redis_url: str, gen: float, **b: Any
 ) -> tuple[Any, Any, Any]:
     """A fake with 2 slots and replicas A and B that have read each other's heartbeats; A
-    probes rarely (the default is 2 s), so what it knows of B's requests comes from the store."""
+    probes rarely (the default is 2 s), so what it knows of B's requests comes from the store
+    (its slot table is open to ``ADMIN``). Neither forwards: each runs what it is sent."""
     backend = await fakes(n_slots=2, gen_s_per_token=gen)
-    a = await proxy([backend], redis_url=redis_url, health={"interval_seconds": 60})
-    b_client = await proxy([backend], redis_url=redis_url, **b)
-    await asyncio.sleep(1.2)  # two heartbeats
+    rare, off = {"interval_seconds": 60}, "off"
+    a = await proxy([backend], redis_url=redis_url, health=rare, admin_token=ADMIN, replica_url=off)
+    b_client = await proxy([backend], redis_url=redis_url, replica_url=off, **b)
+    await until_listed(urls([a, b_client]))
     return backend, a, b_client
 
 
-@pytest.mark.parametrize("seen", [0.7, 0.1], ids=["leases-seen", "leases-not-yet-seen"])
+@pytest.mark.parametrize("seen", [True, False], ids=["leases-seen", "leases-not-yet-seen"])
 async def test_a_replica_serves_through_an_outage_that_began_on_another_replicas_leases(
-    fakes: Any, proxy: Any, redis_server: Any, seen: float
+    fakes: Any, proxy: Any, redis_server: Any, seen: bool
 ) -> None:
     """Redis dies while replica B runs requests on both slots. If A had seen them leased,
     nothing could end those leases with the store gone: A queued everything until Redis came
@@ -168,7 +179,14 @@ async def test_a_replica_serves_through_an_outage_that_began_on_another_replicas
         asyncio.create_task(b.post("/v1/chat/completions", json=chat(f"long {i}", max_tokens=60)))
         for i in range(2)
     ]
-    await asyncio.sleep(seen)  # 0.7: A's background refresh has seen both slots leased
+    await until_metric(b, PLACED, lambda n: n == 2)  # both leased
+
+    async def a_sees_both_leased() -> bool:
+        slots = (await admin_view(a, backend))["slots"]
+        return [s["phase"] for s in slots] == ["remote", "remote"]
+
+    if seen:  # A's background refresh (every 0.5 s) has seen both slots leased
+        await until(a_sees_both_leased, "A sees both slots leased")
     redis_server.stop()
     resp = await asyncio.wait_for(
         a.post("/v1/chat/completions", json=chat("short", max_tokens=4)), timeout=15
@@ -191,19 +209,17 @@ async def test_slots_pinned_during_an_outage_stay_theirs_when_redis_returns(
     backend, a, b = await rarely_probing_pair(fakes, proxy, redis_server.url, 0.045, health=rare)
     redis_server.stop()
     long = [  # each on its own replica's part of the fleet; B's runs ~4.5 s, A's ~1.8 s
-        asyncio.create_task(r.post("/v1/chat/completions", json=chat(f"long {n}", max_tokens=n)))
+        await once_placed(r.post("/v1/chat/completions", json=chat(f"long {n}", max_tokens=n)), r)
         for n, r in ((40, a), (100, b))
     ]
-    await asyncio.sleep(0.5)
     redis_server.start()
-    for _ in range(40):
-        pages = [await (await r.get("/metrics")).text() for r in (a, b)]
-        if all(metric(p, "llama_cache_proxy_state_store_up") == 1 for p in pages):
-            break
-        await asyncio.sleep(0.05)
+    for r in (a, b):
+        await until_metric(r, "llama_cache_proxy_state_store_up", lambda n: n == 1)
     back = time.monotonic()
     short = [await a.post("/v1/chat/completions", json=chat("short", max_tokens=4))]
-    await asyncio.sleep(max(0.0, back + 2.1 - time.monotonic()))  # past the keeping to parts
+    # past the heartbeat period the replicas keep to their parts after Redis returns: the
+    # proxy's own timer (no clock to inject), so the time passing is what is tested
+    await asyncio.sleep(max(0.0, back + 2.1 - time.monotonic()))
     short.append(await a.post("/v1/chat/completions", json=chat("again", max_tokens=4)))
     assert not long[1].done()  # B's request still ran: only its lease kept A off its slot
     assert [r.status for r in short] + [(await t).status for t in long] == [200] * 4
@@ -224,12 +240,7 @@ async def test_redis_outage_degrades_to_local_state_and_resyncs(
     assert metric(page, "llama_cache_proxy_state_store_up") == 0
     assert metric(page, "llama_cache_proxy_state_store_errors_total") >= 1
     redis_server.start()
-    for _ in range(40):
-        page = await (await client.get("/metrics")).text()
-        if metric(page, "llama_cache_proxy_state_store_up") == 1:
-            break
-        await asyncio.sleep(0.1)
-    assert metric(page, "llama_cache_proxy_state_store_up") == 1
+    await until_metric(client, "llama_cache_proxy_state_store_up", lambda n: n == 1)
     assert (await client.post("/v1/chat/completions", json=body)).status == 200
 
 
@@ -243,19 +254,19 @@ async def alternating(a: Any, b: Any) -> tuple[int, int, Any]:
         body = holds.turn("W", history, f"step {i}")
         reply, _ = await holds.post((a, b)[i % 2], body)
         history += [body["messages"][-1], reply["choices"][0]["message"]]
-        await asyncio.sleep(0.6)
-    await asyncio.sleep(1.0)  # W's slot is no longer held for it
+        await asyncio.sleep(0.6)  # the session's pause: the return time the replicas learn
+    # W's slot is no longer held for it: the hold's own timer (no clock to inject)
+    await asyncio.sleep(1.0)
     earlier = [
         {"role": role, "content": f"A {role} {i} " + "context " * 150}
         for i in range(2)
         for role in ("user", "assistant")
     ]
     first_body = holds.turn("A", earlier, "start")  # long enough to be worth holding
-    first_task = asyncio.create_task(holds.post(a, first_body))
-    await asyncio.sleep(0.2)  # A's first turn runs (through replica a)
+    first_task = await once_placed(holds.post(a, first_body), a, b)  # A's first turn runs
     stranger = asyncio.create_task(holds.post(b, holds.turn("B", [], "hello")))
     first, _ = await first_task
-    await asyncio.sleep(0.6)  # b sees the slot free meanwhile
+    await asyncio.sleep(0.6)  # A's pause, as learned: the hold keeps the slot for it meanwhile
     history = [*first_body["messages"][1:], first["choices"][0]["message"]]
     second, _ = await holds.post(b, holds.turn("A", history, "next"))
     _, stranger_headers = await stranger
@@ -299,20 +310,24 @@ async def test_maintenance_ends_at_shutdown_even_if_a_store_call_swallows_the_ca
     from proxy.state.base import Beat
 
     class Swallowing(InMemoryStateStore):
+        beats = 0
+
         async def heartbeat(self, owner: str, ttl: float, now: float, *_: Any) -> Beat:
+            self.beats += 1
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.sleep(0.2)  # a command in flight when the cancel lands
+                await asyncio.sleep(0.2)  # the command's round trip: the cancel lands in it
             return Beat(now, [(owner, now + ttl)])
 
     metrics = ProxyMetrics(CollectorRegistry())
-    shared = SharedState(Swallowing(), Fleet(["b"]), metrics, time.time, enabled=True)
+    store = Swallowing()
+    shared = SharedState(store, Fleet(["b"]), metrics, time.time, enabled=True)
     task = asyncio.create_task(shared.maintain(lambda: None, every=0.01))
-    await asyncio.sleep(0.05)  # inside the heartbeat
+    await until(lambda: store.beats == 1, "the first heartbeat")  # inside the heartbeat
     task.cancel()
-    await asyncio.sleep(0.3)
+    await until(lambda: store.beats == 2, "a heartbeat after the cancel")
     assert not task.done()  # the cancel was swallowed: it runs on
     shared.stopped = True
-    await asyncio.wait([task], timeout=1.0)
+    await asyncio.wait([task], timeout=5.0)
     assert task.done()
 
 
@@ -330,10 +345,11 @@ async def test_requests_arriving_together_share_one_read_of_the_view() -> None:
 
     class Counting(InMemoryStateStore):
         reads = 0
+        answer = asyncio.Event()  # a read is in flight until the test lets it be answered
 
         async def view(self, refs: Any, now: float, known: Any = None) -> SlotView:
             self.reads += 1
-            await asyncio.sleep(0.05)
+            await self.answer.wait()
             return SlotView({("b", 0): "other"}, {})
 
     store = Counting()
@@ -341,15 +357,24 @@ async def test_requests_arriving_together_share_one_read_of_the_view() -> None:
     fleet.backends[0].slots = [SlotState(0), SlotState(1)]
     shared = SharedState(store, fleet, ProxyMetrics(CollectorRegistry()), time.time, enabled=True)
     first = asyncio.create_task(shared.refresh())
-    await asyncio.sleep(0.01)
-    await asyncio.gather(*(shared.refresh() for _ in range(9)))
+    await until(lambda: store.reads == 1, "the first read is sent")
+    together = [asyncio.create_task(shared.refresh()) for _ in range(9)]
+    await asyncio.sleep(0)  # (a turn of the loop: each has arrived)
+    assert not any(t.done() for t in together)
+    store.answer.set()
+    await asyncio.gather(*together)
     assert store.reads == 1
     assert first.done()
     assert [s.phase for s in fleet.backends[0].slots] == [SlotPhase.REMOTE, SlotPhase.IDLE]
+    store.answer = asyncio.Event()
     waiter = asyncio.create_task(shared.refresh())
-    await asyncio.sleep(0.01)
+    await until(lambda: store.reads == 2, "the waiter's read is sent")
     waiter.cancel()
-    await shared.refresh()  # the read goes on for this one
+    later = asyncio.create_task(shared.refresh())  # the read goes on for this one
+    await asyncio.sleep(0)  # (a turn of the loop: the cancel lands, this one arrives)
+    store.answer.set()
+    await later
+    assert waiter.cancelled()
     assert store.reads == 2
     await shared.refresh()
     assert store.reads == 3
@@ -379,11 +404,13 @@ async def test_a_replica_reads_each_slot_record_once() -> None:
     store = Counting()
     store.sent = []
     replicas = []
+    clock = [time.time()]  # the replicas' wall clock, moved on by the test
     for _ in range(2):
         fleet = Fleet(["b"])
         fleet.backends[0].slots = [SlotState(0), SlotState(1)]
         metrics = ProxyMetrics(CollectorRegistry())
-        replicas.append((fleet, SharedState(store, fleet, metrics, time.time, enabled=True)))
+        shared = SharedState(store, fleet, metrics, lambda: clock[0], enabled=True)
+        replicas.append((fleet, shared))
     (_, one), (fleet, two) = replicas
     await one.publish(0, 0, Fingerprint((1, 2), (10, 20)), 20)
     await one.publish(0, 1, Fingerprint((3,), (5,)), 5)
@@ -392,7 +419,7 @@ async def test_a_replica_reads_each_slot_record_once() -> None:
     await one.refresh()  # its own records: it holds them already
     assert store.sent == [2, 0, 0]
     assert fleet.backends[0].slots[0].content == Fingerprint((1, 2), (10, 20))
-    await asyncio.sleep(0.002)  # a newer stamp, to the millisecond
+    clock[0] += 0.002  # a newer stamp, to the millisecond
     await one.publish(0, 0, Fingerprint((1, 2, 4), (10, 20, 30)), 30)
     await two.refresh()
     assert store.sent[-1] == 1

@@ -3,7 +3,6 @@ recurrent memory (``kv_reuse: auto``), and the disk tier left off where it canno
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -15,17 +14,15 @@ from proxy.core.fleet import BackendState
 from tests.fake_llama import FakeLlamaServer
 from tests.fake_memory import RECURRENT, SWA, Memory
 from tests.integration.test_disk_fake import disk, turn
+from tests.waiting import until
 
 AUTO = {"url": "", "kv_reuse": "auto"}
 
 
 async def probed(client: Any, index: int = 0) -> BackendState:
     backend: BackendState = client.server.app[SCHEDULER].fleet.backends[index]
-    for _ in range(200):
-        if backend.reuse_known:
-            return backend
-        await asyncio.sleep(0.02)
-    raise AssertionError("the backend's reuse rule was never probed")
+    await until(lambda: backend.reuse_known, "the backend's reuse rule is probed")
+    return backend
 
 
 def probes(fake: FakeLlamaServer) -> list[dict[str, Any]]:
@@ -102,11 +99,7 @@ async def test_rule_is_probed_again_after_a_restart(fakes: Any, proxy: Any) -> N
     # another model, and a slot count that tells the proxy it restarted
     fake = await fakes(port=fake.port, n_slots=3, memory=Memory(kind=SWA, n_swa=512))
     backend = client.server.app[SCHEDULER].fleet.backends[0]
-    for _ in range(200):
-        if backend.exact and backend.reuse_known:
-            break
-        await asyncio.sleep(0.02)
-    assert backend.exact
+    await until(lambda: backend.exact and backend.reuse_known, "the rule is probed again")
     assert len(probes(fake)) == 2
 
 
@@ -137,11 +130,7 @@ async def test_the_probe_never_holds_a_slot_a_request_could_use(fakes: Any, prox
     assert probes(one) == []
     two = await fakes(n_slots=2, **slow)
     client = await proxy([{**AUTO, "url": two.url}])
-    for _ in range(250):
-        if probes(two):
-            break
-        await asyncio.sleep(0.02)
-    assert probes(two), "the two-slot backend was never probed"
+    await until(lambda: bool(probes(two)), "the two-slot backend is probed")
     reply = await client.post("/v1/chat/completions", json=turn(0, 1))
     assert reply.status == 200
     assert "wait" not in reply.headers["X-Cache-Route"]

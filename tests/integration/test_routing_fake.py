@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 from tests.conftest import metric
+from tests.waiting import until
 
 SYSTEM = "You are a coding agent. Follow the rules. " * 40
 
@@ -135,7 +136,7 @@ async def test_cache_key_seed_000_cases(fakes: Any, proxy: Any) -> None:
     hold = {**unrelated, "max_tokens": 60, "prompt_cache_key": "k2"}
     hold["messages"] = [{"role": "user", "content": "totally different and longer"}]
     pending = asyncio.create_task(client.post("/v1/chat/completions", json=hold))
-    await asyncio.sleep(0.1)
+    await until(lambda: any(s.busy for s in fake.slots), "the long request runs")
     page = await (await client.get("/metrics")).text()
     third = await client.post("/v1/chat/completions", json={**unrelated, "max_tokens": 2})
     assert third.status == 200

@@ -21,6 +21,7 @@ from proxy.core.fleet import (
 from proxy.core.placement import Need, place
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import Scheduler
+from tests.waiting import until
 
 
 async def test_waiting_counts_the_requests_queued_for_a_slot() -> None:
@@ -34,11 +35,9 @@ async def test_waiting_counts_the_requests_queued_for_a_slot() -> None:
     first = await scheduler.acquire(decide)
     assert scheduler.waiting() == 0
     queued = [asyncio.create_task(scheduler.acquire(decide)) for _ in range(3)]
-    await asyncio.sleep(0.01)
-    assert scheduler.waiting() == 3
+    await until(lambda: scheduler.waiting() == 3, "three requests wait")
     scheduler.release(first, clean=True)  # the first waiter gets the slot
-    await asyncio.sleep(0.01)
-    assert scheduler.waiting() == 2
+    await until(lambda: scheduler.waiting() == 2, "two requests wait")
     for task in queued:
         task.cancel()
     await asyncio.gather(*queued, return_exceptions=True)
@@ -60,7 +59,7 @@ async def test_a_release_re_decides_waiters_only_while_a_slot_is_free() -> None:
 
     first = await scheduler.acquire(decider(0))
     queued = [asyncio.create_task(scheduler.acquire(decider(n))) for n in (1, 2, 3)]
-    await asyncio.sleep(0.01)
+    await until(lambda: scheduler.waiting() == 3, "three requests wait")
     decided.clear()
     scheduler.release(first, clean=True)
     # The first waiter takes the freed slot; the fleet is full again, so the others are not
@@ -95,7 +94,7 @@ async def test_a_release_asks_waiters_only_until_the_freed_slot_is_taken() -> No
         asyncio.create_task(scheduler.acquire(decider(name, takes)))
         for name, takes in (("a", False), ("b", True), ("c", True))
     ]
-    await asyncio.sleep(0.01)
+    await until(lambda: scheduler.waiting() == 3, "three requests wait")
     decided.clear()
     scheduler.release(second, clean=True)
     assert decided == ["a", "b"]

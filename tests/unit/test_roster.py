@@ -19,6 +19,7 @@ from proxy.roster import Roster
 from proxy.shared_state import SharedState
 from proxy.state import InMemoryStateStore
 from proxy.state.base import Beat
+from tests.waiting import until
 
 KEY = b"replicas' shared secret"
 UNDECODABLE = "x|99999999999|\ufffd"  # b"x|99999999999|\xff" as the store's reply is decoded
@@ -81,10 +82,7 @@ async def _run(store: Poisoned) -> asyncio.Task[None]:
     shared = SharedState(store, Fleet(["b"]), metrics, time.time, enabled=True, secret=KEY)
     shared._held.add(("b", 0))  # a lease it keeps renewing
     task = asyncio.create_task(shared.maintain(lambda: None, every=0.01))
-    for _ in range(200):
-        await asyncio.sleep(0.01)
-        if store.beats >= 6 or task.done():
-            break
+    await until(lambda: store.beats >= 6 or task.done(), "six maintenance rounds")
     shared.stopped = True
     await asyncio.wait([task], timeout=1.0)
     return task

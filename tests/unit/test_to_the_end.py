@@ -11,9 +11,11 @@ from proxy.streaming import to_the_end
 
 async def test_work_finishes_and_handler_returns_when_cancelled_meanwhile() -> None:
     done: list[str] = []
+    started, finish = asyncio.Event(), asyncio.Event()
 
     async def bookkeeping() -> str:
-        await asyncio.sleep(0.05)
+        started.set()
+        await finish.wait()
         done.append("recorded")
         return "ok"
 
@@ -21,8 +23,11 @@ async def test_work_finishes_and_handler_returns_when_cancelled_meanwhile() -> N
         return await to_the_end(bookkeeping())
 
     task = asyncio.create_task(handler())
-    await asyncio.sleep(0.01)
+    await started.wait()
     task.cancel()  # what aiohttp does when the client closes its connection
+    await asyncio.sleep(0)  # the cancel lands while the work runs
+    assert not task.done()
+    finish.set()
     assert await task == "ok"
     assert done == ["recorded"]
 

@@ -202,7 +202,12 @@ async def test_sessions_arriving_together_save_the_shared_prefix_once(
     server: each goes to an empty slot; one prefills and saves the system prompt, the other
     waits for that save and restores it instead of prefilling it too."""
     server = llama_servers(slots=3)
-    client = await proxy([server], disk=disk(server), health={"interval_seconds": 0.2})
+    # the second waits for the first's save as long as the save takes: on a busy CPU the
+    # prefill and save outlast the 5 s default bound, and the second prefills for itself
+    patient = {"max_slot_wait_seconds": 60.0}
+    client = await proxy(
+        [server], disk=disk(server), health={"interval_seconds": 0.2}, routing=patient
+    )
     await post(client, turn(0))  # the window learns the agent's prompt shape
     processed = server_metric(server, "llamacpp:prompt_tokens_total")
     answers = await asyncio.gather(post(client, turn(1)), post(client, turn(2)))

@@ -11,7 +11,9 @@ import aiohttp
 import pytest
 import redis
 
+from tests.conftest import until_listed
 from tests.real.stack import ProxyProcess, _wait_http
+from tests.waiting import ADMIN, admin_view, until, until_metric
 
 TTL = "2"
 
@@ -77,6 +79,11 @@ async def test_replicas_never_pin_a_slot_twice_and_dead_leases_expire(
             proxy.stop()
 
 
+async def settled(client: Any, server: Any) -> bool:
+    """No slot of ``server`` drains in the view of the replica behind ``client``."""
+    return all(s["phase"] != "draining" for s in (await admin_view(client, server))["slots"])
+
+
 async def test_replicas_that_lose_redis_split_a_real_servers_slots(
     llama_servers: Any, proxy: Any, redis_server: Any
 ) -> None:
@@ -84,9 +91,16 @@ async def test_replicas_that_lose_redis_split_a_real_servers_slots(
     each replica pins only its own part of the slots (heartbeats told them of each other),
     so concurrent requests through both never share a slot, and all are served."""
     server = llama_servers(slots=4)
-    a, b = [await proxy([server.url], redis_url=redis_server.url) for _ in range(2)]
-    await asyncio.sleep(1.2)  # two heartbeats: each has read the other
+    patient = {"max_wait_seconds": 60.0}  # the second four wait for the first: on a busy CPU
+    # that outlasts the tests' 5 s bound, which this test is not about
+    urls, options = [server.url], {"admin_token": ADMIN, "queue": patient}
+    pair = [await proxy(urls, redis_url=redis_server.url, **options) for _ in "ab"]
+    a, b = pair
+    await until_listed([str(c.make_url("")).rstrip("/") for c in pair])  # each read the other
     redis_server.stop()
+    for client in pair:  # each has seen the outage and drained what it may not pin
+        await until_metric(client, "llama_cache_proxy_state_store_up", lambda n: n == 0)
+        await until(lambda c=client: settled(c, server), "the replica drains after the outage")
     bodies = [
         {"messages": [{"role": "user", "content": f"Say hello number {i}."}], "max_tokens": 16}
         for i in range(8)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from proxy.core.routing import Reason
+from proxy.core.routing import KeyOutcome, Reason
 from proxy.core.slots import SlotPhase
 from proxy.core.usage import Usage
 from proxy.upstream import ROUTES, SlotUse
@@ -58,7 +58,7 @@ _LATENCY_BUCKETS = (
 KNOWN: dict[str, tuple[str, ...]] = {
     "rejected": ("no_backend", "queue_full", "wait_timeout"),
     "route_decisions": tuple(r.value for r in Reason),
-    "cache_key": ("reuse", "unsafe", "busy", "outmatched"),
+    "cache_key": tuple(KeyOutcome),
     "route_predictions": ("accurate", "over", "under"),
     "forwards": ("sent", "unreachable", "received", "rejected"),
     "disk_events": (

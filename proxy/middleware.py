@@ -24,6 +24,7 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from aiohttp import web
@@ -49,6 +50,14 @@ log = logging.getLogger("proxy.access")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+class Ending(StrEnum):
+    """How a response ended, for the access log's ``outcome``."""
+
+    COMPLETE = "complete"
+    UPSTREAM_ERROR = "upstream_error"  # the backend failed after the status line said 200
+    CLIENT_GONE = "client_gone"  # the client left first (status 499)
+
+
 @dataclass
 class RequestRecord:
     request_id: str
@@ -58,7 +67,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     route_s: float | None = None  # fingerprinting and planning, before asking for a slot
-    outcome: str = "complete"  # or upstream_error, client_gone
+    outcome: Ending = Ending.COMPLETE
     queue_s: float | None = None  # from asking for a slot to holding one (decisions included)
     relayed: bool = False  # sent to the replica that served it, which counts it in requests
 
@@ -195,7 +204,7 @@ def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middle
                 metrics.requests.labels(endpoint, str(status)).inc()
             metrics.duration.labels(endpoint).observe(elapsed)
             if status == 499:
-                record.outcome = "client_gone"
+                record.outcome = Ending.CLIENT_GONE
             _log(request, record, status, elapsed)
 
     return middleware

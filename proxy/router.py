@@ -36,7 +36,7 @@ from proxy.core.isolation import salt, tenant_of
 from proxy.core.raw_blocks import fingerprint_raw
 from proxy.core.request_body import is_chat, raw_prompt, type_error
 from proxy.core.returns import SCAN, ReturnTracker
-from proxy.core.routing import Decision, Reason, route
+from proxy.core.routing import Decision, KeyOutcome, Reason, route
 from proxy.core.scoring import RamView
 from proxy.core.usage import Reply, Usage
 from proxy.core.waiting import Depths
@@ -304,7 +304,7 @@ class Router:
         m.route_decisions.labels(decision.reason.value).inc()
         if decision.key_outcome is not None:
             m.cache_key.labels(decision.key_outcome).inc()
-            if decision.key_outcome == "busy":
+            if decision.key_outcome is KeyOutcome.BUSY:
                 log.info("ignoring busy cache_key slot; routed by %s", decision.reason.value)
         predicted = self._in_backend_tokens(decision)
         m.predicted_tokens.labels(label).inc(predicted)

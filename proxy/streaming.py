@@ -52,7 +52,7 @@ from proxy.core.anthropic_reply import StreamReply, reply_body, sse_error
 from proxy.core.headers import client_response_headers
 from proxy.core.usage import Reply, SseScanner, Usage, read_body
 from proxy.errors import sse_error_event
-from proxy.middleware import RECORD
+from proxy.middleware import RECORD, Ending
 from proxy.upstream import translate_stream_error
 
 
@@ -133,7 +133,7 @@ async def _relay_stream(
             raise  # the client left: nothing to tell it
         if not recorded:
             on_usage(outcome)
-        request[RECORD].outcome = "upstream_error"  # logged: the status line said 200
+        request[RECORD].outcome = Ending.UPSTREAM_ERROR  # logged: the status line said 200
         error = translate_stream_error(exc)
         if translator is not None:
             await response.write(sse_error(error.status, error.message))

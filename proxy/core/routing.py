@@ -87,7 +87,7 @@ from proxy.core.scoring import (
 from proxy.core.snapshots import Offer
 from proxy.core.waiting import Fleetview, crowded, hit_floor, spare_parked, worth_waiting
 
-__all__ = ["Decision", "Reason", "RoutingParams", "predicted_reuse", "route"]
+__all__ = ["Decision", "KeyOutcome", "Reason", "RoutingParams", "predicted_reuse", "route"]
 
 
 class Reason(StrEnum):
@@ -98,13 +98,22 @@ class Reason(StrEnum):
     WAIT = "wait"
 
 
+class KeyOutcome(StrEnum):
+    """What became of a keyed request's cache_key affinity (step 2)."""
+
+    REUSE = "reuse"  # its mapped slot, idle and really the session's
+    BUSY = "busy"  # its mapped slot was busy
+    UNSAFE = "unsafe"  # too small an overlap: routed by prefix
+    OUTMATCHED = "outmatched"  # another idle slot scored higher: routed by prefix
+
+
 @dataclass(frozen=True)
 class Decision:
     placement: Placement | None  # None when waiting for ``wait_for``
     reason: Reason
     predicted: int
     wait_for: tuple[int, int] | None = None
-    key_outcome: str | None = None  # reuse | busy | unsafe, for keyed requests
+    key_outcome: KeyOutcome | None = None  # for keyed requests
     restore: Offer | None = None  # restore this disk snapshot into the slot first
     until: float | None = None  # waiting for a held slot: its hold ends then
 
@@ -124,7 +133,7 @@ def _ranking(remote: frozenset[int]) -> Callable[[Candidate], Rank]:
     return rank
 
 
-def _place(candidate: Candidate, reason: Reason, key: str | None = None) -> Decision:
+def _place(candidate: Candidate, reason: Reason, key: KeyOutcome | None = None) -> Decision:
     c = candidate
     placement = Placement(c.backend.index, (c.slot.id,), c.slot.id, c.loads)
     if candidate.restore is not None and reason is Reason.PREFIX:
@@ -139,19 +148,19 @@ def _affinity(
     now: float,
     params: RoutingParams,
     disk: Mapping[int, Offer],
-) -> tuple[Candidate | None, str]:
+) -> tuple[Candidate | None, KeyOutcome]:
     index, slot_id = hint
     if index >= len(backends) or slot_id >= len(backends[index].slots):
-        return None, "unsafe"
+        return None, KeyOutcome.UNSAFE
     backend, slot = backends[index], backends[index].slots[slot_id]
     if backend.phase is not BackendPhase.READY or slot.phase is not SlotPhase.IDLE:
-        return None, "busy"
+        return None, KeyOutcome.BUSY
     ram, load = ram_view(fp, backend), backend.busy_count()
     found = candidate(fp, backend, slot, now, params, ram, load, disk.get(index))
     similar = fp.total > 0 and found.reuse / fp.total >= params.key_similarity
     if similar and found.reuse >= params.key_min_prefix:
-        return found, "reuse"
-    return None, "unsafe"
+        return found, KeyOutcome.REUSE
+    return None, KeyOutcome.UNSAFE
 
 
 def route(
@@ -211,7 +220,7 @@ def route(
     if keyed is not None:
         if all(c.score <= keyed.score for c in idle):
             return _place(keyed, Reason.AFFINITY, key)
-        key = "outmatched"  # another idle slot scores higher: route by prefix
+        key = KeyOutcome.OUTMATCHED  # another idle slot scores higher: route by prefix
     if spared and len(spared) == len(free):
         until = min(held_until(b, s, hold) for b, s in free)
         return Decision(None, Reason.WAIT, 0, (free[0][0].index, free[0][1].id), key, until=until)

@@ -49,7 +49,7 @@ def _fleet_view(decision: Decision, fp: Fingerprint, backends: list[BackendState
     lines = [
         f"  decided {decision.reason}, predicted {decision.predicted} (estimate) of "
         f"{fp.total}, on backend {backend.index} slot {slot.id}"
-        + (f", loading a RAM entry of {placement.loads.content.total}" if placement.loads else "")
+        + (f", loading a RAM entry of {ram.content.total}" if (ram := placement.from_ram) else "")
     ]
     content = slot.content
     if content is not None:
@@ -71,7 +71,7 @@ def _fleet_view(decision: Decision, fp: Fingerprint, backends: list[BackendState
     view = scoring.ram_view(fp, backend)
     serving = [(i, s) for i, s in enumerate(view.served) if s[0] > 0]
     lines.append(
-        f"  RAM cache: {len(backend.ghosts)} entries, serving the prompt (index oldest "
+        f"  RAM cache: {len(backend.ram_entries)} entries, serving the prompt (index oldest "
         f"first: tokens, length): {serving[:8]}"
     )
     return "\n".join(lines)

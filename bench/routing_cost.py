@@ -27,9 +27,9 @@ import statistics
 import time
 
 from proxy.core.fingerprint import Fingerprint, fingerprint_chat
-from proxy.core.fleet import GHOST_LIMIT as LIMIT
+from proxy.core.fleet import RAM_ENTRY_LIMIT as LIMIT
 from proxy.core.fleet import BackendPhase, Fleet, Probe, SlotPhase, SlotProbe
-from proxy.core.ram_cache import Parked
+from proxy.core.ram_cache import RamEntry
 from proxy.core.raw_blocks import fingerprint_text
 from proxy.core.routing import RoutingParams, route
 from proxy.core.waiting import Depths
@@ -63,8 +63,8 @@ def fleet_with_sessions(counter: TokenCounter, parked: int = 0, strangers: bool 
         fleet.apply_probe(index, probe, now=0.0)
         for slot in fleet.backends[index].slots:
             slot.content = fingerprint_chat(conversation(2000 + 100 * slot.id), counter.count)
-        fleet.backends[index].ghosts = [
-            Parked(fingerprint_chat(entry(f"{index}/{k}", strangers), counter.count), 0)
+        fleet.backends[index].ram_entries = [
+            RamEntry(fingerprint_chat(entry(f"{index}/{k}", strangers), counter.count), 0)
             for k in range(parked)
         ]
     return fleet

@@ -14,7 +14,7 @@ a slot is not IDLE (ours, another replica's, draining, or busy with traffic not 
 idle backend is probed by ``/health`` and ``/props``, which carries ``is_sleeping``: going to
 sleep destroys the server's context, so every slot's content and the RAM cache are forgotten.
 
-Each backend's RAM prompt cache is modelled (``core.ram_cache``) up to ``GHOST_LIMIT`` entries
+Each backend's RAM prompt cache is modelled (``core.ram_cache``) up to ``RAM_ENTRY_LIMIT`` entries
 or its token budget (the server bounds it only by memory: a model of fewer entries forgets
 prefixes the server still holds); O(1) per entry unless the prompt shares a quarter of it.
 """
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint
-from proxy.core.ram_cache import Parked
+from proxy.core.ram_cache import RamEntry
 from proxy.core.slots import (
     BackendPhase,
     BackendState,
@@ -39,7 +39,7 @@ from proxy.core.slots import (
 )
 
 __all__ = [
-    "GHOST_LIMIT",
+    "RAM_ENTRY_LIMIT",
     "BackendPhase",
     "BackendState",
     "Fleet",
@@ -51,7 +51,7 @@ __all__ = [
     "SlotState",
 ]
 
-GHOST_LIMIT = 256
+RAM_ENTRY_LIMIT = 256
 
 
 class Fleet:
@@ -62,7 +62,7 @@ class Fleet:
         labels: Sequence[str],
         exact: Sequence[bool] = (),
         ram: Sequence[bool] = (),
-        ghost_limit: int = GHOST_LIMIT,
+        ram_entry_limit: int = RAM_ENTRY_LIMIT,
         ram_tokens: Sequence[int | None] = (),
         idle_saves: Sequence[bool] = (),
         unified: Sequence[bool] = (),
@@ -79,7 +79,7 @@ class Fleet:
             )
             for i, label in enumerate(labels)
         ]
-        self._ghost_limit = ghost_limit
+        self._ram_entry_limit = ram_entry_limit
 
     def full(self) -> bool:
         """Some backend is READY and none of those has an IDLE slot: nothing can be placed
@@ -97,9 +97,9 @@ class Fleet:
             slot.phase = SlotPhase.BUSY
             slot.pending = content if slot_id == placement.pin else None
             if backend.ram and slot_id == placement.pin and content is not None:
-                parked = _parked_by(backend, slot, content)
-                self._park(backend, parked, content)  # (entries the slot now holds go)
-                backend.ghosts = ram_cache.without(backend.ghosts, placement.loads)
+                parked = _ram_entry_of(backend, slot, content)
+                self._save_to_ram(backend, parked, content)  # (entries the slot now holds go)
+                backend.ram_entries = ram_cache.without(backend.ram_entries, placement.from_ram)
             slot.last_used = now
         backend.unread = True
         self._save_idle(backend)
@@ -140,26 +140,28 @@ class Fleet:
                 continue
             before, slot.content = slot.content, content if content is not None else pending
             if backend.ram and pending is None:  # else parked when claimed
-                entry = backend.parked(before, parked_at, slot.n_tokens) if before else None
-                self._park(backend, entry, slot.content)
+                entry = backend.ram_entry(before, parked_at, slot.n_tokens) if before else None
+                self._save_to_ram(backend, entry, slot.content)
             slot.n_tokens = n_tokens or 0  # a length the response did not report is unknown
 
     def _save_idle(self, backend: BackendState) -> None:
         """A task started: with ``--cache-idle-slots`` the server saves each idle slot (and
         clears it too with unified KV, where its cells are room for the others)."""
         for idle in backend.idle_slots() if backend.ram and backend.idle_saves else ():
-            if idle.content is not None and not _saved(idle, backend.ghosts):
-                self._park(backend, backend.parked(idle.content, idle.last_used, idle.n_tokens))
+            if idle.content is not None and not _saved(idle, backend.ram_entries):
+                self._save_to_ram(
+                    backend, backend.ram_entry(idle.content, idle.last_used, idle.n_tokens)
+                )
                 # saving it again changes nothing while the cache is this same list
-                idle.saved = (idle.content, backend.ghosts)
+                idle.saved = (idle.content, backend.ram_entries)
             if backend.unified:
                 idle.content, idle.n_tokens = None, 0
 
-    def _park(
-        self, backend: BackendState, before: Parked | None, after: Fingerprint | None = None
+    def _save_to_ram(
+        self, backend: BackendState, before: RamEntry | None, after: Fingerprint | None = None
     ) -> None:
-        limit, budget = self._ghost_limit, backend.ram_tokens
-        backend.ghosts = ram_cache.park(backend.ghosts, before, after, limit, budget)
+        limit, budget = self._ram_entry_limit, backend.ram_tokens
+        backend.ram_entries = ram_cache.park(backend.ram_entries, before, after, limit, budget)
 
     def is_draining(self, index: int) -> bool:
         b = self.backends[index]
@@ -197,9 +199,9 @@ class Fleet:
                 slot.phase, slot.last_used = SlotPhase.IDLE, max(slot.last_used, now)
             found = records.get(slot.id)
             if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
-                parked = _parked_by(backend, slot, found[0]) if backend.ram else None
+                parked = _ram_entry_of(backend, slot, found[0]) if backend.ram else None
                 if parked is not None:
-                    self._park(backend, parked, found[0])
+                    self._save_to_ram(backend, parked, found[0])
                 if slot.content is None or slot.content.hashes != found[0].hashes:
                     slot.owner = None  # written through another replica: tenant unknown
                 slot.content, slot.n_tokens, slot.record_at = found
@@ -222,7 +224,7 @@ class Fleet:
         if restarted:
             backend.epoch += 1
             backend.max_task_id = -1
-            backend.ghosts = []
+            backend.ram_entries = []
             self._reset_slots(backend, len(probe.slots))
         slept, backend.asleep = probe.sleeping and not backend.asleep, probe.sleeping
         if slept:
@@ -243,7 +245,7 @@ class Fleet:
     @staticmethod
     def _forget(backend: BackendState) -> None:
         """It went to sleep: its KV and RAM cache are gone, and nothing runs on it."""
-        backend.ghosts = []
+        backend.ram_entries = []
         for slot in backend.slots:
             slot.content, slot.n_tokens, slot.owner = None, 0, None
             if slot.phase in (SlotPhase.DRAINING, SlotPhase.EXTERNAL):
@@ -277,7 +279,7 @@ class Fleet:
         slot.n_tokens = seen.n_tokens
 
 
-def _parked_by(backend: BackendState, slot: SlotState, prompt: Fingerprint) -> Parked | None:
+def _ram_entry_of(backend: BackendState, slot: SlotState, prompt: Fingerprint) -> RamEntry | None:
     """What the server parks in RAM as a task with ``prompt`` starts on ``slot``: the slot's
     content, when the prompt keeps less than half of it (else its hook does not run); it
     also moves the entry it loads into the slot, so an evicted session finds its content
@@ -285,7 +287,7 @@ def _parked_by(backend: BackendState, slot: SlotState, prompt: Fingerprint) -> P
     old = slot.content
     if old is None or not ram_cache.hook_runs(old, prompt, backend.kv_estimate(old, slot.n_tokens)):
         return None
-    return backend.parked(old, slot.last_used, slot.n_tokens)
+    return backend.ram_entry(old, slot.last_used, slot.n_tokens)
 
 
 def _reconcile(slot: SlotState, seen_tokens: int) -> None:
@@ -301,9 +303,9 @@ def _reconcile(slot: SlotState, seen_tokens: int) -> None:
     slot.content = Fingerprint(content.hashes[:segments], content.tokens[:segments], content.anchor)
 
 
-def _saved(slot: SlotState, ghosts: list[Parked]) -> bool:
+def _saved(slot: SlotState, ram_entries: list[RamEntry]) -> bool:
     """Whether ``slot`` was last saved to the RAM cache with this content into this very
-    cache list (``BackendState.ghosts`` is replaced on every change, never changed in
+    cache list (``BackendState.ram_entries`` is replaced on every change, never changed in
     place): saving it again would change nothing."""
     saved = slot.saved
-    return saved is not None and saved[0] is slot.content and saved[1] is ghosts
+    return saved is not None and saved[0] is slot.content and saved[1] is ram_entries

@@ -2,7 +2,7 @@
 
 The server keeps saved slot states in a list, oldest first (server-task.cpp,
 ``server_prompt_cache``); the proxy keeps the same list per backend, of fingerprints
-(``Parked``: what was saved, when its slot was last used, and its size in the server's own
+(``RamEntry``: what was saved, when its slot was last used, and its size in the server's own
 tokens: the slot's real KV length when known, which the byte budget is counted in; the
 fingerprint's estimates can be several times off on code).
 
@@ -48,7 +48,7 @@ SURE_CONSULT = 0.4
 
 
 @dataclass(frozen=True)
-class Parked:
+class RamEntry:
     content: Fingerprint
     at: float  # last use of the slot it came from: its recency weights losing it
     size: int | None = None  # tokens it takes in the cache (None: the fingerprint's estimate)
@@ -64,7 +64,7 @@ class Parked:
         return self.content.total if self.size is None else self.size
 
 
-def shared_segments(fp: Fingerprint, entries: Sequence[Parked]) -> tuple[int, ...]:
+def shared_segments(fp: Fingerprint, entries: Sequence[RamEntry]) -> tuple[int, ...]:
     """Segments ``fp`` shares with each entry; 0 for one it shares less than a quarter of,
     which the server never loads. One hash compare at the entry's quarter decides that (chain
     hashes cover whole prefixes) and one more at the next segment finds the usual case, a
@@ -134,8 +134,8 @@ def covers(entry: Fingerprint, content: Fingerprint) -> bool:
 
 
 def _make_room(
-    entries: Sequence[Parked], new: Parked, budget: int | None
-) -> tuple[list[Parked], int] | None:
+    entries: Sequence[RamEntry], new: RamEntry, budget: int | None
+) -> tuple[list[RamEntry], int] | None:
     """None when the server skips saving ``new`` (already held, or larger than the whole
     cache); else the entries the save keeps (those ``new`` contains are dropped) and how
     many of their oldest go to make room under ``budget``."""
@@ -152,8 +152,8 @@ def _make_room(
 
 
 def save(
-    entries: Sequence[Parked], new: Parked, limit: int, budget: int | None = None
-) -> list[Parked]:
+    entries: Sequence[RamEntry], new: RamEntry, limit: int, budget: int | None = None
+) -> list[RamEntry]:
     """The cache after saving ``new``; ``budget``: tokens the cache holds (``--cache-ram``
     MiB over the model's KV bytes per token), None for no bound but ``limit`` entries."""
     room = _make_room(entries, new, budget)
@@ -164,7 +164,7 @@ def save(
     return after[-limit:] if limit > 0 else []
 
 
-def evicted_by(entries: Sequence[Parked], new: Parked, budget: int | None) -> int:
+def evicted_by(entries: Sequence[RamEntry], new: RamEntry, budget: int | None) -> int:
     """How many of the oldest entries saving ``new`` evicts (the server saves a pinned
     slot's content *before* it loads an entry, so those cannot be loaded)."""
     if budget is None:
@@ -176,7 +176,7 @@ def evicted_by(entries: Sequence[Parked], new: Parked, budget: int | None) -> in
     return entries.index(kept[gone - 1]) + 1
 
 
-def without(entries: Sequence[Parked], gone: Parked | None) -> list[Parked]:
+def without(entries: Sequence[RamEntry], gone: RamEntry | None) -> list[RamEntry]:
     """The cache after ``gone`` was loaded into a slot (it leaves the cache); the same list
     when nothing left it (as ``park``)."""
     if isinstance(entries, list) and (gone is None or all(e is not gone for e in entries)):
@@ -208,12 +208,12 @@ def needs_park(
 
 
 def park(
-    entries: Sequence[Parked],
-    before: Parked | None,
+    entries: Sequence[RamEntry],
+    before: RamEntry | None,
     after: Fingerprint | None,
     limit: int,
     budget: int | None = None,
-) -> list[Parked]:
+) -> list[RamEntry]:
     """The cache after a task takes a slot: its content ``before`` is saved (None: not, or
     an idle slot's save with ``after`` None); entries the slot's new content ``after``
     contains are dropped (saving the slot later drops them)."""
@@ -226,7 +226,7 @@ def park(
     return entries if same and isinstance(entries, list) else kept
 
 
-def drop_contained(entries: Sequence[Parked], content: Fingerprint | None) -> list[Parked]:
+def drop_contained(entries: Sequence[RamEntry], content: Fingerprint | None) -> list[RamEntry]:
     """The cache without entries ``content`` contains: a slot now holds them, and saving the
     slot later drops them."""
     if content is None:

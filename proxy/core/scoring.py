@@ -7,7 +7,7 @@
    content is a strict prefix of the request: those models cannot roll back into the middle
    of a cached sequence, except to a checkpoint: for a chat content, the start of its last
    user message the request shares.
-   llama-server's host-RAM prompt cache is modelled per backend (``BackendState.ghosts``:
+   llama-server's host-RAM prompt cache is modelled per backend (``BackendState.ram_entries``:
    contents its slots held that were overwritten; ``core.ram_cache``): pinning to a
    non-empty slot that would lose more than half its content makes the server load the
    entry that beats the slot's own content, so a session parked there is predicted to come
@@ -50,7 +50,7 @@ from functools import cached_property
 from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint, common_segments
 from proxy.core.fleet import BackendState, SlotPhase, SlotState
-from proxy.core.ram_cache import Parked
+from proxy.core.ram_cache import RamEntry
 from proxy.core.return_odds import ReturnOdds
 from proxy.core.reuse_rules import checkpoint_reuse
 from proxy.core.slots import kv_length
@@ -82,7 +82,7 @@ class Candidate:
     score: float
     load: int  # busy slots of the backend when the decision was made
     restore: Offer | None = None  # restore this snapshot into the slot first
-    loads: Parked | None = None  # the RAM-cache entry the server will load into the slot
+    from_ram: RamEntry | None = None  # the RAM-cache entry the server will load into the slot
     extends: bool = False  # the prompt extends all of what it reuses: a session continuing
 
 
@@ -91,7 +91,7 @@ class RamView:
     """A backend's RAM-cache entries as one request sees them, oldest first."""
 
     prompt_tokens: int = 0
-    entries: Sequence[Parked] = ()  # the backend's list itself: compared by identity
+    entries: Sequence[RamEntry] = ()  # the backend's list itself: compared by identity
     served: tuple[tuple[int, int], ...] = ()  # (tokens it serves the prompt, its length)
     shared: tuple[int, ...] = ()  # segments each entry shares with the request
     scale: float = 1.0  # the backend's tokens per estimate when ``served`` was measured
@@ -134,7 +134,7 @@ def predicted_reuse(fp: Fingerprint, slot: SlotState, exact: bool, parked: int =
     """Tokens the server will reuse if the request is pinned to ``slot``.
 
     Besides the slot's own content, llama-server's RAM prompt cache (``parked``: the best
-    reuse any entry parked there offers, ``ghost_reuse``) is consulted when the pinned slot
+    reuse any entry parked there offers, ``ram_reuse``) is consulted when the pinned slot
     would lose more than half its content (``f_keep < 0.5``) and is not empty (an empty pinned
     slot skips the cache, upstream #28139).
     """
@@ -173,30 +173,30 @@ def lost_tokens(content: Fingerprint, shared: int, reuse: int, length: int) -> i
 
 def ram_view(fp: Fingerprint, backend: BackendState, before: RamView | None = None) -> RamView:
     """``before``: this request's last view of the backend, reused while its cache is the
-    same list (``BackendState.ghosts`` is replaced, never changed in place) and its token
+    same list (``BackendState.ram_entries`` is replaced, never changed in place) and its token
     scale the same (a sealed entry's length is measured through it): a request that waits is
     decided again on every release, and the cache rarely changed in between."""
-    if not backend.ram or not fp.total or not backend.ghosts:
+    if not backend.ram or not fp.total or not backend.ram_entries:
         return RamView(fp.total)
     scale = backend.token_scale or 1.0
-    if before is not None and before.entries is backend.ghosts and before.scale == scale:
+    if before is not None and before.entries is backend.ram_entries and before.scale == scale:
         return before
-    shared = ram_cache.shared_segments(fp, backend.ghosts)
+    shared = ram_cache.shared_segments(fp, backend.ram_entries)
     # most entries share under a quarter with the request (``shared`` 0): never loaded, so
     # their length is not worked out (``UNSHARED``); the length is the real KV's, as for a
     # slot's own content (``candidate``), whatever the model
     if backend.exact:
         served = tuple(
             (_reuse(fp, e.content, True, n), kv_length(e.content, e.size, scale)) if n else UNSHARED
-            for e, n in zip(backend.ghosts, shared, strict=True)
+            for e, n in zip(backend.ram_entries, shared, strict=True)
         )
     else:  # _reuse without the exact rule, inlined: this runs for every entry of the cache
         tokens, cap = fp.tokens, fp.total - 1
         served = tuple(
             (min(tokens[n - 1], cap), kv_length(e.content, e.size, scale)) if n else UNSHARED
-            for e, n in zip(backend.ghosts, shared, strict=True)
+            for e, n in zip(backend.ram_entries, shared, strict=True)
         )
-    return RamView(fp.total, backend.ghosts, served, shared, scale)
+    return RamView(fp.total, backend.ram_entries, served, shared, scale)
 
 
 def candidate(
@@ -210,7 +210,7 @@ def candidate(
     offer: Offer | None = None,
 ) -> Candidate:
     content = slot.content  # an idle slot: what its KV holds
-    live, direct, shared, consulted, loads, destroyed = 0, 0, 0, False, None, 0.0
+    live, direct, shared, consulted, from_ram, destroyed = 0, 0, 0, False, None, 0.0
     length = 0
     if content is not None and fp.hashes:
         shared = shared_segments(fp, content)
@@ -219,33 +219,33 @@ def candidate(
         consulted = backend.ram and ram_cache.consulted(live, length)
         surely = consulted and ram_cache.consulted(live, length, ram_cache.SURE_CONSULT)
         if ram is not None and surely:
-            saved = backend.parked(content, now, slot.n_tokens)
+            saved = backend.ram_entry(content, now, slot.n_tokens)
             skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
             found = ram_cache.pick(ram.served[skip:], live, length, fp.total, ties=True)
             if found is not None:
                 i = found + skip
-                live, loads = ram.served[i][0], ram.entries[i]
+                live, from_ram = ram.served[i][0], ram.entries[i]
                 destroyed = ram.damage(i, now, params, backend)
     restore = offer if offer is not None and offer.reuse - offer.cost > live else None
     reuse, gain = (restore.reuse, restore.reuse - restore.cost) if restore else (live, live)
     if content is None or not fp.hashes:
         return Candidate(backend, slot, reuse, gain, load, restore)
     if restore is not None:
-        consulted, loads, destroyed = backend.ram, None, 0.0
+        consulted, from_ram, destroyed = backend.ram, None, 0.0
     ours = content.same_conversation(shared)
     # Another conversation's content is parked in host RAM, and can come back later, only
     # when this request keeps less than half of it (the server's own f_keep < 0.5 rule), and
     # so is any content a RAM load displaces; an entry the server loads for this request is
     # overwritten beyond what it shares.
-    discount = params.ram_discount if consulted and (not ours or loads is not None) else 1.0
+    discount = params.ram_discount if consulted and (not ours or from_ram is not None) else 1.0
     # what the slot's own content loses is judged by what the request shares with *it*, not
     # by tokens a RAM entry or a snapshot brings into the slot
     lost = lost_tokens(content, shared, direct, length)
     damage = lost * recency(slot, now, params, backend) * discount + destroyed
     score = gain - params.eviction_weight * damage
-    source = loads.content if loads is not None else content
+    source = from_ram.content if from_ram is not None else content
     extends = restore is None and shared_segments(fp, source) == len(source.hashes) and reuse > 0
-    return Candidate(backend, slot, reuse, score, load, restore, loads, extends)
+    return Candidate(backend, slot, reuse, score, load, restore, from_ram, extends)
 
 
 def once_done(slot: SlotState, now: float) -> SlotState:
@@ -254,7 +254,7 @@ def once_done(slot: SlotState, now: float) -> SlotState:
     return replace(slot, phase=SlotPhase.IDLE, content=slot.expected, last_used=now)
 
 
-def ghost_reuse(fp: Fingerprint, backend: BackendState) -> int:
+def ram_reuse(fp: Fingerprint, backend: BackendState) -> int:
     """What the backend's RAM prompt cache would restore for this request into a slot that
     holds nothing it shares (``core.ram_cache.pick``)."""
     return ram_view(fp, backend).best

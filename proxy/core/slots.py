@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from proxy.core.fingerprint import Fingerprint
-from proxy.core.ram_cache import Parked
+from proxy.core.ram_cache import RamEntry
 from proxy.core.usage import Usage
 
 # A backend's rates (prefill tokens/s, restore bytes/s, a request's hold on its slot) are
@@ -86,7 +86,9 @@ class SlotState:
     owner: str | None = None  # tenant whose request wrote the KV (cache isolation)
     # (content, RAM cache) as this idle slot was last saved to the cache: the same two
     # objects mean the same save, which changes nothing (``Fleet._save_idle``)
-    saved: tuple[Fingerprint, list[Parked]] | None = field(default=None, compare=False, repr=False)
+    saved: tuple[Fingerprint, list[RamEntry]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def expected(self) -> Fingerprint | None:
@@ -113,7 +115,7 @@ class BackendState:
     service_s: float | None = None  # seconds a request holds its slot, claim to release (EMA)
     token_scale: float | None = None  # its tokens per fingerprint estimate (EMA)
     slots: list[SlotState] = field(default_factory=list)
-    ghosts: list[Parked] = field(default_factory=list)  # oldest first; replaced, not mutated
+    ram_entries: list[RamEntry] = field(default_factory=list)  # oldest first; replaced, not mutated
 
     def idle_slots(self) -> list[SlotState]:
         return [s for s in self.slots if s.phase is SlotPhase.IDLE]
@@ -143,8 +145,8 @@ class BackendState:
         if estimate > 0 and usage.prompt_tokens > 0:
             self.token_scale = measured(self.token_scale, usage.prompt_tokens / estimate)
 
-    def parked(self, content: Fingerprint, at: float, n_tokens: int = 0) -> Parked:
-        return Parked(content, at, self.kv_tokens(content, n_tokens))
+    def ram_entry(self, content: Fingerprint, at: float, n_tokens: int = 0) -> RamEntry:
+        return RamEntry(content, at, self.kv_tokens(content, n_tokens))
 
 
 def kv_length(content: Fingerprint, n_tokens: int | None, scale: float) -> int:
@@ -159,7 +161,7 @@ class Placement:
     backend: int
     slots: tuple[int, ...]
     pin: int | None  # the id_slot to send; None when the server must choose
-    loads: Parked | None = None  # the RAM-cache entry the server is predicted to load
+    from_ram: RamEntry | None = None  # the RAM-cache entry the server is predicted to load
 
 
 class NoPlacement(StrEnum):

@@ -97,7 +97,7 @@ def spare_parked(fleet: Fleetview, best: Candidate) -> tuple[tuple[int, int], in
     slot when that makes the server load a parked RAM entry and overwrite more of it than the
     request gains (score below ``-SPARE_PARKED``); not in a saturated fleet, where waiting
     already happens for any saving and idle slots go to the next request."""
-    if best.loads is None or best.score >= -SPARE_PARKED or fleet.saturated:
+    if best.from_ram is None or best.score >= -SPARE_PARKED or fleet.saturated:
         return None
     backends = fleet.backends
     busy = ((b.index, s.id) for b in backends for s in b.slots if s.phase is not SlotPhase.IDLE)

@@ -243,13 +243,13 @@ def test_another_replicas_tasks_change_the_ram_cache_as_ours_do() -> None:
     for slot, content in zip(backend.slots, (x, y), strict=True):
         slot.content, slot.record_at = content, 900.0
     fleet.fold_shared(0, {1}, {}, now=5.0, wall=1000.0)
-    assert [g.content for g in backend.ghosts] == [x]  # the idle slot, saved as the task began
+    assert [g.content for g in backend.ram_entries] == [x]  # the idle slot, saved as the task began
     fleet.fold_shared(0, set(), {1: (z, 60, 1000.5)}, now=6.0, wall=1000.6)
-    assert [g.content for g in backend.ghosts] == [x, y]
+    assert [g.content for g in backend.ram_entries] == [x, y]
     assert backend.slots[1].content == z
     backend.ram = False  # no RAM cache: nothing is parked
     fleet.fold_shared(0, set(), {1: (x, 60, 1001.0)}, now=7.0, wall=1001.1)
-    assert [g.content for g in backend.ghosts] == [x, y]
+    assert [g.content for g in backend.ram_entries] == [x, y]
 
 
 def test_a_slot_someone_else_just_used_counts_as_just_used() -> None:
@@ -328,7 +328,7 @@ def test_idle_slot_saves_fill_a_bounded_ram_cache(idle_saves: bool) -> None:
         fleet.claim(Placement(0, (slot,), slot), now=float(now), content=content)
         fleet.release(Placement(0, (slot,), slot), now + 0.5, clean=True, content=content)
     # beta's return saves gamma first, which pushes out the oldest entry
-    parked = [g.content for g in backend.ghosts]
+    parked = [g.content for g in backend.ram_entries]
     assert parked == ([beta, xi] if idle_saves else [alpha, beta])
 
 
@@ -367,11 +367,11 @@ def test_a_sleeping_backend_forgets_every_slot_and_its_ram_cache_once() -> None:
         fleet.claim(Placement(0, (slot,), slot), now=1.0, content=_fp(word))
         fleet.release(Placement(0, (slot,), slot), now=2.0, clean=True, content=_fp(word))
     backend = fleet.backends[0]
-    assert backend.ghosts
+    assert backend.ram_entries
     assert backend.slots[0].content is not None
     asleep = Probe(BackendPhase.READY, ready_probe(2), read=False, sleeping=True)
     assert fleet.apply_probe(0, asleep, now=3.0)
-    assert (backend.ghosts, [s.content for s in backend.slots]) == ([], [None, None])
+    assert (backend.ram_entries, [s.content for s in backend.slots]) == ([], [None, None])
     assert not fleet.apply_probe(0, asleep, now=4.0)  # still asleep: nothing new lost
     awake = Probe(BackendPhase.READY, ready_probe(2), read=False)
     assert not fleet.apply_probe(0, awake, now=5.0)
@@ -388,5 +388,5 @@ def test_with_unified_kv_an_idle_slot_saved_as_a_task_starts_is_cleared(unified:
     fleet.release(Placement(0, (0,), 0), now=2.0, clean=True, content=_fp("a "), n_tokens=40)
     fleet.claim(Placement(0, (1,), 1), now=3.0, content=_fp("b "))
     slot0 = fleet.backends[0].slots[0]
-    assert [g.content for g in fleet.backends[0].ghosts] == [_fp("a ")]
+    assert [g.content for g in fleet.backends[0].ram_entries] == [_fp("a ")]
     assert (slot0.content, slot0.n_tokens) == ((None, 0) if unified else (_fp("a "), 40))

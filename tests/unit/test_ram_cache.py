@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from proxy.core import ram_cache
 from proxy.core.fingerprint import Fingerprint, common_segments
 from proxy.core.fleet import Placement
-from proxy.core.ram_cache import Parked
+from proxy.core.ram_cache import RamEntry
 from tests.unit.test_routing import fleet, hold
 from tests.unit.test_routing import fp as segments_fp
 
@@ -35,7 +35,7 @@ def test_shared_segments_is_the_common_prefix_of_entries_the_prompt_shares_a_qua
         sizes = data.draw(st.lists(st.integers(1, 50), min_size=len(segs), max_size=len(segs)))
         return chain(segs, sizes)
 
-    request, entries = sized(prompt), [Parked(sized(c), 0.0) for c in contents]
+    request, entries = sized(prompt), [RamEntry(sized(c), 0.0) for c in contents]
     expected = []
     for entry in entries:
         n = common_segments(request.hashes, entry.content.hashes)
@@ -59,53 +59,55 @@ def test_an_entry_must_keep_a_quarter_of_itself_and_beat_the_slot_in_both_shares
 
 
 def test_save_skips_contained_content_drops_entries_it_contains_and_bounds_the_list() -> None:
-    entries = ram_cache.save([], Parked(fp(1, 2), 1.0), limit=3)
-    assert ram_cache.save(entries, Parked(fp(1), 2.0), limit=3) == entries  # already contained
-    longer = ram_cache.save(entries, Parked(fp(1, 2, 3), 2.0), limit=3)
+    entries = ram_cache.save([], RamEntry(fp(1, 2), 1.0), limit=3)
+    assert ram_cache.save(entries, RamEntry(fp(1), 2.0), limit=3) == entries  # already contained
+    longer = ram_cache.save(entries, RamEntry(fp(1, 2, 3), 2.0), limit=3)
     assert [e.content for e in longer] == [fp(1, 2, 3)]  # the prefix entry is dropped
     full = longer
     for i in range(5):
-        full = ram_cache.save(full, Parked(fp(10 + i), 3.0 + i), limit=3)
+        full = ram_cache.save(full, RamEntry(fp(10 + i), 3.0 + i), limit=3)
     assert [e.content for e in full] == [fp(12), fp(13), fp(14)]  # the oldest went
 
 
 def test_a_loaded_entry_leaves_the_cache() -> None:
-    a, b = Parked(fp(1, 2), 1.0), Parked(fp(1, 2), 2.0)
+    a, b = RamEntry(fp(1, 2), 1.0), RamEntry(fp(1, 2), 2.0)
     assert ram_cache.without([a, b], a) == [b]
-    assert ram_cache.drop_contained([a, Parked(fp(7), 3.0)], fp(1, 2, 3)) == [Parked(fp(7), 3.0)]
+    assert ram_cache.drop_contained([a, RamEntry(fp(7), 3.0)], fp(1, 2, 3)) == [
+        RamEntry(fp(7), 3.0)
+    ]
 
 
 def test_budget_skips_an_entry_larger_than_the_cache_and_evicts_the_oldest_to_fit() -> None:
-    entries = ram_cache.save([], Parked(fp(1, 2), 1.0), limit=64, budget=500)  # 200 tokens
-    assert ram_cache.save(entries, Parked(fp(5, 6, 7, 8, 9, 10), 2.0), 64, budget=500) == entries
-    entries = ram_cache.save(entries, Parked(fp(3, 4, 5), 2.0), 64, budget=500)  # 300: fits
+    entries = ram_cache.save([], RamEntry(fp(1, 2), 1.0), limit=64, budget=500)  # 200 tokens
+    assert ram_cache.save(entries, RamEntry(fp(5, 6, 7, 8, 9, 10), 2.0), 64, budget=500) == entries
+    entries = ram_cache.save(entries, RamEntry(fp(3, 4, 5), 2.0), 64, budget=500)  # 300: fits
     assert [e.content for e in entries] == [fp(1, 2), fp(3, 4, 5)]
-    entries = ram_cache.save(entries, Parked(fp(7), 3.0), limit=64, budget=500)
+    entries = ram_cache.save(entries, RamEntry(fp(7), 3.0), limit=64, budget=500)
     assert [e.content for e in entries] == [fp(3, 4, 5), fp(7)]  # the oldest made room
 
 
 def test_sizes_are_the_servers_tokens_when_known() -> None:
     # estimates 100 per segment; the server's real KV lengths are what its byte budget holds
-    entries = ram_cache.save([], Parked(fp(1, 2), 1.0, size=600), limit=64, budget=1000)
-    entries = ram_cache.save(entries, Parked(fp(3), 2.0, size=300), limit=64, budget=1000)
+    entries = ram_cache.save([], RamEntry(fp(1, 2), 1.0, size=600), limit=64, budget=1000)
+    entries = ram_cache.save(entries, RamEntry(fp(3), 2.0, size=300), limit=64, budget=1000)
     assert [e.content for e in entries] == [fp(1, 2), fp(3)]  # 900 of 1000
-    assert ram_cache.evicted_by(entries, Parked(fp(4), 3.0, size=200), budget=1000) == 1
-    assert ram_cache.save(entries, Parked(fp(5), 3.0, size=1200), 64, budget=1000) == entries
+    assert ram_cache.evicted_by(entries, RamEntry(fp(4), 3.0, size=200), budget=1000) == 1
+    assert ram_cache.save(entries, RamEntry(fp(5), 3.0, size=1200), 64, budget=1000) == entries
 
 
 def test_saving_the_pinned_slot_first_evicts_entries_it_then_cannot_load() -> None:
-    entries = [Parked(fp(1, 2), 1.0), Parked(fp(3), 2.0)]  # 300 tokens held
+    entries = [RamEntry(fp(1, 2), 1.0), RamEntry(fp(3), 2.0)]  # 300 tokens held
     evicted = ram_cache.evicted_by
-    assert evicted(entries, Parked(fp(7, 8), 0.0), budget=400) == 1  # fp(1, 2) makes room
-    assert evicted(entries, Parked(fp(7, 8), 0.0), budget=None) == 0
-    assert evicted(entries, Parked(fp(1), 0.0), budget=400) == 0  # already held: not saved
-    assert evicted(entries, Parked(fp(7, 8, 9, 10, 11), 0.0), budget=400) == 0  # too large
-    many = [Parked(fp(i), float(i)) for i in range(10, 20)]  # 1000 tokens held
-    assert evicted(many, Parked(fp(1, 2, 3), 0.0), budget=1000) == 3  # the oldest three go
+    assert evicted(entries, RamEntry(fp(7, 8), 0.0), budget=400) == 1  # fp(1, 2) makes room
+    assert evicted(entries, RamEntry(fp(7, 8), 0.0), budget=None) == 0
+    assert evicted(entries, RamEntry(fp(1), 0.0), budget=400) == 0  # already held: not saved
+    assert evicted(entries, RamEntry(fp(7, 8, 9, 10, 11), 0.0), budget=400) == 0  # too large
+    many = [RamEntry(fp(i), float(i)) for i in range(10, 20)]  # 1000 tokens held
+    assert evicted(many, RamEntry(fp(1, 2, 3), 0.0), budget=1000) == 3  # the oldest three go
 
 
 def test_an_entry_is_loadable_only_by_a_prompt_sharing_a_quarter_of_it() -> None:
-    entry = Parked(fp(1, 2, 3, 4, 5, 6, 7, 8), 1.0)  # 800 tokens: a quarter is 2 segments
+    entry = RamEntry(fp(1, 2, 3, 4, 5, 6, 7, 8), 1.0)  # 800 tokens: a quarter is 2 segments
     assert ram_cache.shared_segments(fp(1, 2, 9), [entry]) == (2,)
     assert ram_cache.shared_segments(fp(1, 9, 9), [entry]) == (0,)  # 100 of 800: never loaded
     assert ram_cache.shared_segments(fp(1), [entry]) == (0,)  # shorter than the quarter
@@ -122,19 +124,19 @@ def test_a_park_that_changes_nothing_keeps_the_list_so_views_of_it_stay_valid() 
     from proxy.core.fleet import BackendState
     from proxy.core.scoring import ram_view
 
-    a, b = Parked(fp(1, 2), 0.0), Parked(fp(3, 4), 0.0)
+    a, b = RamEntry(fp(1, 2), 0.0), RamEntry(fp(3, 4), 0.0)
     entries = [a, b]
-    assert ram_cache.park(entries, Parked(fp(1), 1.0), None, 8) is entries  # a holds it
+    assert ram_cache.park(entries, RamEntry(fp(1), 1.0), None, 8) is entries  # a holds it
     assert ram_cache.park(entries, None, fp(5), 8) is entries
-    changed = ram_cache.park(entries, Parked(fp(6), 1.0), None, 8)
+    changed = ram_cache.park(entries, RamEntry(fp(6), 1.0), None, 8)
     assert changed is not entries
     assert changed[-1].content == fp(6)
-    backend = BackendState(0, "b", ghosts=entries)
+    backend = BackendState(0, "b", ram_entries=entries)
     prompt = fp(1, 2, 9)
     view = ram_view(prompt, backend)
     assert view.best == 200
     assert ram_view(prompt, backend, view) is view
-    backend.ghosts = changed
+    backend.ram_entries = changed
     assert ram_view(prompt, backend, view) is not view
 
 
@@ -147,7 +149,7 @@ def test_a_views_memo_ends_when_the_backends_token_scale_moves() -> None:
     from proxy.core.scoring import ram_view
 
     sealed = replace(fp(1, 2), sealed=True)  # 200 estimated tokens, 800 real ones
-    backend = BackendState(0, "b", ghosts=[Parked(sealed, 0.0, 800)], token_scale=2.0)
+    backend = BackendState(0, "b", ram_entries=[RamEntry(sealed, 0.0, 800)], token_scale=2.0)
     prompt = fp(1, 2, 9)
     view = ram_view(prompt, backend)
     assert view.served[0][1] == 400
@@ -167,13 +169,13 @@ def test_an_exact_backends_entry_is_judged_on_its_real_length_too() -> None:
     from proxy.core.scoring import ram_view
 
     sealed = replace(fp(1, 2), sealed=True)  # 200 estimated tokens, 1000 with its reply
-    entry = Parked(sealed, 0.0, 1000)
+    entry = RamEntry(sealed, 0.0, 1000)
     prompt = fp(1, 2, 9)  # extends the prompt exactly: 200 of 1000 kept, under a quarter
     for exact in (False, True):
-        assert ram_view(prompt, BackendState(0, "b", exact=exact, ghosts=[entry])).best == 0
-    short = Parked(sealed, 0.0, 400)  # 200 of 400 kept: loaded
+        assert ram_view(prompt, BackendState(0, "b", exact=exact, ram_entries=[entry])).best == 0
+    short = RamEntry(sealed, 0.0, 400)  # 200 of 400 kept: loaded
     for exact in (False, True):
-        assert ram_view(prompt, BackendState(0, "b", exact=exact, ghosts=[short])).best == 200
+        assert ram_view(prompt, BackendState(0, "b", exact=exact, ram_entries=[short])).best == 200
 
 
 def test_an_entry_serving_as_far_as_the_slot_may_win_by_tokens_the_segments_do_not_show() -> None:
@@ -212,8 +214,8 @@ def test_a_task_that_changes_nothing_in_the_ram_cache_keeps_its_list() -> None:
     backend = f.backends[0]
     f.claim(Placement(0, (0,), 0), now=100.0, content=segments_fp(10, 20, 30))
     f.release(Placement(0, (0,), 0), now=101.0, clean=True, content=segments_fp(10, 20, 30, 40))
-    cache = backend.ghosts
+    cache = backend.ram_entries
     assert len(cache) == 7  # every other idle slot saved once
     f.claim(Placement(0, (0,), 0), now=102.0, content=segments_fp(10, 20, 30, 40, 50))
-    assert backend.ghosts is cache
+    assert backend.ram_entries is cache
     assert all(s.saved is not None and s.saved[1] is cache for s in backend.slots[1:])

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from proxy.core.fingerprint import Fingerprint
 from proxy.core.fleet import BackendPhase, Fleet, Placement, Probe, SlotProbe
-from proxy.core.ram_cache import Parked
+from proxy.core.ram_cache import RamEntry
 from proxy.core.returns import ReturnTracker, estimate, held, lost_if_evicted
 from proxy.core.routing import Reason, route
 from tests.unit.test_routing import PARAMS, decided, fp
@@ -153,7 +153,7 @@ def test_a_backend_whose_idle_slots_are_held_is_full_for_a_request_its_ram_cache
     for index in (0, 1):
         f.apply_probe(index, Probe(BackendPhase.READY, (SlotProbe(0, False, 0, -1),)), now=0.0)
     left(f, 0, fp(1, 2, 3), at=100.0)
-    f.backends[0].ghosts = [Parked(fp(7, 8), 90.0)]  # the request's session, parked in RAM
+    f.backends[0].ram_entries = [RamEntry(fp(7, 8), 90.0)]  # the request's session, parked in RAM
     d = decided(route(fp(7, 8, 9), f.backends, PARAMS, now=100.01, hold=0.1))
     assert d.reason is Reason.WAIT  # not cold on b1: b0's RAM copy is worth waiting for
     assert d.predicted == 200

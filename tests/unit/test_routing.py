@@ -15,9 +15,9 @@ from proxy.core.fleet import (
     SlotPhase,
     SlotProbe,
 )
-from proxy.core.ram_cache import Parked
+from proxy.core.ram_cache import RamEntry
 from proxy.core.routing import Decision, Reason, RoutingParams, predicted_reuse, route
-from proxy.core.scoring import RamView, ghost_reuse
+from proxy.core.scoring import RamView, ram_reuse
 
 PARAMS = RoutingParams(min_prefix_tokens=16, wait_min_tokens=100)
 USUAL_BAR = replace(PARAMS, short_wait_tokens=0)  # no short queues: the usual bar alone
@@ -250,7 +250,7 @@ def test_queued_requests_make_a_full_backends_ram_copy_worth_any_real_saving() -
     hold(f, 1, 0, fp(1, size=40))  # the same saving in a busy slot: the usual bar
     f.claim(Placement(1, (0,), 0), now=100.0, content=fp(1, size=40))
     f.release(Placement(0, (0,), 0), now=100.0, clean=True, content=fp(9))
-    f.backends[0].ghosts = []  # b0 is idle again; no RAM copy anywhere
+    f.backends[0].ram_entries = []  # b0 is idle again; no RAM copy anywhere
     busy = decided(route(short, f.backends, USUAL_BAR, now=100.0, queued=1))
     assert (busy.reason, busy.placement) == (Reason.COLD, Placement(0, (0,), 0))
     busy = decided(route(prompt, f.backends, USUAL_BAR, now=100.0, queued=5))
@@ -288,12 +288,12 @@ def test_session_evicted_into_ram_is_found_there_while_the_evicting_request_runs
     f.release(Placement(0, (0,), 0), now=101.0, clean=True, content=fp(9, 10))
     back = decided(route(fp(1, 2, 3, 4, 5), f.backends, PARAMS, now=101.0))
     assert back.placement is not None
-    assert back.placement.loads is not None
+    assert back.placement.from_ram is not None
     assert (back.placement.pin, back.predicted) == (0, 400)
-    assert back.placement.loads.content == fp(1, 2, 3, 4)  # the server loads the parked copy
+    assert back.placement.from_ram.content == fp(1, 2, 3, 4)  # the server loads the parked copy
     f.claim(back.placement, now=101.0, content=fp(1, 2, 3, 4, 5))
-    assert [p.content for p in f.backends[0].ghosts] == [fp(9, 10)]  # moved out, slot parked
-    assert not f.backends[1].ghosts
+    assert [p.content for p in f.backends[0].ram_entries] == [fp(9, 10)]  # moved out, slot parked
+    assert not f.backends[1].ram_entries
 
 
 def test_header_only_request_does_not_destroy_a_session_parked_in_ram() -> None:
@@ -303,13 +303,13 @@ def test_header_only_request_does_not_destroy_a_session_parked_in_ram() -> None:
         return replace(fp(*segments), anchor=2)  # system prompt, then the first user message
 
     hold(f, 0, 0, chat(50, 51, 52, 53), at=90.0)  # an unrelated conversation
-    parked = Parked(chat(1, 2, 3, 4), 99.0)  # a session sharing the system prompt 1
-    f.backends[0].ghosts = [parked]
+    parked = RamEntry(chat(1, 2, 3, 4), 99.0)  # a session sharing the system prompt 1
+    f.backends[0].ram_entries = [parked]
     # Pinned to slot 0 (keeps nothing of it), the server would load the parked session for
     # its 100-token header and overwrite the rest: the request takes the empty slot instead.
     d = decided(route(chat(1, 30, 31, 32), f.backends, PARAMS, now=100.0))
     assert d.placement == Placement(0, (1,), 1)
-    assert f.backends[0].ghosts == [parked]
+    assert f.backends[0].ram_entries == [parked]
     # The session itself is served from RAM through the slot that keeps nothing of it.
     back = decided(route(chat(1, 2, 3, 4, 5), f.backends, PARAMS, now=100.0))
     assert back.placement == Placement(0, (0,), 0, parked)
@@ -325,8 +325,8 @@ def test_request_waits_rather_than_make_the_server_destroy_a_parked_session() ->
     hold(f, 0, 0, chat(50, 51, 52, 53), at=90.0)  # the one idle slot: an unrelated conversation
     for slot in (1, 2):
         f.claim(Placement(0, (slot,), slot), now=100.0, content=chat(60 + slot, 70))
-    parked = Parked(chat(1, 2, 3, 4), 99.0)  # a session sharing the 100-token system prompt
-    f.backends[0].ghosts = [parked]
+    parked = RamEntry(chat(1, 2, 3, 4), 99.0)  # a session sharing the 100-token system prompt
+    f.backends[0].ram_entries = [parked]
     # Pinned to slot 0, the server would load the parked session for the header (a quarter of
     # it) and overwrite 300 of its tokens, to save 100: the request waits for another slot.
     request = chat(1, 30, 31, 32, 33, 34, 35, 36)
@@ -336,17 +336,17 @@ def test_request_waits_rather_than_make_the_server_destroy_a_parked_session() ->
     assert late.placement == Placement(0, (0,), 0, parked)  # past the bound it goes ahead
     # the session comes back and takes its copy into slot 1; then the request goes ahead
     f.release(Placement(0, (1,), 1), now=101.0, clean=True, content=chat(1, 2, 3, 4, 5))
-    f.backends[0].ghosts = []
+    f.backends[0].ram_entries = []
     after = decided(route(request, f.backends, PARAMS, now=101.0))
     assert after.placement is not None
-    assert after.placement.loads is None
+    assert after.placement.from_ram is None
 
 
 def test_session_stays_in_its_slot_rather_than_loading_its_ram_copy_elsewhere() -> None:
     f = fleet(2)
     hold(f, 0, 0, fp(50, 51, 52), at=90.0)  # older content of another prompt
     hold(f, 0, 1, fp(1, 2, 3, 4, 5))
-    f.backends[0].ghosts = [Parked(fp(1, 2, 3, 4, 5), 100.0)]  # idle save: a copy of slot 1
+    f.backends[0].ram_entries = [RamEntry(fp(1, 2, 3, 4, 5), 100.0)]  # idle save: a copy of slot 1
     # Loading the copy into slot 0 would serve as much, but parks slot 0's content for
     # nothing (and the copy may not be in RAM yet: idle slots are saved after the load).
     d = decided(route(fp(1, 2, 3, 4, 5, 6), f.backends, PARAMS, now=100.0))
@@ -360,8 +360,8 @@ def test_ram_budget_evicts_the_oldest_parked_session_from_the_model() -> None:
     for content in (fp(3, 4), fp(5)):
         f.claim(Placement(0, (0,), 0), now=100.0, content=content)
         f.release(Placement(0, (0,), 0), now=101.0, clean=True, content=content)
-    assert [p.content for p in f.backends[0].ghosts] == [fp(3, 4)]  # fp(1, 2) made room
-    assert ghost_reuse(fp(1, 2, 9), f.backends[0]) == 0
+    assert [p.content for p in f.backends[0].ram_entries] == [fp(3, 4)]  # fp(1, 2) made room
+    assert ram_reuse(fp(1, 2, 9), f.backends[0]) == 0
 
 
 def test_a_pinned_slot_is_parked_only_when_its_prompt_keeps_less_than_half() -> None:
@@ -371,9 +371,9 @@ def test_a_pinned_slot_is_parked_only_when_its_prompt_keeps_less_than_half() -> 
     # so nothing is saved and the tail the prompt does not share is simply overwritten
     f.claim(Placement(0, (0,), 0), now=101.0, content=fp(1, 2, 3, 9))
     f.release(Placement(0, (0,), 0), now=102.0, clean=True, content=fp(1, 2, 3, 9))
-    assert f.backends[0].ghosts == []
+    assert f.backends[0].ram_entries == []
     f.claim(Placement(0, (0,), 0), now=103.0, content=fp(1, 7))  # keeps 1 of 4: parked
-    assert [p.content for p in f.backends[0].ghosts] == [fp(1, 2, 3, 9)]
+    assert [p.content for p in f.backends[0].ram_entries] == [fp(1, 2, 3, 9)]
 
 
 def test_ram_budget_counts_the_servers_real_lengths() -> None:
@@ -385,7 +385,7 @@ def test_ram_budget_counts_the_servers_real_lengths() -> None:
         f.claim(Placement(0, (0,), 0), now=100.0, content=content)
         f.release(Placement(0, (0,), 0), now=101.0, clean=True, content=content, n_tokens=real)
     # 700 + 600 real tokens do not fit 1000 (their 400 estimated tokens would): the oldest went
-    assert [(p.content, p.size) for p in f.backends[0].ghosts] == [(fp(3, 4), 600)]
+    assert [(p.content, p.size) for p in f.backends[0].ram_entries] == [(fp(3, 4), 600)]
 
 
 def test_a_saving_stays_on_its_loaded_backend() -> None:
@@ -511,8 +511,8 @@ def test_property_the_memo_of_ram_views_changes_no_decision(
     chains = st.lists(st.integers(1, 4), min_size=1, max_size=5).map(lambda c: fp(*c))
     for backend in f.backends:
         backend.ram = ram
-        parked = st.builds(Parked, chains, st.floats(0, 100))
-        backend.ghosts = data.draw(st.lists(parked, max_size=4))
+        parked = st.builds(RamEntry, chains, st.floats(0, 100))
+        backend.ram_entries = data.draw(st.lists(parked, max_size=4))
     views: dict[int, RamView] = {}
 
     def both() -> Decision | NoPlacement:
@@ -553,12 +553,12 @@ def test_property_no_fewer_reused_tokens_without_a_reason(
 
 def test_ram_cache_takes_entries_oldest_first_when_they_beat_the_best_so_far() -> None:
     f = fleet(1)
-    older, newer = Parked(fp(1, 2, 3, 8), 1.0), Parked(fp(1, 2, 3, 4, 9, 10, 11, 12), 2.0)
-    f.backends[0].ghosts = [older, newer]  # oldest first, like the server's list
+    older, newer = RamEntry(fp(1, 2, 3, 8), 1.0), RamEntry(fp(1, 2, 3, 4, 9, 10, 11, 12), 2.0)
+    f.backends[0].ram_entries = [older, newer]  # oldest first, like the server's list
     # older: keeps 300/400, similarity 300/500; newer keeps only 400/800: not better in both
-    assert ghost_reuse(fp(1, 2, 3, 4, 5), f.backends[0]) == 300
-    f.backends[0].ghosts = [newer]
-    assert ghost_reuse(fp(1, 2, 3, 4, 5), f.backends[0]) == 400
+    assert ram_reuse(fp(1, 2, 3, 4, 5), f.backends[0]) == 300
+    f.backends[0].ram_entries = [newer]
+    assert ram_reuse(fp(1, 2, 3, 4, 5), f.backends[0]) == 400
 
 
 def test_a_parked_raw_prompt_is_loadable_only_by_its_real_length_with_the_reply() -> None:
@@ -570,7 +570,7 @@ def test_a_parked_raw_prompt_is_loadable_only_by_its_real_length_with_the_reply(
         f = fleet(1)
         hold(f, 0, 0, fp(9))  # another conversation: pinning the slot consults the cache
         parked = replace(fp(1, size=16), sealed=True)  # a raw prompt, kept with its reply
-        f.backends[0].ghosts = [Parked(parked, 50.0, size=size)]
+        f.backends[0].ram_entries = [RamEntry(parked, 50.0, size=size)]
         assert decided(route(request, f.backends, PARAMS, now=100.0)).predicted == predicted
 
 
@@ -582,7 +582,7 @@ def test_a_slot_whose_reply_the_prompt_does_not_keep_is_parked_by_its_real_lengt
     hold(f, 0, 0, replace(fp(1, size=16), sealed=True))  # as a raw prompt's reply leaves it
     f.backends[0].slots[0].n_tokens = 80
     f.claim(Placement(0, (0,), 0), now=101.0, content=Fingerprint(fp(1, 2, 3).hashes, (16, 32, 49)))
-    assert [p.content.hashes for p in f.backends[0].ghosts] == [fp(1).hashes]
+    assert [p.content.hashes for p in f.backends[0].ram_entries] == [fp(1).hashes]
 
 
 def test_a_load_is_counted_on_only_when_the_slot_keeps_well_under_half() -> None:
@@ -600,8 +600,8 @@ def test_a_load_is_counted_on_only_when_the_slot_keeps_well_under_half() -> None
     ):
         f = fleet(1)
         hold(f, 0, 0, content)
-        f.backends[0].ghosts = [
-            Parked(Fingerprint(fp(1, 2, 3, 4, 5).hashes, prompt.tokens[:5]), 50.0)
+        f.backends[0].ram_entries = [
+            RamEntry(Fingerprint(fp(1, 2, 3, 4, 5).hashes, prompt.tokens[:5]), 50.0)
         ]
         d = decided(route(prompt, f.backends, PARAMS, now=100.0))
         assert (d.reason, d.placement is not None, d.predicted) == (Reason.PREFIX, True, predicted)
@@ -622,7 +622,7 @@ def test_a_backend_whose_free_slots_cannot_load_its_ram_copy_is_waited_for() -> 
     f.release(Placement(0, (1,), 1), now=101.0, clean=True, content=fp(70, 71, 72, size=40))
     d = decided(route(prompt, f.backends, PARAMS, now=101.0))
     assert d.placement is not None
-    assert d.placement.loads is not None
+    assert d.placement.from_ram is not None
     assert (d.placement.backend, d.placement.pin, d.predicted) == (0, 1, 240)
 
 
@@ -634,13 +634,13 @@ def test_a_parked_turn_the_server_may_load_in_a_tie_is_counted_as_loaded() -> No
     it stayed as a phantom that the session's next turn was routed to and missed."""
     f = fleet(1)
     hold(f, 0, 0, fp(1, 50, 51, 52))
-    parked = Parked(fp(1, 60, 61), 90.0)
-    f.backends[0].ghosts = [parked]
+    parked = RamEntry(fp(1, 60, 61), 90.0)
+    f.backends[0].ram_entries = [parked]
     d = decided(route(fp(1, 70, 71, 72), f.backends, PARAMS, now=100.0))
     assert d.placement is not None
-    assert d.placement.loads == parked
+    assert d.placement.from_ram == parked
     f.claim(d.placement, now=100.0, content=fp(1, 70, 71, 72))
-    assert parked not in f.backends[0].ghosts
+    assert parked not in f.backends[0].ram_entries
 
 
 @st.composite
@@ -660,8 +660,8 @@ def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | 
     chains = st.lists(st.integers(1, 4), min_size=1, max_size=5).map(chain)
     for backend in f.backends:
         backend.ram = draw(st.booleans())
-        parked = st.builds(Parked, chains, st.floats(0, 100))
-        backend.ghosts = draw(st.lists(parked, max_size=3))
+        parked = st.builds(RamEntry, chains, st.floats(0, 100))
+        backend.ram_entries = draw(st.lists(parked, max_size=3))
         for slot in backend.slots:
             slot.phase = draw(st.sampled_from(list(SlotPhase)))
             slot.content = draw(st.none() | chains)

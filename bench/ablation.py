@@ -1,10 +1,10 @@
 """Ablation of the routing rules: which of them move the hit rate or the latency in the replay.
 
-Each ablation takes one rule of ``proxy.core.routing`` / ``core.waiting`` / ``core.scoring``
-away, either through a routing setting or by patching, in-process, the name where the router
-uses it (``routing.spare_parked``, not ``waiting.spare_parked``: routing imports it by name),
-and runs policy ``ours`` of ``bench.replay`` (same fakes, same default timing, the hit rate
-read from the fakes' counters) on a few trace rows; ``baseline`` runs unpatched. Runs go in
+Each ablation takes one rule of ``proxy.core.routing.decision`` / ``core.routing.waiting`` /
+``core.routing.scoring`` away, either through a routing setting or by patching, in-process, the name
+where the router uses it (``routing.spare_parked``, not ``waiting.spare_parked``: routing imports it
+by name), and runs policy ``ours`` of ``bench.replay`` (same fakes, same default timing, the hit
+rate read from the fakes' counters) on a few trace rows; ``baseline`` runs unpatched. Runs go in
 rounds, every variant once per round (as ``bench.replay``), so drift is shared; the baseline
 runs at least twice so that its run-to-run spread is visible. A patched rule counts the calls
 whose value it changed (it differs from the unpatched function's on the same inputs): one
@@ -35,9 +35,10 @@ from unittest import mock
 
 from bench import replay
 from bench.results_io import load, print_markdown, save
-from proxy import config_sections
-from proxy.core import routing, waiting
-from proxy.core.fleet import BackendState, SlotState
+from proxy.config import sections as config_sections
+from proxy.core.routing import decision as routing
+from proxy.core.routing import waiting
+from proxy.core.server.fleet import BackendState, SlotState
 
 WORKLOADS = ["lmcache/taubench", "lmcache/taubench (6 sessions, 2x3)", "lmcache/magagent"]
 WORKLOADS += ["mooncake/conversation_trace"]

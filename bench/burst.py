@@ -33,7 +33,7 @@ import aiohttp
 
 from bench.inproc import serve
 from bench.results_io import print_markdown, save
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from tests.fake_llama import FakeLlamaServer
 
 

@@ -1,7 +1,7 @@
 """The disk scope's window trade-off on real traces.
 
 For each trace and policy, requests are replayed in arrival order through the proxy's own
-scope selection (``proxy.core.disk_scope.select_prefix``, the code the proxy runs) against
+scope selection (``proxy.core.disk.scope.select_prefix``, the code the proxy runs) against
 a simulated disk that keeps every snapshot. Per request: the longest snapshot that is a
 prefix of it is what a restore would serve; then the policy's selected prefix is saved if
 it is not on disk yet. Reported per policy:
@@ -31,9 +31,9 @@ import xxhash
 
 from bench.results_io import print_markdown, save
 from bench.workloads import TRACES
-from proxy.core.disk_scope import ScopeMode, parse_scope, select_prefix
-from proxy.core.fingerprint import Fingerprint
-from proxy.tokenizer import TokenCounter
+from proxy.core.disk.scope import ScopeMode, parse_scope, select_prefix
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.routing.tokenizer import TokenCounter
 
 POLICIES = ["auto:2", "auto:8", "auto:30", "4096", "full"]
 _PARAGRAPH = re.compile(r"\n\s*\n")

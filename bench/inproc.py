@@ -9,7 +9,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from tests.real.stack import free_port
 
 

@@ -33,11 +33,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from bench import replay
-from proxy.core import scoring
-from proxy.core.fingerprint import Fingerprint
-from proxy.core.fleet import BackendState, Placement
-from proxy.core.routing import Decision
-from proxy.router import Plan, Router
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.routing import scoring
+from proxy.core.routing.decision import Decision
+from proxy.core.server.fleet import BackendState, Placement
+from proxy.routing.router import Plan, Router
 
 
 def _fleet_view(decision: Decision, fp: Fingerprint, backends: list[BackendState]) -> str:
@@ -53,7 +53,7 @@ def _fleet_view(decision: Decision, fp: Fingerprint, backends: list[BackendState
     ]
     content = slot.content
     if content is not None:
-        kept = fp.tokens_at(scoring._shared(fp, content))
+        kept = fp.tokens_at(scoring.shared_segments(fp, content))
         length = backend.kv_estimate(content, slot.n_tokens)
         lines.append(
             f"  slot content {content.total} (estimate), {slot.n_tokens} real, KV {length} "

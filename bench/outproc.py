@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 
 from bench.inproc import with_address_headers
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from tests.real.stack import free_port
 
 

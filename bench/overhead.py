@@ -8,7 +8,7 @@ difference (the proxy's added latency), time to first byte for streams, and requ
 ``--store redis`` runs the proxy on a fresh redis-server (shared state, as replicas do);
 ``--store memory redis`` measures both proxies in the same run. ``--store forwarded`` runs two
 proxy replicas on one redis-server and sends the load to the one that is not the backend's home,
-so every request takes the forwarded hop (``proxy.forwarding``): its row minus the ``redis``
+so every request takes the forwarded hop (``proxy.http.forwarding``): its row minus the ``redis``
 row is what that hop adds.
 
     python -m bench.overhead [--requests 3000] [--concurrency 1 16 64] \

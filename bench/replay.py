@@ -24,7 +24,7 @@ With ``--replicas N`` ours runs as N proxies sharing one redis-server (``bench.r
 each request sent to the next replica in turn, so a session's turns alternate replicas;
 ``--shard`` instead gives each replica its own backends and a session's turns to one
 replica (a diagnostic: each slot scheduled by one replica, ``bench.replicas``). The
-replicas forward each request to its backend's home replica (``proxy.forwarding``); policy
+replicas forward each request to its backend's home replica (``proxy.http.forwarding``); policy
 ``ours-local`` runs them with ``replica_url: off`` (each routes what it receives), side by side.
 
 With ``--repeat N`` every policy runs N times per workload (in rounds, each on a fresh
@@ -64,7 +64,7 @@ from bench.plots import plot_replay, policy_columns
 from bench.replicas import serve_replicas, serve_shards
 from bench.results_io import latest, load, print_markdown, rows_of, save
 from bench.workloads import Workload, chat_body, lmcache, mooncake
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from tests.fake_llama import FakeLlamaServer, tokenize
 
 Send = Callable[[aiohttp.ClientSession, tuple[str, int], int], Awaitable[None]]

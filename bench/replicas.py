@@ -16,7 +16,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from contextvars import ContextVar
 
 from bench.inproc import serve
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from tests.conftest import until_listed
 from tests.real.stack import RedisServer
 

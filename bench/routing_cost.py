@@ -26,14 +26,14 @@ import random
 import statistics
 import time
 
-from proxy.core.fingerprint import Fingerprint, fingerprint_chat
-from proxy.core.fleet import RAM_ENTRY_LIMIT as LIMIT
-from proxy.core.fleet import BackendPhase, Fleet, Probe, SlotPhase, SlotProbe
-from proxy.core.ram_cache import RamEntry
-from proxy.core.raw_blocks import fingerprint_text
-from proxy.core.routing import RoutingParams, route
-from proxy.core.waiting import Depths
-from proxy.tokenizer import TokenCounter
+from proxy.core.prompt.fingerprint import Fingerprint, fingerprint_chat
+from proxy.core.prompt.raw_blocks import fingerprint_text
+from proxy.core.routing.decision import RoutingParams, route
+from proxy.core.routing.waiting import Depths
+from proxy.core.server.fleet import RAM_ENTRY_LIMIT as LIMIT
+from proxy.core.server.fleet import BackendPhase, Fleet, Probe, SlotPhase, SlotProbe
+from proxy.core.server.ram_cache import RamEntry
+from proxy.routing.tokenizer import TokenCounter
 
 WORDS = [
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy",

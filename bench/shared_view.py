@@ -25,10 +25,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from bench.results_io import print_markdown
-from proxy.core.fingerprint import Fingerprint
-from proxy.core.fleet import Fleet, SlotState
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.server.fleet import Fleet, SlotState
 from proxy.metrics import ProxyMetrics
-from proxy.shared_state import SharedState
+from proxy.replicas.shared_state import SharedState
 from proxy.state import SlotView
 from proxy.state.redis import RedisStateStore
 from tests.real.stack import RedisServer

@@ -22,7 +22,7 @@ from bench.inproc import serve
 from bench.replay import _fleet, _hit
 from bench.results_io import print_markdown, save
 from bench.workloads import Workload, lmcache
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from tests.conftest import metric
 
 SIMILARITY = (0.25, 0.5, 0.75, 0.9)

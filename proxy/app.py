@@ -17,26 +17,26 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry
 
-from proxy.admin import AdminHandlers
-from proxy.api_keys import make_key_check
-from proxy.churn_tracker import ChurnTracker
-from proxy.config import Settings
-from proxy.core.fleet import BackendPhase, Fleet
-from proxy.disk_tier import DiskTier
-from proxy.forwarding import Forwarder, advertised_url
-from proxy.handlers import ProxyHandlers
-from proxy.health import Prober
+from proxy.backends.health import Prober
+from proxy.backends.reuse_probe import ReuseProber
+from proxy.backends.scheduler import Scheduler
+from proxy.config.settings import Settings
+from proxy.core.server.fleet import BackendPhase, Fleet
+from proxy.disk.tier import DiskTier
+from proxy.http.admin import AdminHandlers
+from proxy.http.api_keys import make_key_check
+from proxy.http.forwarding import Forwarder, advertised_url
+from proxy.http.handlers import ProxyHandlers
+from proxy.http.middleware import Handler, ProtocolLog, make_middleware, make_preflight
+from proxy.http.status import StatusHandlers
 from proxy.metrics import ProxyMetrics
-from proxy.middleware import Handler, ProtocolLog, make_middleware, make_preflight
 from proxy.offload import Offload
-from proxy.reuse_probe import ReuseProber
-from proxy.router import Router
-from proxy.scheduler import Scheduler
-from proxy.shared_state import SharedState
+from proxy.replicas.shared_state import SharedState
+from proxy.routing.churn_tracker import ChurnTracker
+from proxy.routing.router import Router
+from proxy.routing.tokenizer import TokenCounter
 from proxy.state import InMemoryStateStore, StateStore
 from proxy.state.redis import RedisStateStore
-from proxy.status import StatusHandlers
-from proxy.tokenizer import TokenCounter
 from proxy.upstream import HEALTH, PUBLIC, REFUSED, ROUTES, LlamaServerClient
 
 HANDLERS = web.AppKey("handlers", ProxyHandlers)

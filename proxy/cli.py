@@ -1,7 +1,7 @@
 """Command line: ``llama-cache-proxy serve`` (and ``bench``).
 
 Flags, ``LLAMA_CACHE_PROXY_*`` environment variables and a YAML/TOML config file all feed the
-one settings tree (``proxy.config``); a bad value prints one line naming the field and the
+one settings tree (``proxy.config.settings``); a bad value prints one line naming the field and the
 process exits with status 2.
 """
 
@@ -19,9 +19,9 @@ from aiohttp import web
 
 from proxy import __version__
 from proxy.app import create_app
-from proxy.config import Settings, load_settings
-from proxy.config_sources import ConfigError
-from proxy.middleware import JsonLogFormatter
+from proxy.config.settings import Settings, load_settings
+from proxy.config.sources import ConfigError
+from proxy.http.middleware import JsonLogFormatter
 
 # on SIGTERM or SIGINT a request in flight may still end within twice this (aiohttp waits
 # once, cancels its body, waits again), then its handler is cancelled and its backend

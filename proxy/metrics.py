@@ -26,9 +26,9 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from proxy.core.routing import KeyOutcome, Reason
-from proxy.core.slots import SlotPhase
-from proxy.core.usage import Usage
+from proxy.core.prompt.usage import Usage
+from proxy.core.routing.decision import KeyOutcome, Reason
+from proxy.core.server.slots import SlotPhase
 from proxy.upstream import ROUTES, SlotUse
 
 PREFIX = "llama_cache_proxy_"

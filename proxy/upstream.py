@@ -13,7 +13,7 @@ the routes the proxy refuses itself, and why; any other path is a 404. ``HEALTH`
 
 Each backend may have an API key (``BackendSettings.api_key``): the proxy's own calls carry
 it, and so does every forwarded request in place of the client's credential
-(``core.headers.with_credential``). A backend whose ``/slots`` and ``/props`` answer 401
+(``core.prompt.headers.with_credential``). A backend whose ``/slots`` and ``/props`` answer 401
 (a key the proxy lacks) stays ready, probed by the public ``/health``, as one slot.
 
 aiohttp client errors are translated here: a failed connect (no byte sent) is
@@ -37,9 +37,9 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from proxy.config import TimeoutSettings
-from proxy.core.fleet import BackendPhase, Probe, SlotProbe
-from proxy.core.headers import with_credential
+from proxy.config.settings import TimeoutSettings
+from proxy.core.prompt.headers import with_credential
+from proxy.core.server.fleet import BackendPhase, Probe, SlotProbe
 from proxy.errors import BadGateway, GatewayTimeout, NoContent, ProxyError
 
 

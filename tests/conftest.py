@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from tests.fake_llama import FakeLlamaServer
 from tests.real.stack import RedisServer, free_port
 

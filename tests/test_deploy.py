@@ -60,7 +60,7 @@ def test_compose_file_validates(profiles: list[str]) -> None:
         assert "--slot-save-path /slots" in command
         assert "-np 4" in command  # explicit slots: non-unified KV, as pinning needs
         assert "--no-cache-idle-slots" in command  # and the proxy is told so:
-    from proxy.config import Settings
+    from proxy.config.settings import Settings
 
     raw = services["proxy"]["environment"]["LLAMA_CACHE_PROXY_BACKENDS"]
     proxied = Settings.model_validate({"backends": raw}).backends
@@ -140,7 +140,7 @@ def test_kubernetes_manifests_are_well_formed() -> None:
             if "persistentVolumeClaim" in volume:
                 assert volume["persistentVolumeClaim"]["claimName"] in claims
     config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["config.yaml"]
-    from proxy.config import Settings
+    from proxy.config.settings import Settings
 
     settings = Settings.model_validate(yaml.safe_load(config))  # the proxy accepts it
     assert [(b.base_url, b.cache_idle_slots) for b in settings.backends] == [

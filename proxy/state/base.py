@@ -10,16 +10,16 @@ What it holds (every key has a TTL or a bound):
 - *windows*: per model, the last N request fingerprints (bounded list), for the disk tier;
 - *releases*: for a short while after a response, the hashes the session's next prompt
   will contain -> (release id, when), so whichever replica that prompt reaches can tell how
-  soon the session came back (``core.returns``); a release is claimed once;
+  soon the session came back (``core.routing.returns``); a release is claimed once;
 - *replicas*: each live proxy replica's id, kept by a heartbeat with a TTL that returns
   the live ids, so that a replica that loses the store knows whether it is alone
-  (``core.partition``); a replica that shuts down ``leave``s: it stops counting as live at
+  (``core.replicas.partition``); a replica that shuts down ``leave``s: it stops counting as live at
   once and is listed as ``id + LEFT`` for a while, so the others can tell it from one that
   lost the store (whose part of the fleet they keep off for a while); an id may be a signed
-  entry (``core.replica_auth``): ``expires`` then caps its lifetime (the store's clock, which
+  entry (``core.replicas.auth``): ``expires`` then caps its lifetime (the store's clock, which
   ``Beat.now`` reads), ``previous`` is the entry it replaces, and every read lists each live
   entry with its score (when it lapses), since whoever writes to the store can set that;
-- *snapshots*: the disk tier's index, index key -> packed entries (``core.snapshots``),
+- *snapshots*: the disk tier's index, index key -> packed entries (``core.disk.snapshots``),
   bounded by the disk budget (entries are deleted with their files), so it has no TTL.
 
 Semantics both implementations keep (``tests/contract``): a lease can be taken by one owner

@@ -5,9 +5,9 @@ Live replicas are one sorted set, each entry scored by when it lapses on the ser
 (``redis.call('TIME')``), not the callers': their machines' clocks may differ (see
 ``proxy.state.base``). A heartbeat adds or refreshes its entry, scored ``now + ttl`` or the
 expiry the caller gives if that is sooner (a signed entry names its expiry:
-``core.replica_auth``), removes the entry it replaces and every lapsed one, and returns the
+``core.replicas.auth``), removes the entry it replaces and every lapsed one, and returns the
 server's time with each live entry and its score: whoever writes to Redis can write any
-entry and any score, so the reader judges them (``proxy.shared_state``).
+entry and any score, so the reader judges them (``proxy.replicas.shared_state``).
 """
 
 from __future__ import annotations

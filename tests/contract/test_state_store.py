@@ -226,7 +226,7 @@ async def test_a_heartbeat_lists_each_entry_with_when_it_lapses_on_the_stores_cl
 ) -> None:
     """An entry lives ``ttl`` or up to the expiry its writer gives, if sooner; it replaces
     the writer's previous entry; a read gives the store's time and every entry's score, so
-    the reader can judge entries anyone may have written (``core.replica_auth``)."""
+    the reader can judge entries anyone may have written (``core.replicas.auth``)."""
     first = await store.heartbeat("a|1", 5.0, clock.now())
     assert first.ids() == ["a|1"]
     assert first.now < first.entries[0][1] <= first.now + 5.0

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.middleware import SAFE_ID, JsonLogFormatter
+from proxy.http.middleware import SAFE_ID, JsonLogFormatter
 from tests.conftest import chat
 from tests.waiting import until
 

@@ -9,7 +9,7 @@ import anthropic
 import pytest
 from anthropic import AsyncAnthropic
 
-from proxy.core.anthropic_request import to_chat
+from proxy.core.request.anthropic_request import to_chat
 from tests.fake_llama import render_chat, reply_words, tokenize
 
 SYSTEM = [

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-import proxy.snapshot_index
+import proxy.disk.index
 from proxy.app import create_app
-from proxy.core.snapshots import valid_name
-from proxy.snapshot_index import inside
+from proxy.core.disk.snapshots import valid_name
+from proxy.disk.index import inside
 from proxy.state import InMemoryStateStore
 from proxy.state.redis import RedisStateStore
 from tests.conftest import make_settings, metric
@@ -39,7 +39,7 @@ def guarded_remove(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path
         if Path(path).resolve().is_relative_to(tmp_path.resolve()):
             real(path)
 
-    monkeypatch.setattr(proxy.snapshot_index.os, "remove", remove)
+    monkeypatch.setattr(proxy.disk.index.os, "remove", remove)
     return tried
 
 

@@ -1,5 +1,5 @@
-"""Each backend's requests are scheduled by one replica (``core.homes``, ``proxy.forwarding``):
-two replicas sharing one real Redis in front of fake llama-servers."""
+"""Each backend's requests are scheduled by one replica (``core.replicas.homes``,
+``proxy.http.forwarding``): two replicas sharing one real Redis in front of fake llama-servers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from proxy.core.headers import FORWARDED_BY
-from proxy.core.replica_auth import request_parts, sign_forward
+from proxy.core.prompt.headers import FORWARDED_BY
+from proxy.core.replicas.auth import request_parts, sign_forward
 from tests.conftest import REPLICA_SECRET, delta_text, events_to_done, metric, until_listed
 from tests.integration.test_routing_fake import SYSTEM
 from tests.real.stack import free_port

@@ -10,9 +10,9 @@ import json
 import threading
 from typing import Any
 
-from proxy import handlers as handlers_module
-from proxy import intake
 from proxy.app import HANDLERS
+from proxy.http import handlers as handlers_module
+from proxy.http import intake
 from proxy.offload import LARGE_BODIES
 from tests.conftest import chat
 

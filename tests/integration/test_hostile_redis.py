@@ -1,5 +1,5 @@
 """Whoever can write to Redis cannot redirect the replicas' traffic, and a client cannot pass
-for a replica (``core.replica_auth``, ``proxy.forwarding``): two replicas on one real Redis in
+for a replica (``core.replicas.auth``, ``proxy.http.forwarding``): two replicas on one real Redis in
 front of fake llama-servers, and an attacker's listener (a fake llama-server too)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from redis import asyncio as aioredis
 
-from proxy.core.headers import FORWARDED_BY
-from proxy.core.replica_auth import request_parts, sign_entry, sign_forward
+from proxy.core.prompt.headers import FORWARDED_BY
+from proxy.core.replicas.auth import request_parts, sign_entry, sign_forward
 from proxy.state import keys
 from tests.conftest import REPLICA_SECRET, metric, until_listed
 from tests.integration.test_routing_fake import SYSTEM
@@ -175,7 +175,7 @@ async def test_without_a_secret_replicas_do_not_forward(
 ) -> None:
     """No ``replicas.secret``: no replica advertises a URL, so none forwards (each routes
     what reaches it), and each says so at start-up."""
-    caplog.set_level(logging.WARNING, logger="proxy.forwarding")
+    caplog.set_level(logging.WARNING, logger="proxy.http.forwarding")
     _, pair = await _pair(fakes, proxy, redis_server.url, replicas={})
     await until_listed([str(c.make_url("")).rstrip("/") for c in pair])
     await _sessions(pair)

@@ -26,7 +26,7 @@ async def test_an_idle_backend_is_let_sleep_and_its_caches_are_forgotten(
 ) -> None:
     fake = await fakes()
     fake.sleep_idle_s = 0.5
-    caplog.set_level(logging.INFO, "proxy.health")
+    caplog.set_level(logging.INFO, "proxy.backends.health")
     client = await proxy([fake], health={"interval_seconds": 0.1})
     body = {"prompt": LONG, "n_predict": 4, "cache_prompt": True}
     assert (await client.post("/completion", json=body)).status == 200

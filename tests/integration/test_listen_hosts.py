@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from proxy.config import load_settings
+from proxy.config.settings import load_settings
 from tests.real.stack import free_port
 
 

@@ -1,4 +1,4 @@
-"""Two replicas' shared state (``proxy.shared_state``) through a store that goes down and
+"""Two replicas' shared state (``proxy.replicas.shared_state``) through a store that goes down and
 comes back, one replica reconnecting before the other; clocks are injected."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.core.fleet import BackendPhase, Fleet, Placement, Probe, SlotProbe
-from proxy.core.partition import STALE_MARGIN
+from proxy.core.replicas.partition import STALE_MARGIN
+from proxy.core.server.fleet import BackendPhase, Fleet, Placement, Probe, SlotProbe
 from proxy.metrics import ProxyMetrics
-from proxy.shared_state import FENCE_MARGIN, HEARTBEAT_TTL, SharedState
+from proxy.replicas.shared_state import FENCE_MARGIN, HEARTBEAT_TTL, SharedState
 from proxy.state import InMemoryStateStore, StateStoreUnavailable
 
 

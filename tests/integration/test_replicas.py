@@ -303,9 +303,9 @@ async def test_maintenance_ends_at_shutdown_even_if_a_store_call_swallows_the_ca
     runs on; ``stopped`` ends it after its current round (a proxy's SIGTERM hung in CI)."""
     from prometheus_client import CollectorRegistry
 
-    from proxy.core.fleet import Fleet
+    from proxy.core.server.fleet import Fleet
     from proxy.metrics import ProxyMetrics
-    from proxy.shared_state import SharedState
+    from proxy.replicas.shared_state import SharedState
     from proxy.state import InMemoryStateStore
     from proxy.state.base import Beat
 
@@ -338,9 +338,9 @@ async def test_requests_arriving_together_share_one_read_of_the_view() -> None:
     cancelled waiter does not cancel the read the others share."""
     from prometheus_client import CollectorRegistry
 
-    from proxy.core.fleet import Fleet, SlotPhase, SlotState
+    from proxy.core.server.fleet import Fleet, SlotPhase, SlotState
     from proxy.metrics import ProxyMetrics
-    from proxy.shared_state import SharedState
+    from proxy.replicas.shared_state import SharedState
     from proxy.state import InMemoryStateStore, SlotView
 
     class Counting(InMemoryStateStore):
@@ -387,10 +387,10 @@ async def test_a_replica_reads_each_slot_record_once() -> None:
     in when another replica rewrites it."""
     from prometheus_client import CollectorRegistry
 
-    from proxy.core.fingerprint import Fingerprint
-    from proxy.core.fleet import Fleet, SlotState
+    from proxy.core.prompt.fingerprint import Fingerprint
+    from proxy.core.server.fleet import Fleet, SlotState
     from proxy.metrics import ProxyMetrics
-    from proxy.shared_state import SharedState
+    from proxy.replicas.shared_state import SharedState
     from proxy.state import InMemoryStateStore, SlotView
 
     class Counting(InMemoryStateStore):
@@ -433,10 +433,10 @@ async def test_replicas_whose_clocks_differ_read_each_others_records(redis_serve
     content) until its own clock caught up, and aged the slot's last use by 60 s."""
     from prometheus_client import CollectorRegistry
 
-    from proxy.core.fingerprint import Fingerprint
-    from proxy.core.fleet import Fleet, SlotState
+    from proxy.core.prompt.fingerprint import Fingerprint
+    from proxy.core.server.fleet import Fleet, SlotState
     from proxy.metrics import ProxyMetrics
-    from proxy.shared_state import SharedState
+    from proxy.replicas.shared_state import SharedState
     from proxy.state.redis import RedisStateStore
 
     replicas = []

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from proxy.app import SCHEDULER
-from proxy.core.fleet import BackendState
+from proxy.core.server.fleet import BackendState
 from tests.fake_llama import FakeLlamaServer
 from tests.fake_memory import RECURRENT, SWA, Memory
 from tests.integration.test_disk_fake import disk, turn
@@ -70,7 +70,7 @@ async def test_disk_tier_saves_nothing_on_a_checkpoint_only_backend(
     fakes: Any, proxy: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = await fakes(n_slots=2, save_dir=tmp_path, memory=Memory(kind=SWA, n_swa=512))
-    with caplog.at_level(logging.WARNING, logger="proxy.reuse_probe"):
+    with caplog.at_level(logging.WARNING, logger="proxy.backends.reuse_probe"):
         client = await proxy([{**AUTO, "url": fake.url}], disk=disk(tmp_path, prefix_cache="full"))
         assert (await probed(client)).exact
     for session in range(3):

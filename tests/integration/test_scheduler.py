@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from proxy.config import QueueSettings
-from proxy.core.fleet import (
+from proxy.backends.scheduler import Scheduler
+from proxy.config.settings import QueueSettings
+from proxy.core.server.fleet import (
     BackendPhase,
     Fleet,
     NoPlacement,
@@ -18,9 +19,8 @@ from proxy.core.fleet import (
     SlotPhase,
     SlotProbe,
 )
-from proxy.core.placement import Need, place
+from proxy.core.server.placement import Need, place
 from proxy.metrics import ProxyMetrics
-from proxy.scheduler import Scheduler
 from tests.waiting import until
 
 

@@ -1,4 +1,4 @@
-"""The snapshot index's file work (``proxy.snapshot_index``): off the event loop, and a
+"""The snapshot index's file work (``proxy.disk.index``): off the event loop, and a
 periodic reconcile that survives a failed round."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-import proxy.snapshot_index
-from proxy.core.fleet import Fleet
-from proxy.core.snapshots import Layout, Snapshot, file_name
+import proxy.disk.index
+from proxy.core.disk.snapshots import Layout, Snapshot, file_name
+from proxy.core.server.fleet import Fleet
+from proxy.disk.index import SnapshotIndex
 from proxy.metrics import ProxyMetrics
-from proxy.shared_state import SharedState
-from proxy.snapshot_index import SnapshotIndex
+from proxy.replicas.shared_state import SharedState
 from proxy.state import InMemoryStateStore
 from tests.integration.test_disk_fake import snapshot_files
 
@@ -104,7 +104,7 @@ async def test_a_failed_reconcile_round_is_logged_and_the_next_one_runs(
         second.set()
 
     monkeypatch.setattr(index, "reconcile", reconcile)
-    with caplog.at_level(logging.ERROR, logger=proxy.snapshot_index.__name__):
+    with caplog.at_level(logging.ERROR, logger=proxy.disk.index.__name__):
         task = asyncio.create_task(index.maintain([DIRECTORY], every=0.01))
         await asyncio.wait_for(second.wait(), timeout=5)
         task.cancel()

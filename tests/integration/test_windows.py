@@ -1,4 +1,4 @@
-"""Recent-request windows through a short-lived local copy (``proxy.windows``)."""
+"""Recent-request windows through a short-lived local copy (``proxy.disk.windows``)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from proxy.core.fingerprint import Fingerprint
-from proxy.core.fleet import Fleet
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.server.fleet import Fleet
+from proxy.disk.windows import FRESH, LIMIT, RecentWindows
 from proxy.metrics import ProxyMetrics
-from proxy.shared_state import SharedState
+from proxy.replicas.shared_state import SharedState
 from proxy.state import InMemoryStateStore
-from proxy.windows import FRESH, LIMIT, RecentWindows
 
 
 class Counting(InMemoryStateStore):

@@ -119,7 +119,7 @@ async def test_seed_000_cache_key_cases(
         "temperature": 0,
         "id_slot": int(busy_slot),
     }
-    caplog.set_level(logging.INFO, logger="proxy.router")
+    caplog.set_level(logging.INFO, logger="proxy.routing.router")
     async with aiohttp.ClientSession() as session:
         hold = asyncio.create_task(session.post(server.url + "/v1/chat/completions", json=long))
         await _until_busy(server.url, int(busy_slot))

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from proxy.app import SCHEDULER
-from proxy.core.fleet import BackendState
+from proxy.core.server.fleet import BackendState
 from tests.conftest import metric
 from tests.real.stack import LlamaServer
 from tests.real.test_real_disk import disk, post, settle

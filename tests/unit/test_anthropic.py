@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.anthropic_reply import StreamReply, error_body, reply_body
-from proxy.core.anthropic_request import chat_body, normalize_billing_header, to_chat
+from proxy.core.request.anthropic_reply import StreamReply, error_body, reply_body
+from proxy.core.request.anthropic_request import chat_body, normalize_billing_header, to_chat
 from proxy.errors import InvalidRequest
-from proxy.intake import parse_for
+from proxy.http.intake import parse_for
 from proxy.upstream import ROUTES
 
 KEYS = [

@@ -4,10 +4,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from proxy.churn_tracker import ChurnTracker
-from proxy.core.churn import divergence, message_bucket, sketch
-from proxy.core.fingerprint import chat_segments, fingerprint_chat, fingerprint_segments
+from proxy.core.prompt.fingerprint import chat_segments, fingerprint_chat, fingerprint_segments
+from proxy.core.routing.churn import divergence, message_bucket, sketch
 from proxy.metrics import ProxyMetrics
+from proxy.routing.churn_tracker import ChurnTracker
 
 
 def words(text: str) -> int:

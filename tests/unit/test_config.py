@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from proxy.cli import main
-from proxy.config import Settings, load_settings
-from proxy.config_sources import ConfigError
+from proxy.config.settings import Settings, load_settings
+from proxy.config.sources import ConfigError
 
 EXAMPLE = Path(__file__).parents[2] / "deploy" / "config.example.yaml"
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from proxy.core.disk_quota import BUCKETS, MAX_CLIENTS, OVERFLOW, WriteQuota
+from proxy.core.disk.quota import BUCKETS, MAX_CLIENTS, OVERFLOW, WriteQuota
 
 
 def save(quota: WriteQuota, client: str, nbytes: int, now: float) -> bool:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.core.disk_scope import (
+from proxy.core.disk.scope import (
     Scope,
     ScopeMode,
     narrowed,
@@ -11,7 +11,7 @@ from proxy.core.disk_scope import (
     select_prefix,
     with_window,
 )
-from proxy.core.fingerprint import Fingerprint
+from proxy.core.prompt.fingerprint import Fingerprint
 
 
 def fp(*segments: int, size: int = 100) -> Fingerprint:

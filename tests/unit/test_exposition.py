@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from proxy.core.exposition import combine, escape
+from proxy.core.server.exposition import combine, escape
 
 PAGE = (
     "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"

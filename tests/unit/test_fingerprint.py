@@ -5,14 +5,14 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.core.fingerprint import (
+from proxy.core.prompt.fingerprint import (
     MESSAGE_OVERHEAD,
     Fingerprint,
     common_segments,
     fingerprint_chat,
     reply_segment,
 )
-from proxy.core.raw_blocks import (
+from proxy.core.prompt.raw_blocks import (
     CHUNK_CHARS,
     Blocks,
     fingerprint_raw,
@@ -21,7 +21,7 @@ from proxy.core.raw_blocks import (
     paragraphs,
     token_blocks,
 )
-from proxy.tokenizer import TokenCounter
+from proxy.routing.tokenizer import TokenCounter
 
 
 def words(text: str) -> int:

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.core.fingerprint import Fingerprint, fingerprint_chat
-from proxy.core.fleet import (
+from proxy.core.prompt.fingerprint import Fingerprint, fingerprint_chat
+from proxy.core.server.fleet import (
     BackendPhase,
     Fleet,
     NoPlacement,
@@ -14,7 +14,7 @@ from proxy.core.fleet import (
     SlotPhase,
     SlotProbe,
 )
-from proxy.core.placement import Need, pick_backend, place
+from proxy.core.server.placement import Need, pick_backend, place
 
 
 def ready_fleet(*slot_counts: int) -> Fleet:

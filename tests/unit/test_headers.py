@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.core.headers import (
+from proxy.core.prompt.headers import (
     client_response_headers,
     header_text,
     presented_key,

@@ -4,11 +4,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.config import Settings
-from proxy.core.fleet import NoPlacement, Placement
-from proxy.core.homes import advertisers, clashes, home, replica_id, target, url_of
-from proxy.core.routing import Decision, Reason
-from proxy.forwarding import advertised_url
+from proxy.config.settings import Settings
+from proxy.core.replicas.homes import advertisers, clashes, home, replica_id, target, url_of
+from proxy.core.routing.decision import Decision, Reason
+from proxy.core.server.fleet import NoPlacement, Placement
+from proxy.http.forwarding import advertised_url
 
 A = replica_id("aaa", "http://10.0.0.1:8000")
 B = replica_id("bbb", "http://10.0.0.2:8000")

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from proxy.core.fingerprint import Fingerprint, fingerprint_chat
-from proxy.core.isolation import ANONYMOUS, may_reuse, salt, tenant_of
+from proxy.core.prompt.fingerprint import Fingerprint, fingerprint_chat
+from proxy.core.prompt.isolation import ANONYMOUS, may_reuse, salt, tenant_of
 
 
 def words(text: str) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.core.partition import HEARTBEAT_TTL, Fence, Peers, fenced, fences, owns
+from proxy.core.replicas.partition import HEARTBEAT_TTL, Fence, Peers, fenced, fences, owns
 
 
 def test_two_replicas_on_two_by_two_each_keep_one_slot_of_every_backend() -> None:

@@ -1,14 +1,14 @@
-"""The model of llama-server's host-RAM prompt cache (``proxy.core.ram_cache``)."""
+"""The model of llama-server's host-RAM prompt cache (``proxy.core.server.ram_cache``)."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.core import ram_cache
-from proxy.core.fingerprint import Fingerprint, common_segments
-from proxy.core.fleet import Placement
-from proxy.core.ram_cache import RamEntry
+from proxy.core.prompt.fingerprint import Fingerprint, common_segments
+from proxy.core.server import ram_cache
+from proxy.core.server.fleet import Placement
+from proxy.core.server.ram_cache import RamEntry
 from tests.unit.test_routing import fleet, hold
 from tests.unit.test_routing import fp as segments_fp
 
@@ -121,8 +121,8 @@ def test_an_entry_is_loadable_only_by_a_prompt_sharing_a_quarter_of_it() -> None
 def test_a_park_that_changes_nothing_keeps_the_list_so_views_of_it_stay_valid() -> None:
     """A waiting request is decided again on every release; its RAM view of a backend is
     reused while the backend's list is the same object (``scoring.ram_view``)."""
-    from proxy.core.fleet import BackendState
-    from proxy.core.scoring import ram_view
+    from proxy.core.routing.scoring import ram_view
+    from proxy.core.server.fleet import BackendState
 
     a, b = RamEntry(fp(1, 2), 0.0), RamEntry(fp(3, 4), 0.0)
     entries = [a, b]
@@ -145,8 +145,8 @@ def test_a_views_memo_ends_when_the_backends_token_scale_moves() -> None:
     with every response while the cache list may stay the same object."""
     from dataclasses import replace
 
-    from proxy.core.fleet import BackendState
-    from proxy.core.scoring import ram_view
+    from proxy.core.routing.scoring import ram_view
+    from proxy.core.server.fleet import BackendState
 
     sealed = replace(fp(1, 2), sealed=True)  # 200 estimated tokens, 800 real ones
     backend = BackendState(0, "b", ram_entries=[RamEntry(sealed, 0.0, 800)], token_scale=2.0)
@@ -165,8 +165,8 @@ def test_an_exact_backends_entry_is_judged_on_its_real_length_too() -> None:
     hybrid/recurrent/SWA backends (``exact``) as on the others."""
     from dataclasses import replace
 
-    from proxy.core.fleet import BackendState
-    from proxy.core.scoring import ram_view
+    from proxy.core.routing.scoring import ram_view
+    from proxy.core.server.fleet import BackendState
 
     sealed = replace(fp(1, 2), sealed=True)  # 200 estimated tokens, 1000 with its reply
     entry = RamEntry(sealed, 0.0, 1000)

@@ -1,10 +1,10 @@
 """The README's configuration table lists every setting of the settings tree with its default,
 and names no setting that does not exist.
 
-A setting is a dotted path through ``proxy.config.Settings`` (``routing.min_prefix_tokens``);
-the fields of each backend are ``backends[].NAME``. A row's default cell starts with the
-default as the table writes it (``null``, ``true``, ``16``, ``0.5``, ``auto``, ``[a, b]``), or
-says ``(required)``; its unit cell is never empty.
+A setting is a dotted path through ``proxy.config.settings.Settings``
+(``routing.min_prefix_tokens``); the fields of each backend are ``backends[].NAME``. A row's default
+cell starts with the default as the table writes it (``null``, ``true``, ``16``, ``0.5``, ``auto``,
+``[a, b]``), or says ``(required)``; its unit cell is never empty.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel
 
-from proxy.config import Settings
+from proxy.config.settings import Settings
 
 README = Path(__file__).parents[2] / "README.md"
 ROW = re.compile(r"^\|\s*`(?P<name>[a-z_\[\].]+)`\s*\|(?P<default>[^|]*)\|(?P<unit>[^|]*)\|")

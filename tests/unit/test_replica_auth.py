@@ -7,7 +7,7 @@ import hmac
 
 import pytest
 
-from proxy.core.replica_auth import (
+from proxy.core.replicas.auth import (
     PRIVATE,
     allowed,
     request_parts,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from proxy.core.request_body import parse_body, pin_body
+from proxy.core.request.body import parse_body, pin_body
 from proxy.errors import InvalidRequest
 
 

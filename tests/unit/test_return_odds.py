@@ -1,4 +1,4 @@
-"""The odds that a slot's content is used again (``core.return_odds``), and what routing
+"""The odds that a slot's content is used again (``core.routing.return_odds``), and what routing
 makes of them."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.core.return_odds import HORIZON, ClaimRate, odds
-from proxy.core.returns import ReturnTracker
-from proxy.core.routing import route
+from proxy.core.routing.decision import route
+from proxy.core.routing.return_odds import HORIZON, ClaimRate, odds
+from proxy.core.routing.returns import ReturnTracker
 from tests.unit.test_returns import chat
 from tests.unit.test_routing import PARAMS, decided, fleet, fp, hold
 

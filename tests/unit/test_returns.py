@@ -1,4 +1,4 @@
-"""How fast sessions come back, and the slots held for them (``core.returns``)."""
+"""How fast sessions come back, and the slots held for them (``core.routing.returns``)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.core.fingerprint import Fingerprint
-from proxy.core.fleet import BackendPhase, Fleet, Placement, Probe, SlotProbe
-from proxy.core.ram_cache import RamEntry
-from proxy.core.returns import ReturnTracker, estimate, held, lost_if_evicted
-from proxy.core.routing import Reason, route
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.routing.decision import Reason, route
+from proxy.core.routing.returns import ReturnTracker, estimate, held, lost_if_evicted
+from proxy.core.server.fleet import BackendPhase, Fleet, Placement, Probe, SlotProbe
+from proxy.core.server.ram_cache import RamEntry
 from tests.unit.test_routing import PARAMS, decided, fp
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.core.fingerprint import fingerprint_chat
-from proxy.core.reuse_rules import (
+from proxy.core.prompt.fingerprint import fingerprint_chat
+from proxy.core.routing.scoring import predicted_reuse
+from proxy.core.server.reuse_rules import (
     PROBE_SHARED,
     PROBE_TOKENS,
     Rule,
@@ -14,8 +15,7 @@ from proxy.core.reuse_rules import (
     diverging,
     plan,
 )
-from proxy.core.scoring import predicted_reuse
-from proxy.core.slots import SlotState
+from proxy.core.server.slots import SlotState
 
 
 def words(text: str) -> int:

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy import roster
-from proxy.core.fleet import Fleet
-from proxy.core.replica_auth import sign_entry
+from proxy.core.replicas.auth import sign_entry
+from proxy.core.server.fleet import Fleet
 from proxy.metrics import ProxyMetrics
-from proxy.roster import Roster
-from proxy.shared_state import SharedState
+from proxy.replicas import roster
+from proxy.replicas.roster import Roster
+from proxy.replicas.shared_state import SharedState
 from proxy.state import InMemoryStateStore
 from proxy.state.base import Beat
 from tests.waiting import until
@@ -102,7 +102,7 @@ async def test_a_round_that_raises_is_logged_once_and_the_next_rounds_run(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     store = Poisoned(fail=3)
-    with caplog.at_level(logging.ERROR, "proxy.shared_state"):
+    with caplog.at_level(logging.ERROR, "proxy.replicas.shared_state"):
         task = await _run(store)
     assert task.done()
     assert task.exception() is None

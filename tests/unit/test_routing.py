@@ -5,8 +5,10 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.fingerprint import Fingerprint
-from proxy.core.fleet import (
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.routing.decision import Decision, Reason, RoutingParams, predicted_reuse, route
+from proxy.core.routing.scoring import RamView, ram_reuse
+from proxy.core.server.fleet import (
     BackendPhase,
     Fleet,
     NoPlacement,
@@ -15,9 +17,7 @@ from proxy.core.fleet import (
     SlotPhase,
     SlotProbe,
 )
-from proxy.core.ram_cache import RamEntry
-from proxy.core.routing import Decision, Reason, RoutingParams, predicted_reuse, route
-from proxy.core.scoring import RamView, ram_reuse
+from proxy.core.server.ram_cache import RamEntry
 
 PARAMS = RoutingParams(min_prefix_tokens=16, wait_min_tokens=100)
 USUAL_BAR = replace(PARAMS, short_wait_tokens=0)  # no short queues: the usual bar alone
@@ -684,12 +684,12 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
     hold: float,
     depths: dict[tuple[int, int], int],
 ) -> None:
-    """``core.options`` scores the idle slots sharing a token with the prompt and the best of
-    the others, and ``core.waiting`` weighs one busy slot per distinct content and bar: the
-    decision is the one weighing every slot gives."""
-    import proxy.core.routing as routing
-    import proxy.core.waiting as waiting
-    from proxy.core.scoring import candidate
+    """``core.routing.options`` scores the idle slots sharing a token with the prompt and the best
+    of the others, and ``core.routing.waiting`` weighs one busy slot per distinct content and bar:
+    the decision is the one weighing every slot gives."""
+    import proxy.core.routing.decision as routing
+    import proxy.core.routing.waiting as waiting
+    from proxy.core.routing.scoring import candidate
 
     f, request, hint = scene
 

@@ -5,9 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from proxy.core.fleet import Placement
-from proxy.core.routing import Reason, route
-from proxy.core.snapshots import (
+from proxy.core.disk.snapshots import (
     BackendDisk,
     Layout,
     Offer,
@@ -24,6 +22,8 @@ from proxy.core.snapshots import (
     unpack_entries,
     valid_name,
 )
+from proxy.core.routing.decision import Reason, route
+from proxy.core.server.fleet import Placement
 from tests.unit.test_routing import PARAMS, decided, fleet, fp, hold
 
 LAYOUT = Layout("/m/smol.gguf", "Q4_1", 2048, 2, False)
@@ -221,7 +221,7 @@ def test_live_reuse_beats_a_shorter_or_costlier_snapshot() -> None:
 
 
 def test_props_that_contradict_the_recommended_flags_are_named() -> None:
-    from proxy.health import flag_warnings
+    from proxy.backends.health import flag_warnings
 
     assert flag_warnings({"endpoint_slots": True, "endpoint_metrics": True}) == []
     warnings = flag_warnings({"endpoint_slots": False, "endpoint_metrics": False})

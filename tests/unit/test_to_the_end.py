@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from proxy.streaming import to_the_end
+from proxy.http.streaming import to_the_end
 
 
 async def test_work_finishes_and_handler_returns_when_cancelled_meanwhile() -> None:

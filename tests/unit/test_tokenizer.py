@@ -5,9 +5,9 @@ from __future__ import annotations
 import tracemalloc
 from typing import Any
 
-from proxy import tokenizer
-from proxy.core.raw_blocks import fingerprint_text, fingerprint_tokens
-from proxy.tokenizer import TokenCounter
+from proxy.core.prompt.raw_blocks import fingerprint_text, fingerprint_tokens
+from proxy.routing import tokenizer
+from proxy.routing.tokenizer import TokenCounter
 
 
 def test_chunk_blocks_are_encoded_once_and_the_memo_is_bounded(monkeypatch: Any) -> None:

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from proxy.core.usage import SseScanner, Usage, read_body, usage_from_object
+from proxy.core.prompt.usage import SseScanner, Usage, read_body, usage_from_object
 
 
 @pytest.mark.parametrize(

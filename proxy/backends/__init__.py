@@ -1,0 +1,2 @@
+"""The backends' life: slot admission (``scheduler``), health probing and draining, the reuse-rule
+probe."""

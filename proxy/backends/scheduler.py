@@ -1,0 +1,194 @@
+"""Slot admission: place a request now, or wait in a bounded queue until it can be placed.
+
+*Where* is decided by a closure the caller passes (``decide``: current fleet -> a placement
+or a ``NoPlacement``), built on ``core.server.fleet.place`` or ``core.routing.decision.route``; this
+module adds the waiting. A request that cannot be placed joins a FIFO queue (at most
+``queue.max_waiting``) and waits at most ``queue.max_wait_seconds``.
+
+Waiting is event-driven: a decision changes only when a slot frees, a probe changes what
+a backend can take, or the waiter's own clock runs out (``recheck_at``: the time its
+routing stops waiting for a busy slot; a hold's end comes as a ``wake``). A release frees
+given slots; waiters are decided again in queue order (a request that does not fit yet does
+not block one that does) only until those slots are taken again: from then on every other
+waiter sees the fleet as it was when it chose to wait, so deciding again would only say
+so. The cost of a release is therefore the number of waiters that pass the freed slot up
+(none, when the first waiter takes it), not the number waiting. A full
+queue or an expired wait answers 503 with ``Retry-After``. While no backend is ready (start-up,
+a restart, an outage) requests wait the same way, and go as soon as a probe finds a backend
+ready (``wake``); so do requests that use no slot (``backend``). A waiter cancelled (client
+gone) at the moment it was granted a slot gives the slot straight back, so no claim leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection
+
+from proxy.config.settings import QueueSettings
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.server.fleet import BackendPhase, Fleet, NoPlacement, Placement, SlotPhase
+from proxy.errors import ServiceUnavailable
+from proxy.metrics import ProxyMetrics
+
+Decide = Callable[[], Placement | NoPlacement]
+Waiter = tuple[Decide, Fingerprint | None]
+SlotRef = tuple[int, int]  # (backend index, slot id)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        fleet: Fleet,
+        settings: QueueSettings,
+        metrics: ProxyMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.fleet = fleet
+        self._settings = settings
+        self._metrics = metrics
+        self._clock = clock
+        # in arrival order (a dict keeps it): each waiter's decision and the prompt it brings
+        self._waiters: dict[asyncio.Future[Placement], Waiter] = {}
+        self._ready: list[asyncio.Future[None]] = []  # requests that use no slot, waiting
+
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._waiters)
+
+    def _unavailable(self, message: str, reason: str) -> ServiceUnavailable:
+        self._metrics.rejected.labels(reason).inc()
+        retry = str(self._settings.retry_after_seconds)
+        return ServiceUnavailable(message, code=reason, headers={"Retry-After": retry})
+
+    def _try(self, decide: Decide, content: Fingerprint | None) -> Placement | NoPlacement:
+        result = decide()
+        if isinstance(result, Placement):
+            self.fleet.claim(result, self._clock(), content)
+        return result
+
+    async def acquire(
+        self,
+        decide: Decide,
+        content: Fingerprint | None = None,
+        recheck_at: float | None = None,
+    ) -> Placement:
+        """A placement now or after waiting; ``recheck_at``: when ``decide`` changes its mind
+        by itself (its bound on waiting for a busy slot passes), if it ever does."""
+        # Waiters that fit a free slot were granted it when it freed, so a slot free now
+        # fits none of them: taking it skips no one who could use it.
+        result = self._try(decide, content)
+        if isinstance(result, Placement):
+            return result
+        self._room()
+        return await self._wait(decide, content, recheck_at)
+
+    def _room(self) -> None:
+        if len(self._waiters) + len(self._ready) >= self._settings.max_waiting:
+            raise self._unavailable("all slots are busy and the queue is full", "queue_full")
+
+    def _expired(self) -> ServiceUnavailable:
+        if not self._any_ready():
+            return self._unavailable("no backend became ready in time", "no_backend")
+        return self._unavailable("timed out waiting for a free slot", "wait_timeout")
+
+    def _any_ready(self) -> bool:
+        return any(b.phase is BackendPhase.READY for b in self.fleet.backends)
+
+    async def backend(self, pick: Callable[[], int | NoPlacement]) -> int:
+        """A backend for a request that uses no slot (``pick``): now, or as soon as one is
+        ready (``wake``), within the queue's bounds."""
+        deadline = self._clock() + self._settings.max_wait_seconds
+        while isinstance(index := pick(), NoPlacement):
+            if self._clock() >= deadline:
+                raise self._expired()
+            self._room()
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._ready.append(future)
+            self._metrics.queued.inc()
+            try:
+                await asyncio.wait([future], timeout=deadline - self._clock())
+            finally:
+                self._metrics.queued.dec()
+                self._ready.remove(future)
+        return index
+
+    async def _wait(
+        self, decide: Decide, content: Fingerprint | None, recheck_at: float | None
+    ) -> Placement:
+        future: asyncio.Future[Placement] = asyncio.get_running_loop().create_future()
+        self._waiters[future] = (decide, content)
+        self._metrics.queued.inc()
+        deadline = self._clock() + self._settings.max_wait_seconds
+        try:
+            while not future.done() and self._clock() < deadline:
+                due = deadline if recheck_at is None else min(recheck_at, deadline)
+                await asyncio.wait([future], timeout=max(0.0, due - self._clock()))
+                if not future.done() and recheck_at is not None and self._clock() >= recheck_at:
+                    recheck_at = None  # its own bound passed: decided again once
+                    self._grant(decide, content, future)
+        except asyncio.CancelledError:
+            self._give_back(future)
+            raise
+        finally:
+            self._metrics.queued.dec()
+            self._waiters.pop(future, None)
+        if future.done():
+            return future.result()
+        future.cancel()
+        raise self._expired()
+
+    def _give_back(self, future: asyncio.Future[Placement]) -> None:
+        if future.done() and not future.cancelled() and future.exception() is None:
+            self.release(future.result(), clean=True, sent=False)
+        future.cancel()
+
+    def release(
+        self,
+        placement: Placement,
+        *,
+        clean: bool,
+        sent: bool = True,
+        content: Fingerprint | None = None,
+        n_tokens: int | None = None,
+        remote: bool = False,
+    ) -> None:
+        self.fleet.release(
+            placement,
+            self._clock(),
+            clean=clean,
+            sent=sent,
+            content=content,
+            n_tokens=n_tokens,
+            remote=remote,
+        )
+        self.wake([(placement.backend, slot) for slot in placement.slots])
+
+    def _grant(
+        self, decide: Decide, content: Fingerprint | None, future: asyncio.Future[Placement]
+    ) -> None:
+        result = self._try(decide, content)
+        if isinstance(result, Placement):
+            future.set_result(result)
+            self._waiters.pop(future, None)  # granted: no longer waiting
+
+    def wake(self, freed: Collection[SlotRef] | None = None) -> None:
+        """Place waiting requests in FIFO order wherever they now fit: after a release of
+        the ``freed`` slots, only until none of them is idle any more; otherwise (a probe, a
+        hold's end) until every slot of the ready backends is taken. Past that point the
+        rest wait as they are: deciding again would only say so."""
+        if self._ready and self._any_ready():
+            for waiter in self._ready:
+                if not waiter.done():
+                    waiter.set_result(None)
+        for future, (decide, content) in list(self._waiters.items()):
+            if not self._open(freed):
+                return
+            if not future.done():
+                self._grant(decide, content, future)
+
+    def _open(self, freed: Collection[SlotRef] | None) -> bool:
+        """Whether a waiter could be placed now: a freed slot is still idle (None: any)."""
+        if freed is None:
+            return not self.fleet.full()
+        backends = self.fleet.backends
+        return any(backends[b].slots[s].phase is SlotPhase.IDLE for b, s in freed)

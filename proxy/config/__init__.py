@@ -1,0 +1,1 @@
+"""The one settings tree: typed, validated, immutable (``settings``), its sections and sources."""

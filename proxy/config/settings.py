@@ -1,0 +1,179 @@
+"""The one settings tree: typed, validated, immutable.
+
+Settings come from three sources, merged in this order (later wins):
+
+1. a YAML or TOML config file (``--config FILE`` or ``LLAMA_CACHE_PROXY_CONFIG``),
+2. environment variables ``LLAMA_CACHE_PROXY_<FIELD>``; nested fields use ``__``
+   (``LLAMA_CACHE_PROXY_QUEUE__MAX_WAITING=64``); ``BACKENDS`` is a comma-separated URL list,
+3. command-line flags.
+
+All three are validated by the same pydantic model, so a bad value fails the same way
+wherever it came from: ``ConfigError`` carries one line naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+
+from proxy.config.sections import (
+    BackendSettings,
+    DiskSettings,
+    HealthSettings,
+    IsolationSettings,
+    QueueSettings,
+    ReplicaSettings,
+    RoutingSettings,
+    TimeoutSettings,
+    _Frozen,
+)
+from proxy.config.sources import (
+    ENV_PREFIX,
+    ConfigError,
+    deep_merge,
+    env_overrides,
+    read_config_file,
+)
+
+__all__ = [
+    "BackendSettings",
+    "ConfigError",
+    "DiskSettings",
+    "HealthSettings",
+    "IsolationSettings",
+    "QueueSettings",
+    "ReplicaSettings",
+    "RoutingSettings",
+    "Settings",
+    "TimeoutSettings",
+    "load_settings",
+]
+
+
+class Settings(_Frozen):
+    """Root of the settings tree."""
+
+    backends: tuple[BackendSettings, ...] = Field(min_length=1)
+    listen: str = Field(
+        default="127.0.0.1:8000",
+        description="host:port to listen on; several hosts comma-separated, as llama-server's "
+        "--host (127.0.0.1,::1:8000)",
+    )
+    redis_url: str | None = Field(default=None, description="shared state; none = embedded")
+    replica_url: str = Field(
+        default="auto",
+        description="this replica's URL as its peers reach it, to forward each request to the "
+        "replica that routes its backend (with redis_url); auto: from listen; off: never",
+    )
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="json: one JSON object per log line (log shippers)"
+    )
+    admin_token: SecretStr | None = None
+    api_key: tuple[SecretStr, ...] = Field(
+        default=(),
+        description="keys clients must present, as llama-server's --api-key (comma-separated "
+        "or a list): Authorization: Bearer KEY or X-Api-Key; none: no key is checked",
+    )
+    admin_churn_text: bool = Field(
+        default=False,
+        description="/admin/churn shows prompt excerpts and session keys; false: redacted "
+        "(they are users' prompts and keys)",
+    )
+    queue: QueueSettings = QueueSettings()
+    timeouts: TimeoutSettings = TimeoutSettings()
+    health: HealthSettings = HealthSettings()
+    routing: RoutingSettings = RoutingSettings()
+    disk: DiskSettings = DiskSettings()
+    isolation: IsolationSettings = IsolationSettings()
+    replicas: ReplicaSettings = ReplicaSettings()
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _urls_to_backends(cls, value: Any) -> Any:
+        """Comma-separated URLs, or (from the environment) a JSON list of backend objects."""
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"backends: not a JSON list ({exc.msg})") from None
+        if isinstance(value, str):
+            value = [part for part in value.split(",") if part.strip()]
+        if isinstance(value, list | tuple):
+            return [{"url": item.strip()} if isinstance(item, str) else item for item in value]
+        return value
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        empty = not all(part.strip() for part in host.split(","))
+        if not sep or empty or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("must be host:port, e.g. 127.0.0.1:8000")
+        return value
+
+    @field_validator("replica_url")
+    @classmethod
+    def _replica_url(cls, value: str) -> str:
+        if value not in ("auto", "off") and not value.startswith(("http://", "https://")):
+            raise ValueError("must be auto, off or an http(s):// URL")
+        return value.rstrip("/")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value or None
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(part.strip() for part in self.listen.rpartition(":")[0].split(","))
+
+    @property
+    def host(self) -> str:
+        """The first of ``hosts`` (the one a replica advertises)."""
+        return self.hosts[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "settings"
+    return f"config: {field}: {first['msg']}"
+
+
+def load_settings(
+    *,
+    cli: Mapping[str, Any],
+    environ: Mapping[str, str],
+    config_file: Path | None = None,
+) -> Settings:
+    """Merge file < env < cli and validate; raises ``ConfigError`` with one line."""
+    path = config_file
+    if path is None and environ.get(ENV_PREFIX + "CONFIG"):
+        path = Path(environ[ENV_PREFIX + "CONFIG"])
+    merged: dict[str, Any] = read_config_file(path) if path else {}
+    merged = deep_merge(merged, env_overrides(environ))
+    merged = deep_merge(merged, {k: v for k, v in cli.items() if v is not None})
+    if "backends" not in merged:
+        raise ConfigError("config: backends: at least one --backend URL is required")
+    try:
+        return Settings.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None

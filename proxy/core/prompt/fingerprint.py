@@ -1,0 +1,207 @@
+"""Fingerprint a prompt as a chain of segment hashes with cumulative token counts.
+
+Segments follow the boundaries at which one request's prompt stops matching the next one's:
+
+- chat bodies (``messages``): segment 0 is the *preamble*, everything the template renders
+  before the first message — ``tools`` and ``chat_template_kwargs`` (tools are rendered into
+  the system block, so a change of tools changes the whole prefix); then one segment per
+  message: the canonical JSON (sorted keys, compact) of its ``role``, ``content``,
+  ``tool_calls``, ``tool_call_id``, ``name`` and ``reasoning_content``;
+- Responses bodies (``input``): preamble from ``instructions`` and ``tools``, then one
+  segment per input item (a string input is one user message);
+- raw prompts (``/completion``, ``/v1/completions``, ``/infill``): fixed blocks of
+  ``block_tokens`` tokens (``core.prompt.raw_blocks``).
+
+A raw prompt's slot keeps the reply after it, which the next prompt does not repeat: the
+slot's content is then ``sealed`` (``Router.content_after``), so the RAM model does not take
+it to be part of a longer prompt's (``core.server.ram_cache.contains``).
+
+The *anchor* is the number of segments through the first non-system message: a request
+that shares at least that much with a slot continues the slot's conversation (routing uses
+it to tell a returning session from a stranger that only shares the system prompt).
+
+The chain: ``h[0] = H(seed || seg[0])``, ``h[i] = H(h[i-1] || seg[i])``, so ``h[i]`` identifies the
+whole prefix up to segment ``i`` and two chains share a prefix of ``k`` segments exactly when
+``h[k-1]`` is equal; ``common_segments`` finds ``k`` by binary search. The ``seed`` is 0,
+or a tenant's salt under cache isolation (``core.prompt.isolation``): two tenants' chains then
+never share a hash, so nothing keyed by chains (slot contents, snapshots) is found across
+tenants. The generation suffix (``<|im_start|>assistant``) is never part of the key, so
+turn N and turn N+1 share every
+segment up to turn N's last message, and a reply appended as an assistant message extends
+the chain exactly as the client will send it back.
+
+Token counts are estimates from the injected ``count`` function (tiktoken by default, or the
+backend's tokenizer), plus ``MESSAGE_OVERHEAD`` template tokens per message; they rank slots,
+while real reuse is read back from llama-server's ``cache_n``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+MESSAGE_OVERHEAD = 4  # role markers and separators of a typical chat template
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
+_PREAMBLE_KEYS = ("tools", "chat_template_kwargs", "instructions")
+
+Counter = Callable[[str], int]
+Encoder = Callable[[str], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Segment:
+    key: bytes  # canonical bytes hashed into the chain
+    text: str  # what the template renders, for counting tokens
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    hashes: tuple[int, ...]
+    tokens: tuple[int, ...]  # cumulative estimated tokens after each segment
+    anchor: int = 0  # segments up to and including the first non-system message
+    # the KV holds more after the chain that no later prompt is known to repeat (a raw
+    # prompt's reply): no other chain contains this content but its own
+    sealed: bool = False
+    # segments at which a user message starts (chat): where a checkpointing backend
+    # (``core.server.reuse_rules``) can roll a slot back to
+    users: tuple[int, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.tokens[-1] if self.tokens else 0
+
+    def tokens_at(self, segments: int) -> int:
+        return self.tokens[segments - 1] if segments > 0 else 0
+
+    def extend(self, segments: Sequence[Segment], count: Counter) -> Fingerprint:
+        """This chain followed by ``segments`` (e.g. the reply the client will send back)."""
+        hashes, tokens = list(self.hashes), list(self.tokens)
+        _append(hashes, tokens, segments, count)
+        return Fingerprint(tuple(hashes), tuple(tokens), self.anchor, users=self.users)
+
+    def same_conversation(self, shared: int) -> bool:
+        """True when a request sharing ``shared`` segments with this content continues its
+        conversation: the shared part reaches past the system prompt into its first user
+        message (where agents such as OpenClaw put the session id)."""
+        return shared >= self.anchor
+
+
+def chain(previous: int, key: bytes | memoryview) -> int:
+    return int(xxhash.xxh3_64_intdigest(key, seed=previous))
+
+
+def _append(
+    hashes: list[int],
+    tokens: list[int],
+    segments: Sequence[Segment],
+    count: Counter,
+    seed: int = 0,
+) -> None:
+    for segment in segments:
+        hashes.append(chain(hashes[-1] if hashes else seed, segment.key))
+        tokens.append((tokens[-1] if tokens else 0) + count(segment.text))
+
+
+def common_segments(a: Sequence[int], b: Sequence[int], lo: int = 0) -> int:
+    """Length of the shared prefix of two hash chains (binary search on chain equality);
+    ``lo``: segments already known to be shared."""
+    hi = min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        return "".join(p for p in parts if isinstance(p, str))
+    return "" if content is None else json.dumps(content)
+
+
+def message_segment(message: dict[str, Any]) -> Segment:
+    kept = {k: message[k] for k in _MESSAGE_KEYS if message.get(k)}  # "" and null render alike
+    content = kept.get("content")
+    if len(kept) <= 2 and isinstance(content, str) and isinstance(kept.get("role"), str):
+        # fast path for plain text messages: no JSON encoding (a leading 0x01 byte keeps
+        # these keys apart from canonical JSON, which starts with '{')
+        key = b"\x01" + kept["role"].encode() + b"\x00" + content.encode()
+        return Segment(key, kept["role"] + content)
+    text = _content_text(message.get("content"))
+    if message.get("tool_calls"):
+        text += json.dumps(message["tool_calls"], separators=(",", ":"))
+    if isinstance(message.get("reasoning_content"), str):
+        text += message["reasoning_content"]
+    return Segment(canonical(kept), str(message.get("role", "")) + text)
+
+
+def preamble_segment(body: dict[str, Any]) -> Segment:
+    kept = {k: body[k] for k in _PREAMBLE_KEYS if body.get(k) is not None}
+    text = json.dumps(kept["tools"], separators=(",", ":")) if "tools" in kept else ""
+    if isinstance(kept.get("instructions"), str):
+        text += kept["instructions"]
+    return Segment(canonical(kept), text)
+
+
+def chat_segments(body: dict[str, Any]) -> list[Segment]:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        items = body.get("input")
+        messages = [{"role": "user", "content": items}] if isinstance(items, str) else items
+    segments = [preamble_segment(body)]
+    for message in messages if isinstance(messages, list) else []:
+        if isinstance(message, dict):
+            segments.append(message_segment(message))
+    return segments
+
+
+def _overhead(count: Counter) -> Counter:
+    def counted(text: str) -> int:
+        return count(text) + MESSAGE_OVERHEAD if text else 0
+
+    return counted
+
+
+def fingerprint_chat(body: dict[str, Any], count: Counter, seed: int = 0) -> Fingerprint:
+    return fingerprint_segments(chat_segments(body), count, seed)
+
+
+def fingerprint_segments(segments: Sequence[Segment], count: Counter, seed: int = 0) -> Fingerprint:
+    """The chain of already split chat segments (``chat_segments``)."""
+    hashes: list[int] = []
+    tokens: list[int] = []
+    _append(hashes, tokens, segments, _overhead(count), seed)
+    anchor = next(
+        (i + 1 for i, seg in enumerate(segments[1:], 1) if not seg.text.startswith("system")),
+        len(segments),
+    )
+    users = tuple(i for i, seg in enumerate(segments) if i and seg.text.startswith("user"))
+    return Fingerprint(tuple(hashes), tuple(tokens), anchor, users=users)
+
+
+def reply_segment(content: str, tool_calls: list[Any] | None) -> Segment:
+    """The assistant message a client sends back after receiving this reply."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message_segment(message)
+
+
+def continues(fp: Fingerprint, content: Fingerprint) -> bool:
+    """``fp`` continues ``content``'s conversation (shares its first user message) or keeps
+    at least half of it: overwriting ``content`` with ``fp`` loses nothing of value."""
+    shared = common_segments(fp.hashes, content.hashes)
+    return content.same_conversation(shared) or content.tokens_at(shared) >= content.total / 2

@@ -1,0 +1,201 @@
+"""Parse and validate a client's JSON body; rewrite the fields the proxy owns.
+
+The proxy is transparent: it checks only the types of the fields it must understand to
+route the request (``stream``, ``n``/``n_cmpl``, ``id_slot``, ``messages``, ``prompt``,
+token limits, ``model``) and leaves every other field, known or not, to llama-server.
+It owns exactly two fields, ``id_slot`` and ``cache_prompt``: ``pin_body`` sets them and
+nothing else, so the forwarded body is the client's body plus those two keys — minus
+``prefix_cache`` (``{"scope": "auto:8", "window": 8}``), the proxy's own per-request disk
+policy, which is validated here and never forwarded (it may only narrow the operator's:
+``core.disk.scope.narrowed``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.core.disk.scope import Scope, parse_scope, with_window
+from proxy.errors import InvalidRequest
+
+# A \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or the reverse: a JSON string
+# may then hold a lone surrogate, which Python's decoder accepts and UTF-8 cannot encode
+# (llama-server answers such a body 400). A pair (an escaped emoji) does not match.
+_LONE_ESCAPE = re.compile(  # one literal start (\u), so the scan stays fast
+    rb"\\u[dD](?:[89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+    rb"|[c-fC-F](?<!\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F]))"
+)
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a decoded pair is one code point above
+_INT_FIELDS = ("n", "n_cmpl", "max_tokens", "max_completion_tokens", "n_predict", "id_slot")
+
+
+@dataclass(frozen=True)
+class ParsedBody:
+    """A validated request body. ``data`` is the client's JSON object, unchanged."""
+
+    data: dict[str, Any]
+    stream: bool
+    completions: int
+    client_id_slot: int | None
+    prefix_cache: Scope | None = None  # per-request disk scope (stripped from ``data``)
+    tasks: int = 1  # server tasks the body makes: a batch ``prompt`` makes one per element
+
+
+def type_error(field: str, expected: str) -> InvalidRequest:
+    return InvalidRequest(f"'{field}' must be {expected}", param=field, code="invalid_type")
+
+
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """Bytes -> JSON object, or ``InvalidRequest`` naming what is wrong."""
+    if not raw.strip():
+        raise InvalidRequest("request body is empty; a JSON object is required", code="empty_body")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("request body is not valid UTF-8", code="invalid_encoding") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    if _LONE_ESCAPE.search(raw) and _holds_lone_surrogate(data):
+        raise InvalidRequest(
+            "request body is not valid JSON: a string holds an unpaired UTF-16 surrogate "
+            "escape (\\uD800-\\uDFFF not part of a pair)",
+            code="invalid_json",
+        )
+    return data
+
+
+def _holds_lone_surrogate(data: dict[str, Any]) -> bool:
+    """Whether any key or string in ``data`` holds a surrogate code point (one the decoder
+    did not pair into the character it encodes)."""
+    stack: list[Any] = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _check_types(data: dict[str, Any], *, chat: bool, empty_chat: bool = False) -> None:
+    for field in _INT_FIELDS:
+        value = data.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise type_error(field, "an integer")
+    if "stream" in data and not isinstance(data["stream"], bool):
+        raise type_error("stream", "a boolean")
+    if "model" in data and data["model"] is not None and not isinstance(data["model"], str):
+        raise type_error("model", "a string")
+    if chat:
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not (messages or empty_chat):
+            raise type_error("messages", "a non-empty array")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise type_error(f"messages[{index}]", "an object with a string 'role'")
+    prompt = data.get("prompt")
+    if prompt is not None and not isinstance(prompt, str | list | dict):
+        raise type_error("prompt", "a string, an array or an object with 'prompt_string'")
+
+
+def batch_size(prompt: Any) -> int:
+    """How many tasks llama-server makes of a ``prompt``: an array holding no integer is a
+    batch, one task per element, each given the request's ``id_slot``; anything else (a
+    string, token ids, a mixed array of text and ids) is one task."""
+    if not isinstance(prompt, list):
+        return 1
+    if any(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
+        return 1
+    return max(1, len(prompt))
+
+
+def parse_body(
+    raw: bytes, *, chat: bool, batches: bool = False, empty_chat: bool = False
+) -> ParsedBody:
+    """Validate ``raw`` for an endpoint (``chat``: one that takes ``messages``; ``batches``:
+    one whose ``prompt`` may be a batch; ``empty_chat``: one whose ``messages`` may be empty,
+    as llama-server's ``/v1/messages``, which renders just the generation prompt then)."""
+    data = decode_json_object(raw)
+    _check_types(data, chat=chat, empty_chat=empty_chat)
+    # the server reads n_cmpl, else its alias n, and takes a null as absent
+    completions = next((data[k] for k in ("n_cmpl", "n") if data.get(k) is not None), None)
+    if completions is not None and completions < 1:
+        raise InvalidRequest("'n' must be at least 1", param="n", code="invalid_value")
+    return ParsedBody(
+        data=data,
+        stream=bool(data.get("stream", False)),
+        completions=completions or 1,
+        client_id_slot=data.get("id_slot"),
+        prefix_cache=_prefix_cache(data.pop("prefix_cache", None)),
+        tasks=batch_size(data.get("prompt")) if batches else 1,
+    )
+
+
+def _prefix_cache(value: Any) -> Scope | None:
+    """``{"scope": ..., "window": N}`` -> Scope; either key may be absent."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"scope", "window"}:
+        raise type_error("prefix_cache", "an object with 'scope' and/or 'window'")
+    scope, window = value.get("scope", "auto"), value.get("window")
+    if not isinstance(scope, str):
+        raise type_error("prefix_cache.scope", "a string")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise type_error("prefix_cache.window", "an integer")
+    try:
+        parsed = parse_scope(scope)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="prefix_cache.scope", code="invalid_value") from None
+    try:
+        return with_window(parsed, window)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="prefix_cache.window", code="invalid_value") from None
+
+
+def raw_prompt(body: dict[str, Any]) -> str | list[Any]:
+    """A raw body's prompt as llama-server reads it: a list (token ids, or mixed or nested
+    prompts), or text (``/infill`` wraps it in ``input_prefix`` and ``input_suffix``; any
+    other shape counts as its text form)."""
+    prompt = body.get("prompt")
+    if body.get("input_prefix") is not None or body.get("input_suffix") is not None:
+        prompt = f"{body.get('input_prefix', '')}{prompt or ''}{body.get('input_suffix', '')}"
+    if isinstance(prompt, dict):  # {"prompt_string": ..., "multimodal_data": [...]}
+        text = prompt.get("prompt_string")
+        media = prompt.get("multimodal_data")
+        if isinstance(text, str) and not media:
+            return text
+        return json.dumps(prompt, sort_keys=True)  # media: reuse only of the very same object
+    return prompt if isinstance(prompt, str | list) else str(prompt or "")
+
+
+def is_chat(body: dict[str, Any]) -> bool:
+    """A chat body (``messages``, or a Responses ``input``): one segment per message."""
+    return "messages" in body or "input" in body
+
+
+def pin_body(data: dict[str, Any], slot: int | None, reuse: bool = True) -> bytes:
+    """The forwarded body: the client's, with ``id_slot`` and ``cache_prompt`` set by us.
+
+    ``slot=None`` (the server picks, e.g. ``n>1``) removes any client ``id_slot``;
+    ``reuse=False`` (cache isolation) makes the server compute the prompt from scratch.
+    """
+    out = dict(data)
+    out.pop("id_slot", None)
+    if slot is not None:
+        out["id_slot"] = slot
+    out["cache_prompt"] = reuse
+    return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -1,0 +1,1 @@
+"""The routing decision: scores, options, waits, holds and the return odds."""

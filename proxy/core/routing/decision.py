@@ -1,0 +1,248 @@
+"""Choose the backend and slot whose KV cache already holds the most of a prompt.
+
+Inputs: the request's fingerprint (hash chain + cumulative token estimates), the fleet
+(every slot's phase and the chain of what its KV holds), an optional cache_key affinity
+hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
+``NoPlacement`` when nothing can run now.
+
+1. *Scores* (``core.routing.scoring``): per idle slot, predicted reuse (the slot's KV, the backend's
+   RAM prompt cache, or a disk snapshot restored into it) minus restore cost and the recency-
+   weighted damage of evicting what the slot holds.
+2. *cache_key affinity* (done outside the server): a keyed request whose mapped
+   slot is idle reuses it only when the overlap is real — predicted reuse / prompt tokens
+   >= ``key_similarity`` and reuse >= ``key_min_prefix`` tokens ("reuse"), and no other idle
+   slot scores higher ("outmatched": an agent session alternating two prompt threads, its
+   key mapped to the other thread's slot, which this request would overwrite). A busy mapped
+   slot is skipped ("busy"); a too-small overlap ("unsafe") routes normally.
+3. Best idle candidate by (score, -backend load, -age): "prefix" when it reuses at least
+   ``min_prefix_tokens`` (or, for a shorter prompt, all of it: a short prompt repeated
+   verbatim, such as an agent retrying one 14-token request 30 times, is a hit rather than a
+   stranger; "disk" when that comes from a restored snapshot), else "cold": the empty or
+   least valuable slot, on the less loaded backend. A slot holding another conversation
+   with the same system prompt, taken because every idle slot holds another conversation,
+   still serves that prompt: "prefix". There is no load gate beyond the tie on load: one
+   (SGLang's absolute and relative thresholds) changed no replay row when dropped.
+4. *Waiting* (``core.routing.waiting``): rather than place, wait for a busy slot, or for a full
+   backend whose RAM cache holds the prefix, when that saves enough more than the best idle
+   choice, or a little more in a short queue (``depths``: requests already waiting per
+   slot) ("wait"); the caller re-decides whenever a slot frees and bounds the wait.
+
+5. *Holds* (``core.routing.returns``): an idle slot its session left less than ``hold`` seconds
+   ago (learned from how fast sessions come back) is not taken by another session when the
+   server could not park what it holds; if every idle slot is held the request waits, until
+   the session is back or the hold ends (``Decision.until``).
+
+*Parameters*, each with its unit and default (what dropping each rule does to the replays:
+``bench.ablation``, recorded in ``bench/HISTORY.md``):
+
+- ``min_prefix_tokens`` (tokens, 16): less reuse reports as a cold start; under saturation
+  or queue pressure, the least saving worth a wait.
+- ``wait_min_tokens`` (tokens, 1024) / ``wait_min_fraction`` (share of the prompt, 0.5): a
+  saving worth waiting for a busy slot (half of it for a full backend's RAM copy).
+- ``short_wait_tokens`` (tokens, 4) / ``short_wait_depth`` (requests, 4): short queues.
+- ``max_slot_wait_seconds`` (s, 5): the bound on any wait.
+- ``hold_max_seconds`` (s, 2): the longest hold of a slot for its session
+  (``core.routing.returns``).
+- ``eviction_weight`` (a multiplier, 1) and ``value_half_life_seconds`` (s, 600): how much,
+  and for how long, what a slot holds counts against overwriting it (the half-life is the
+  prior; where overwritten content is lost, the measured return odds replace it:
+  ``core.routing.return_odds``).
+- ``slot_cache_key_similarity`` (share, 0.5) / ``slot_cache_key_min_prefix`` (tokens, 64):
+  when a cache_key's mapped slot is really the session's.
+- Constants: ``waiting.SATURATED`` (slots per idle one, 16), ``waiting.SHORT_WHOLE`` (tokens,
+  4), ``waiting.SPARE_PARKED`` (tokens, 256), ``RoutingParams.ram_discount`` (share of the
+  damage when the server parks the content in RAM, 0.1), ``ram_cache.SURE_CONSULT`` (share of
+  a slot kept, 0.4), ``options.SPARES`` (slots, 2).
+
+Only IDLE slots are placed (property-tested). Ties break by load, then towards a backend this
+replica schedules (``remote``: the others, with several replicas; no forwarding hop for an
+equal choice: a burst of new sessions, routed from one read of an empty fleet, would all go to
+the lowest backend's home), then backend index and slot recency and id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from proxy.core.disk.snapshots import Offer
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.routing.options import options
+from proxy.core.routing.returns import held, held_until
+from proxy.core.routing.scoring import (
+    Candidate,
+    RamView,
+    RoutingParams,
+    candidate,
+    predicted_reuse,
+    ram_view,
+)
+from proxy.core.routing.waiting import Fleetview, crowded, hit_floor, spare_parked, worth_waiting
+from proxy.core.server.fleet import (
+    BackendPhase,
+    BackendState,
+    NoPlacement,
+    Placement,
+    SlotPhase,
+)
+from proxy.core.server.placement import why_not
+
+__all__ = ["Decision", "KeyOutcome", "Reason", "RoutingParams", "predicted_reuse", "route"]
+
+
+class Reason(StrEnum):
+    AFFINITY = "affinity"
+    PREFIX = "prefix"
+    DISK = "disk"  # best served by restoring a disk snapshot
+    COLD = "cold"
+    WAIT = "wait"
+
+
+class KeyOutcome(StrEnum):
+    """What became of a keyed request's cache_key affinity (step 2)."""
+
+    REUSE = "reuse"  # its mapped slot, idle and really the session's
+    BUSY = "busy"  # its mapped slot was busy
+    UNSAFE = "unsafe"  # too small an overlap: routed by prefix
+    OUTMATCHED = "outmatched"  # another idle slot scored higher: routed by prefix
+
+
+@dataclass(frozen=True)
+class Decision:
+    placement: Placement | None  # None when waiting for ``wait_for``
+    reason: Reason
+    predicted: int
+    wait_for: tuple[int, int] | None = None
+    key_outcome: KeyOutcome | None = None  # for keyed requests
+    restore: Offer | None = None  # restore this disk snapshot into the slot first
+    until: float | None = None  # waiting for a held slot: its hold ends then
+
+
+Rank = tuple[float, int, bool, int, float, int]
+
+
+def _ranking(remote: frozenset[int]) -> Callable[[Candidate], Rank]:
+    """Order candidates by score, then the less loaded backend, then one this replica
+    schedules itself (``remote``: backends another replica schedules; no forwarding hop for
+    an equal choice), then the lower backend index, the least recently used slot."""
+
+    def rank(c: Candidate) -> Rank:
+        own = c.backend.index not in remote
+        return (c.score, -c.load, own, -c.backend.index, -c.slot.last_used, -c.slot.id)
+
+    return rank
+
+
+def _place(candidate: Candidate, reason: Reason, key: KeyOutcome | None = None) -> Decision:
+    c = candidate
+    placement = Placement(c.backend.index, (c.slot.id,), c.slot.id, c.from_ram)
+    if candidate.restore is not None and reason is Reason.PREFIX:
+        reason = Reason.DISK
+    return Decision(placement, reason, candidate.reuse, key_outcome=key, restore=candidate.restore)
+
+
+def _affinity(
+    fp: Fingerprint,
+    backends: Sequence[BackendState],
+    hint: tuple[int, int],
+    now: float,
+    params: RoutingParams,
+    disk: Mapping[int, Offer],
+) -> tuple[Candidate | None, KeyOutcome]:
+    index, slot_id = hint
+    if index >= len(backends) or slot_id >= len(backends[index].slots):
+        return None, KeyOutcome.UNSAFE
+    backend, slot = backends[index], backends[index].slots[slot_id]
+    if backend.phase is not BackendPhase.READY or slot.phase is not SlotPhase.IDLE:
+        return None, KeyOutcome.BUSY
+    ram, load = ram_view(fp, backend), backend.busy_count()
+    found = candidate(fp, backend, slot, now, params, ram, load, disk.get(index))
+    similar = fp.total > 0 and found.reuse / fp.total >= params.key_similarity
+    if similar and found.reuse >= params.key_min_prefix:
+        return found, KeyOutcome.REUSE
+    return None, KeyOutcome.UNSAFE
+
+
+def route(
+    fp: Fingerprint,
+    backends: Sequence[BackendState],
+    params: RoutingParams,
+    *,
+    now: float,
+    affinity: tuple[int, int] | None = None,
+    allow_wait: bool = True,
+    avoid: frozenset[int] = frozenset(),
+    disk: Mapping[int, Offer] | None = None,
+    queued: int = 0,
+    hold: float = 0.0,
+    views: dict[int, RamView] | None = None,
+    remote: frozenset[int] = frozenset(),
+    depths: Mapping[tuple[int, int], int] | None = None,
+) -> Decision | NoPlacement:
+    """The decision for ``fp``; ``disk``: per backend, the best snapshot it could restore;
+    ``queued``: requests waiting for a slot (this one included, if it waits); ``hold``: seconds
+    a freed slot is held for its session; ``views``: the request's RAM views, memo updated;
+    ``remote``: backends another replica schedules (ties go to the others); ``depths``: per
+    busy slot, the other requests waiting for it."""
+    disk = disk or {}
+    usable = [b for b in backends if b.index not in avoid]
+    up = [b for b in usable if b.phase is BackendPhase.READY]
+    free_of = {b.index: b.idle_slots() for b in up}  # (read once per decision)
+    ready = [b for b in up if free_of[b.index]]
+    key, keyed = None, None
+    if affinity is not None and affinity[0] not in avoid:
+        keyed, key = _affinity(fp, backends, affinity, now, params, disk)
+    ram = {b.index: ram_view(fp, b, (views or {}).get(b.index)) for b in up}
+    if views is not None:
+        views.update(ram)
+    load = {b.index: len(b.slots) - len(free_of[b.index]) for b in up}
+    free = [(b, s) for b in ready for s in free_of[b.index]]
+    least = params.min_prefix_tokens
+    spared = frozenset(
+        (b.index, s.id)
+        for b, s in (free if allow_wait and hold > 0 else ())
+        if held(b, s, fp, now, hold, least)
+    )
+    idle = [
+        option
+        for b in ready
+        for option in options(
+            fp,
+            b,
+            [s for s in free_of[b.index] if (b.index, s.id) not in spared],
+            now,
+            params,
+            ram[b.index],
+            load[b.index],
+            disk.get(b.index),
+        )
+    ]
+    if keyed is not None:
+        if all(c.score <= keyed.score for c in idle):
+            return _place(keyed, Reason.AFFINITY, key)
+        key = KeyOutcome.OUTMATCHED  # another idle slot scores higher: route by prefix
+    if spared and len(spared) == len(free):
+        until = min(held_until(b, s, hold) for b, s in free)
+        return Decision(None, Reason.WAIT, 0, (free[0][0].index, free[0][1].id), key, until=until)
+    best = max(idle, key=_ranking(remote), default=None)
+    pressed = len(free) < queued  # idle slots go to waiters anyway
+    fleet = Fleetview(up, free_of, crowded(len(free), up), pressed)
+    waiting = (
+        worth_waiting(fp, fleet, best, params, ram, spared, now, depths or {})
+        if allow_wait
+        else None
+    )
+    if waiting is None and allow_wait and best is not None:
+        waiting = spare_parked(fleet, best)
+    if waiting is not None:
+        return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
+    if best is None:
+        return why_not(backends, avoid)
+    # every idle slot may hold another conversation: the least bad may still hold the prefix
+    reason = Reason.PREFIX if best.reuse >= hit_floor(fp, params) else Reason.COLD
+    return _place(best, reason, key)
+
+
+def _slot(c: Candidate) -> tuple[int, int]:
+    return c.backend.index, c.slot.id

@@ -1,0 +1,260 @@
+"""How much of a prompt a slot serves, and what taking the slot costs: one candidate's score.
+
+1. *Predicted reuse* of slot s: the tokens of the longest common segment prefix of the
+   request and s's content, capped at the prompt length minus one (llama-server always
+   re-evaluates a token). On backends marked ``exact`` (hybrid, recurrent, or sliding-window
+   models without ``--swa-full``; ``core.server.reuse_rules``) a slot counts whole only if its whole
+   content is a strict prefix of the request: those models cannot roll back into the middle
+   of a cached sequence, except to a checkpoint: for a chat content, the start of its last
+   user message the request shares.
+   llama-server's host-RAM prompt cache is modelled per backend (``BackendState.ram_entries``:
+   contents its slots held that were overwritten; ``core.server.ram_cache``): pinning to a
+   non-empty slot that would lose more than half its content makes the server load the
+   entry that beats the slot's own content, so a session parked there is predicted to come
+   back whole (``RamView``, ``candidate``); the load is counted on only when the slot keeps
+   under 0.4 of its content (``ram_cache.SURE_CONSULT``: the shares are estimates), and an
+   entry serving the prompt as far as the slot's content does, by segments, counts as loaded
+   (the server's exact tokens may favour it; ``ram_cache.pick``'s ``ties``).
+2. *Disk*: a snapshot of a prefix of the request restorable on the backend (``Offer`` from
+   ``core.disk.snapshots``) serves its tokens in any idle slot, at the restore's cost in
+   prefill-token equivalents; the candidate restores when that nets more than the slot's
+   own reuse.
+3. *Eviction damage* of s, weighted by the odds that its session is back for it: on a backend
+   that cannot bring overwritten content back itself (``exact``, or no RAM cache), the measured
+   odds (``core.routing.return_odds``: content whose session is due back soon outweighs fresher
+   content whose session is due back later); else, and before any return was measured, the
+   prior ``0.5 ** (age / value_half_life_s)``. When
+   the request continues s's conversation (the shared prefix reaches s's first user message,
+   ``Fingerprint.same_conversation``), only the tail it overwrites (s's tokens beyond the
+   shared prefix); otherwise s's whole content, since that conversation loses its slot: its
+   whole KV, which for a raw prompt holds its reply too (``kv_estimate``; a chat content's
+   estimate already does: a short question with a long reply is not a cheap slot).
+   Content of another conversation evicted on a backend with the RAM cache, by a request
+   that keeps less than half of it, is parked there rather than lost (and comes back the
+   same way), so its damage is scaled by ``ram_discount``. A RAM entry the server would load
+   for the request is moved out of the cache and overwritten beyond what it shares: its
+   loss (the same rule, weighted by when it was parked) is damage too, so a request sharing
+   only a header with a parked session takes a slot that does not make the server load it.
+   *Score* = reuse - restore cost - ``eviction_weight`` * damage. So a continuing session
+   scores its whole history, while a new session that shares only the system prompt with
+   another session's slot prefers restoring it from disk into an empty or stale slot, or
+   re-prefilling it there, to taking that slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+from proxy.core.disk.snapshots import Offer
+from proxy.core.prompt.fingerprint import Fingerprint, common_segments
+from proxy.core.routing.return_odds import ReturnOdds
+from proxy.core.server import ram_cache
+from proxy.core.server.fleet import BackendState, SlotPhase, SlotState
+from proxy.core.server.ram_cache import RamEntry
+from proxy.core.server.reuse_rules import checkpoint_reuse
+from proxy.core.server.slots import kv_length
+
+
+@dataclass(frozen=True)
+class RoutingParams:
+    min_prefix_tokens: int = 16
+    wait_min_tokens: int = 1024
+    wait_min_fraction: float = 0.5  # ... or this share of the prompt, if smaller
+    short_wait_tokens: int = 4  # a smaller saving worth a wait in a short queue (0: off)
+    short_wait_depth: int = 4  # ... while fewer requests than this wait for the slot
+    eviction_weight: float = 1.0
+    value_half_life_s: float = 600.0
+    key_similarity: float = 0.5
+    key_min_prefix: int = 64
+    ram_discount: float = 0.1  # eviction damage when the evicted content stays in host RAM
+    # the measured odds that a slot's content is used again (``core.routing.return_odds``); None
+    # before any session came back: the half-life prior
+    returns: ReturnOdds | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    backend: BackendState
+    slot: SlotState
+    reuse: int
+    score: float
+    load: int  # busy slots of the backend when the decision was made
+    restore: Offer | None = None  # restore this snapshot into the slot first
+    from_ram: RamEntry | None = None  # the RAM-cache entry the server will load into the slot
+    extends: bool = False  # the prompt extends all of what it reuses: a session continuing
+
+
+@dataclass(frozen=True)
+class RamView:
+    """A backend's RAM-cache entries as one request sees them, oldest first."""
+
+    prompt_tokens: int = 0
+    entries: Sequence[RamEntry] = ()  # the backend's list itself: compared by identity
+    served: tuple[tuple[int, int], ...] = ()  # (tokens it serves the prompt, its length)
+    shared: tuple[int, ...] = ()  # segments each entry shares with the request
+    scale: float = 1.0  # the backend's tokens per estimate when ``served`` was measured
+
+    @cached_property
+    def best(self) -> int:
+        """What the cache gives the request in a slot that holds nothing it shares."""
+        index = ram_cache.pick(self.served, 0, 0, self.prompt_tokens)
+        return self.served[index][0] if index is not None else 0
+
+    def damage(self, index: int, now: float, params: RoutingParams, backend: BackendState) -> float:
+        """Recency-weighted loss if the request loads (and so overwrites) entry ``index``;
+        computed only for the entry a candidate would load (most entries are never picked),
+        against what the backend's slots hold at this decision."""
+        entry = self.entries[index]
+        # a copy of what a slot holds loses nothing when it leaves the cache
+        resident = (s.expected for s in backend.slots if s.expected is not None)
+        if any(ram_cache.covers(r, entry.content) for r in resident):
+            return 0.0
+        served, length = self.served[index]
+        lost = lost_tokens(entry.content, self.shared[index], served, length)
+        return lost * _recency(entry.at, now, params)
+
+
+UNSHARED = (0, 0)  # a RAM entry the request shares less than a quarter of (never loaded)
+
+
+def shared_segments(fp: Fingerprint, content: Fingerprint | None) -> int:
+    return common_segments(fp.hashes, content.hashes) if content is not None else 0
+
+
+def _reuse(fp: Fingerprint, content: Fingerprint, exact: bool, shared: int | None = None) -> int:
+    shared = shared_segments(fp, content) if shared is None else shared
+    if exact and (shared < len(content.hashes) or shared == len(fp.hashes)):
+        shared = checkpoint_reuse(content.users, min(shared, len(fp.hashes) - 1))
+    return max(0, min(fp.tokens_at(shared), fp.total - 1))
+
+
+def predicted_reuse(fp: Fingerprint, slot: SlotState, exact: bool, parked: int = 0) -> int:
+    """Tokens the server will reuse if the request is pinned to ``slot``.
+
+    Besides the slot's own content, llama-server's RAM prompt cache (``parked``: the best
+    reuse any entry parked there offers, ``ram_reuse``) is consulted when the pinned slot
+    would lose more than half its content (``f_keep < 0.5``) and is not empty (an empty pinned
+    slot skips the cache, upstream #28139).
+    """
+    content = slot.expected
+    if content is None or not fp.hashes:
+        return 0
+    direct = _reuse(fp, content, exact)
+    if parked > direct and content.total and direct / content.total < 0.5:
+        return parked
+    return direct
+
+
+def recency(slot: SlotState, now: float, params: RoutingParams, backend: BackendState) -> float:
+    """The weight of what ``slot`` holds: where the server cannot bring content back itself
+    once it is overwritten (an ``exact`` backend, or one without the RAM cache), the measured
+    odds that its session is back for it (``core.routing.return_odds``); else, and before any return
+    was measured, the half-life prior."""
+    if params.returns is not None and (backend.exact or not backend.ram):
+        return params.returns.weight(max(0.0, now - slot.last_used))
+    return _recency(slot.last_used, now, params)
+
+
+def _recency(last_used: float, now: float, params: RoutingParams) -> float:
+    age = max(0.0, now - last_used)
+    return float(0.5 ** (age / params.value_half_life_s))
+
+
+def lost_tokens(content: Fingerprint, shared: int, reuse: int, length: int) -> int:
+    """Tokens of ``content`` (``length`` in the KV: a raw prompt's holds its reply too) a
+    request reusing ``reuse`` of it overwrites: the tail of the prompt when it continues that
+    conversation, else the whole KV (that conversation loses its copy)."""
+    if reuse and content.same_conversation(shared):
+        return max(0, content.total - reuse)
+    return max(content.total, length)
+
+
+def ram_view(fp: Fingerprint, backend: BackendState, before: RamView | None = None) -> RamView:
+    """``before``: this request's last view of the backend, reused while its cache is the
+    same list (``BackendState.ram_entries`` is replaced, never changed in place) and its token
+    scale the same (a sealed entry's length is measured through it): a request that waits is
+    decided again on every release, and the cache rarely changed in between."""
+    if not backend.ram or not fp.total or not backend.ram_entries:
+        return RamView(fp.total)
+    scale = backend.token_scale or 1.0
+    if before is not None and before.entries is backend.ram_entries and before.scale == scale:
+        return before
+    shared = ram_cache.shared_segments(fp, backend.ram_entries)
+    # most entries share under a quarter with the request (``shared`` 0): never loaded, so
+    # their length is not worked out (``UNSHARED``); the length is the real KV's, as for a
+    # slot's own content (``candidate``), whatever the model
+    if backend.exact:
+        served = tuple(
+            (_reuse(fp, e.content, True, n), kv_length(e.content, e.size, scale)) if n else UNSHARED
+            for e, n in zip(backend.ram_entries, shared, strict=True)
+        )
+    else:  # _reuse without the exact rule, inlined: this runs for every entry of the cache
+        tokens, cap = fp.tokens, fp.total - 1
+        served = tuple(
+            (min(tokens[n - 1], cap), kv_length(e.content, e.size, scale)) if n else UNSHARED
+            for e, n in zip(backend.ram_entries, shared, strict=True)
+        )
+    return RamView(fp.total, backend.ram_entries, served, shared, scale)
+
+
+def candidate(
+    fp: Fingerprint,
+    backend: BackendState,
+    slot: SlotState,
+    now: float,
+    params: RoutingParams,
+    ram: RamView | None = None,
+    load: int = 0,
+    offer: Offer | None = None,
+) -> Candidate:
+    content = slot.content  # an idle slot: what its KV holds
+    live, direct, shared, consulted, from_ram, destroyed = 0, 0, 0, False, None, 0.0
+    length = 0
+    if content is not None and fp.hashes:
+        shared = shared_segments(fp, content)
+        live = direct = _reuse(fp, content, backend.exact, shared)
+        length = backend.kv_estimate(content, slot.n_tokens)
+        consulted = backend.ram and ram_cache.consulted(live, length)
+        surely = consulted and ram_cache.consulted(live, length, ram_cache.SURE_CONSULT)
+        if ram is not None and surely:
+            saved = backend.ram_entry(content, now, slot.n_tokens)
+            skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
+            found = ram_cache.pick(ram.served[skip:], live, length, fp.total, ties=True)
+            if found is not None:
+                i = found + skip
+                live, from_ram = ram.served[i][0], ram.entries[i]
+                destroyed = ram.damage(i, now, params, backend)
+    restore = offer if offer is not None and offer.reuse - offer.cost > live else None
+    reuse, gain = (restore.reuse, restore.reuse - restore.cost) if restore else (live, live)
+    if content is None or not fp.hashes:
+        return Candidate(backend, slot, reuse, gain, load, restore)
+    if restore is not None:
+        consulted, from_ram, destroyed = backend.ram, None, 0.0
+    ours = content.same_conversation(shared)
+    # Another conversation's content is parked in host RAM, and can come back later, only
+    # when this request keeps less than half of it (the server's own f_keep < 0.5 rule), and
+    # so is any content a RAM load displaces; an entry the server loads for this request is
+    # overwritten beyond what it shares.
+    discount = params.ram_discount if consulted and (not ours or from_ram is not None) else 1.0
+    # what the slot's own content loses is judged by what the request shares with *it*, not
+    # by tokens a RAM entry or a snapshot brings into the slot
+    lost = lost_tokens(content, shared, direct, length)
+    damage = lost * recency(slot, now, params, backend) * discount + destroyed
+    score = gain - params.eviction_weight * damage
+    source = from_ram.content if from_ram is not None else content
+    extends = restore is None and shared_segments(fp, source) == len(source.hashes) and reuse > 0
+    return Candidate(backend, slot, reuse, score, load, restore, from_ram, extends)
+
+
+def once_done(slot: SlotState, now: float) -> SlotState:
+    """A busy ``slot`` as it will be, idle, once its request is done: scoring it tells what
+    waiting for it is worth (``core.routing.waiting``)."""
+    return replace(slot, phase=SlotPhase.IDLE, content=slot.expected, last_used=now)
+
+
+def ram_reuse(fp: Fingerprint, backend: BackendState) -> int:
+    """What the backend's RAM prompt cache would restore for this request into a slot that
+    holds nothing it shares (``core.server.ram_cache.pick``)."""
+    return ram_view(fp, backend).best

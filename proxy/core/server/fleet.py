@@ -1,0 +1,311 @@
+"""How the proxy's view of every backend and slot changes: claims, releases, probes,
+other replicas' leases and records.
+
+The state itself (backend and slot phases, the one safety rule) is in ``core.server.slots``.
+
+Restart detection from probes: no boot id, so a restart is inferred when a backend returns to
+READY from another phase, its slot count changes, or the highest ``id_task`` it reports goes
+down (task ids grow for a process's life). ``now`` comes from the caller: no clock read here.
+
+``/slots`` is a task to llama-server: reading it wakes a sleeping server and restarts its idle
+timer (``--sleep-idle-seconds``), so a probe reads it only while there is a reason
+(``wants_slots``): the backend is not known READY, we sent it work since the last read, or
+a slot is not IDLE (ours, another replica's, draining, or busy with traffic not ours). An
+idle backend is probed by ``/health`` and ``/props``, which carries ``is_sleeping``: going to
+sleep destroys the server's context, so every slot's content and the RAM cache are forgotten.
+
+Each backend's RAM prompt cache is modelled (``core.server.ram_cache``) up to ``RAM_ENTRY_LIMIT``
+entries or its token budget (the server bounds it only by memory: a model of fewer entries forgets
+prefixes the server still holds); O(1) per entry unless the prompt shares a quarter of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.server import ram_cache
+from proxy.core.server.ram_cache import RamEntry
+from proxy.core.server.slots import (
+    BackendPhase,
+    BackendState,
+    NoPlacement,
+    Placement,
+    Probe,
+    SlotPhase,
+    SlotProbe,
+    SlotState,
+    measured,
+)
+
+__all__ = [
+    "RAM_ENTRY_LIMIT",
+    "BackendPhase",
+    "BackendState",
+    "Fleet",
+    "NoPlacement",
+    "Placement",
+    "Probe",
+    "SlotPhase",
+    "SlotProbe",
+    "SlotState",
+]
+
+RAM_ENTRY_LIMIT = 256
+
+
+class Fleet:
+    """Mutable table of backends and slots; every change is a method taking ``now``."""
+
+    def __init__(
+        self,
+        labels: Sequence[str],
+        exact: Sequence[bool] = (),
+        ram: Sequence[bool] = (),
+        ram_entry_limit: int = RAM_ENTRY_LIMIT,
+        ram_tokens: Sequence[int | None] = (),
+        idle_saves: Sequence[bool] = (),
+        unified: Sequence[bool] = (),
+    ) -> None:
+        self.backends = [
+            BackendState(
+                i,
+                label,
+                exact=bool(exact[i]) if i < len(exact) else False,
+                ram=bool(ram[i]) if i < len(ram) else True,
+                ram_tokens=ram_tokens[i] if i < len(ram_tokens) else None,
+                idle_saves=bool(idle_saves[i]) if i < len(idle_saves) else True,
+                unified=bool(unified[i]) if i < len(unified) else False,
+            )
+            for i, label in enumerate(labels)
+        ]
+        self._ram_entry_limit = ram_entry_limit
+
+    def full(self) -> bool:
+        """Some backend is READY and none of those has an IDLE slot: nothing can be placed
+        (only IDLE slots are), whatever a request would choose."""
+        ready = [b for b in self.backends if b.phase is BackendPhase.READY]
+        return bool(ready) and not any(b.idle_slots() for b in ready)
+
+    def claim(self, placement: Placement, now: float, content: Fingerprint | None = None) -> None:
+        """Mark the slots busy; the pinned slot will hold ``content`` (the prompt) after."""
+        backend = self.backends[placement.backend]
+        for slot_id in placement.slots:
+            slot = backend.slots[slot_id]
+            if slot.phase is not SlotPhase.IDLE:
+                raise ValueError(f"slot {slot_id} of {backend.label} is {slot.phase.value}")
+            slot.phase = SlotPhase.BUSY
+            slot.pending = content if slot_id == placement.pin else None
+            if backend.ram and slot_id == placement.pin and content is not None:
+                parked = _ram_entry_of(backend, slot, content)
+                self._save_to_ram(backend, parked, content)  # (entries the slot now holds go)
+                backend.ram_entries = ram_cache.without(backend.ram_entries, placement.from_ram)
+            slot.last_used = now
+        backend.unread = True
+        self._save_idle(backend)
+
+    def release(
+        self,
+        placement: Placement,
+        now: float,
+        *,
+        clean: bool,
+        sent: bool = True,
+        content: Fingerprint | None = None,
+        n_tokens: int | None = None,
+        remote: bool = False,
+    ) -> None:
+        """End a claim. ``sent=False``: the slot is as before (``remote``: the pinned one is
+        another replica's, its lease refused; so marked before a waiter wakes). ``clean=False``
+        (aborted upstream) drains and forgets the content. Otherwise the pinned slot holds
+        ``content`` (prompt and reply) or, without it, the prompt that was in flight."""
+        backend = self.backends[placement.backend]
+        for slot_id in placement.slots:
+            if slot_id >= len(backend.slots):
+                continue  # the backend came back with fewer slots
+            slot = backend.slots[slot_id]
+            if slot.phase is not SlotPhase.BUSY:
+                continue
+            pending, slot.pending = slot.pending, None
+            if not sent:
+                theirs = remote and slot_id == placement.pin
+                slot.phase = SlotPhase.REMOTE if theirs else SlotPhase.IDLE
+                continue
+            parked_at, slot.last_used = slot.last_used, now
+            slot.phase = SlotPhase.IDLE if clean else SlotPhase.DRAINING
+            if clean and slot_id == placement.pin:
+                backend.service_s = measured(backend.service_s, now - parked_at)
+            if not clean or slot_id != placement.pin:
+                slot.content = None
+                continue
+            before, slot.content = slot.content, content if content is not None else pending
+            if backend.ram and pending is None:  # else parked when claimed
+                entry = backend.ram_entry(before, parked_at, slot.n_tokens) if before else None
+                self._save_to_ram(backend, entry, slot.content)
+            slot.n_tokens = n_tokens or 0  # a length the response did not report is unknown
+
+    def _save_idle(self, backend: BackendState) -> None:
+        """A task started: with ``--cache-idle-slots`` the server saves each idle slot (and
+        clears it too with unified KV, where its cells are room for the others)."""
+        for idle in backend.idle_slots() if backend.ram and backend.idle_saves else ():
+            if idle.content is not None and not _saved(idle, backend.ram_entries):
+                self._save_to_ram(
+                    backend, backend.ram_entry(idle.content, idle.last_used, idle.n_tokens)
+                )
+                # saving it again changes nothing while the cache is this same list
+                idle.saved = (idle.content, backend.ram_entries)
+            if backend.unified:
+                idle.content, idle.n_tokens = None, 0
+
+    def _save_to_ram(
+        self, backend: BackendState, before: RamEntry | None, after: Fingerprint | None = None
+    ) -> None:
+        limit, budget = self._ram_entry_limit, backend.ram_tokens
+        backend.ram_entries = ram_cache.park(backend.ram_entries, before, after, limit, budget)
+
+    def is_draining(self, index: int) -> bool:
+        b = self.backends[index]
+        return b.phase is BackendPhase.READY and any(s.phase is SlotPhase.DRAINING for s in b.slots)
+
+    def recast(self, old: SlotPhase, new: SlotPhase, index: int | None = None) -> list[int]:
+        """Every ``old`` slot (of backend ``index``, or of all) becomes ``new``; the backends that
+        had one. A drain given up: EXTERNAL, someone else's until a probe shows it idle."""
+        found = [(b.index, s) for b in self.backends for s in b.slots if s.phase is old]
+        for _, slot in (f for f in found if index is None or f[0] == index):
+            slot.phase = new
+        return sorted({i for i, _ in found if index is None or i == index})
+
+    def fold_shared(
+        self,
+        index: int,
+        leased: set[int],
+        records: dict[int, tuple[Fingerprint, int, float]],
+        now: float,
+        wall: float,
+    ) -> None:
+        """Fold other replicas' leases (a leased EXTERNAL slot is theirs; an ended lease: just
+        used) and newer slot records in; a newer record dates the last use (``wall``: the
+        store's clock when it was read, which the records' stamps are in; ``now``: ours).
+        Their tasks change the backend's RAM cache as ours do (``claim``): a task they
+        started saves every idle slot, and content their request replaced is parked when
+        the server's hook ran (so a replica that forwards by its own view of a backend it
+        does not schedule still finds the sessions parked there)."""
+        backend = self.backends[index]
+        started = False
+        for slot in backend.slots:
+            if slot.phase in (SlotPhase.IDLE, SlotPhase.EXTERNAL) and slot.id in leased:
+                slot.phase, started = SlotPhase.REMOTE, True
+            elif slot.phase is SlotPhase.REMOTE and slot.id not in leased:
+                slot.phase, slot.last_used = SlotPhase.IDLE, max(slot.last_used, now)
+            found = records.get(slot.id)
+            if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
+                parked = _ram_entry_of(backend, slot, found[0]) if backend.ram else None
+                if parked is not None:
+                    self._save_to_ram(backend, parked, found[0])
+                if slot.content is None or slot.content.hashes != found[0].hashes:
+                    slot.owner = None  # written through another replica: tenant unknown
+                slot.content, slot.n_tokens, slot.record_at = found
+                slot.last_used = max(slot.last_used, now - max(0.0, wall - found[2]))
+        if started:
+            self._save_idle(backend)
+
+    def mark_down(self, index: int) -> None:
+        self.apply_probe(index, Probe(BackendPhase.DOWN), now=0.0)
+
+    def apply_probe(self, index: int, probe: Probe, now: float) -> bool:
+        """Fold a probe in (``now``: when it was sent, so a release after it is not undone by
+        it); returns True when the backend's slot contents were invalidated."""
+        backend = self.backends[index]
+        if probe.phase is not BackendPhase.READY:
+            backend.phase = probe.phase
+            return False
+        restarted = backend.phase is not BackendPhase.READY or self._restarted(backend, probe)
+        backend.phase = BackendPhase.READY
+        if restarted:
+            backend.epoch += 1
+            backend.max_task_id = -1
+            backend.ram_entries = []
+            self._reset_slots(backend, len(probe.slots))
+        slept, backend.asleep = probe.sleeping and not backend.asleep, probe.sleeping
+        if slept:
+            self._forget(backend)
+        if not probe.read:
+            return restarted or slept
+        for seen in probe.slots:
+            self._fold_slot(backend.slots[seen.id], seen, now)
+            backend.max_task_id = max(backend.max_task_id, seen.task_id)
+        backend.unread = any(s.phase is SlotPhase.BUSY for s in backend.slots)
+        return restarted
+
+    def wants_slots(self, index: int) -> bool:
+        """Whether the next probe of the backend should read ``/slots`` (see above)."""
+        backend = self.backends[index]
+        return backend.phase is not BackendPhase.READY or backend.unread or backend.busy_count() > 0
+
+    @staticmethod
+    def _forget(backend: BackendState) -> None:
+        """It went to sleep: its KV and RAM cache are gone, and nothing runs on it."""
+        backend.ram_entries = []
+        for slot in backend.slots:
+            slot.content, slot.n_tokens, slot.owner = None, 0, None
+            if slot.phase in (SlotPhase.DRAINING, SlotPhase.EXTERNAL):
+                slot.phase = SlotPhase.IDLE
+
+    @staticmethod
+    def _restarted(backend: BackendState, probe: Probe) -> bool:
+        if len(probe.slots) != len(backend.slots):
+            return True
+        highest = max((s.task_id for s in probe.slots), default=-1)
+        return probe.read and highest < backend.max_task_id
+
+    @staticmethod
+    def _reset_slots(backend: BackendState, count: int) -> None:
+        kept = {s.id: s.phase for s in backend.slots if s.phase is SlotPhase.BUSY}
+        backend.slots = [SlotState(i, kept.get(i, SlotPhase.IDLE)) for i in range(count)]
+
+    @staticmethod
+    def _fold_slot(slot: SlotState, seen: SlotProbe, started: float) -> None:
+        if slot.phase in (SlotPhase.BUSY, SlotPhase.REMOTE):
+            return  # ours, or another replica's: their requests end the claim
+        if seen.processing:
+            # A probe that started before our last release may still see our own request.
+            if slot.phase is SlotPhase.IDLE and slot.last_used < started:
+                slot.phase = SlotPhase.EXTERNAL
+            return
+        if slot.phase is SlotPhase.EXTERNAL:  # a request just left it (another replica's: its
+            slot.last_used = max(slot.last_used, started)  # record, with the content, follows)
+        slot.phase = SlotPhase.IDLE
+        _reconcile(slot, seen.n_tokens)
+        slot.n_tokens = seen.n_tokens
+
+
+def _ram_entry_of(backend: BackendState, slot: SlotState, prompt: Fingerprint) -> RamEntry | None:
+    """What the server parks in RAM as a task with ``prompt`` starts on ``slot``: the slot's
+    content, when the prompt keeps less than half of it (else its hook does not run); it
+    also moves the entry it loads into the slot, so an evicted session finds its content
+    in RAM now."""
+    old = slot.content
+    if old is None or not ram_cache.hook_runs(old, prompt, backend.kv_estimate(old, slot.n_tokens)):
+        return None
+    return backend.ram_entry(old, slot.last_used, slot.n_tokens)
+
+
+def _reconcile(slot: SlotState, seen_tokens: int) -> None:
+    """Trim what we believe a slot holds to what ``/slots`` says its KV length is."""
+    content = slot.content
+    if content is None or seen_tokens >= slot.n_tokens:
+        return
+    if seen_tokens == 0 or slot.n_tokens == 0:
+        slot.content = None
+        return
+    keep = content.total * seen_tokens / slot.n_tokens
+    segments = sum(1 for t in content.tokens if t <= keep)
+    slot.content = Fingerprint(content.hashes[:segments], content.tokens[:segments], content.anchor)
+
+
+def _saved(slot: SlotState, ram_entries: list[RamEntry]) -> bool:
+    """Whether ``slot`` was last saved to the RAM cache with this content into this very
+    cache list (``BackendState.ram_entries`` is replaced on every change, never changed in
+    place): saving it again would change nothing."""
+    saved = slot.saved
+    return saved is not None and saved[0] is slot.content and saved[1] is ram_entries

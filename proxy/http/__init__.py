@@ -1,0 +1,2 @@
+"""The HTTP face: handlers, middleware, body intake, relaying responses, status and admin endpoints,
+forwarding to a peer replica."""

@@ -2,7 +2,7 @@
 
 An agent framework that spawns several sub-agents, or a fleet of OpenClaw agents restarted
 at once, sends N new conversations whose first ~2k tokens (system prompt and tools) are the
-same, at the same moment. One fake llama-server (``tests/fake_llama.py``: prefill serialized
+same, at the same moment. One fake llama-server (``testbed/fake_llama.py``: prefill serialized
 at ``--prefill-ms`` per token, decoding in parallel at ``--gen-ms`` per token, slot
 save/restore into a shared directory) with N slots; per policy, two waves of N new sessions
 (the second finds the prefix in every slot):
@@ -34,7 +34,7 @@ import aiohttp
 from bench.inproc import serve
 from bench.results_io import print_markdown, save
 from proxy.config.settings import Settings
-from tests.fake_llama import FakeLlamaServer
+from testbed.fake_llama import FakeLlamaServer
 
 
 def system_prompt(words: int) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.results_io import RESULTS
-from tests.real.stack import LlamaServer, PrometheusServer, ProxyProcess, require_real_stack
+from testbed.stack import LlamaServer, PrometheusServer, ProxyProcess, require_real_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 BOARD = ROOT / "deploy/grafana/dashboards/llama-cache-proxy.json"

@@ -27,7 +27,7 @@ import aiohttp
 from bench.inproc import serve
 from bench.results_io import measured, print_markdown
 from proxy.config.settings import Settings
-from tests.real.stack import LlamaServer, require_real_stack
+from testbed.stack import LlamaServer, require_real_stack
 
 TOOLS = ["read_file", "write_file", "run_shell", "search_code", "open_url", "list_dir", "git"]
 

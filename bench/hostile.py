@@ -36,7 +36,7 @@ import aiohttp
 
 from bench.overhead import _process
 from bench.results_io import print_markdown, save
-from tests.real.stack import _wait_http, free_port
+from testbed.stack import free_port, wait_http
 
 MIB = 1024 * 1024
 
@@ -138,7 +138,7 @@ def run(count: int) -> list[dict[str, Any]]:
     port, proxy_port = free_port(), free_port()
     env = {**os.environ, "LLAMA_CACHE_PROXY_LOG_LEVEL": "WARNING"}
     with contextlib.ExitStack() as stack:
-        fake = [sys.executable, "-m", "tests.fake_llama", "--slots", "4", "--port", str(port)]
+        fake = [sys.executable, "-m", "testbed.fake_llama", "--slots", "4", "--port", str(port)]
         stack.enter_context(_process(fake, f"http://127.0.0.1:{port}/health"))
         args = [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{proxy_port}"]
         args += ["--backend", f"http://127.0.0.1:{port}"]
@@ -146,7 +146,7 @@ def run(count: int) -> list[dict[str, Any]]:
         stack.callback(proc.wait, 10)
         stack.callback(proc.terminate)
         url = f"http://127.0.0.1:{proxy_port}"
-        _wait_http(url + "/readyz", 30, proc)
+        wait_http(url + "/readyz", 30, proc)
         return asyncio.run(measure(url, proc.pid, count))
 
 

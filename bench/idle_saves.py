@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from bench.results_io import measured, print_markdown
-from tests.real.stack import LlamaServer, require_real_stack
+from testbed.stack import LlamaServer, require_real_stack
 
 MODES = {"idle saves (default)": (), "--no-cache-idle-slots": ("--no-cache-idle-slots",)}
 

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
 from proxy.config.settings import Settings
-from tests.real.stack import free_port
+from testbed.stack import free_port
 
 
 def with_address_headers(settings: Settings) -> Settings:

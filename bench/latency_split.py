@@ -29,8 +29,8 @@ from typing import Any
 
 from bench import replay
 from bench.results_io import print_markdown
-from tests.conftest import server_timing
-from tests.fake_llama import FakeLlamaServer
+from testbed.fake_llama import FakeLlamaServer
+from testbed.probes import server_timing
 
 SEGMENTS = ("latency", "backend", "queue", "route", "hops")
 

@@ -32,8 +32,8 @@ import aiohttp
 
 from bench.overhead import _process
 from bench.results_io import print_markdown, save
-from tests.fake_llama import render_chat, reply_words, tokenize
-from tests.real.stack import _wait_http, free_port
+from testbed.fake_llama import render_chat, reply_words, tokenize
+from testbed.stack import free_port, wait_http
 
 SLOTS_PER_BACKEND, BACKENDS, REPLY = 4, 2, 8
 
@@ -137,7 +137,7 @@ def run(seconds: float) -> list[dict[str, Any]]:
     slots = SLOTS_PER_BACKEND * BACKENDS
     ports = [free_port() for _ in range(BACKENDS)]
     proxy_port = free_port()
-    fake = [sys.executable, "-m", "tests.fake_llama", "--slots", str(SLOTS_PER_BACKEND)]
+    fake = [sys.executable, "-m", "testbed.fake_llama", "--slots", str(SLOTS_PER_BACKEND)]
     env = {
         **os.environ,
         "LLAMA_CACHE_PROXY_QUEUE__MAX_WAITING": str(slots * 2),
@@ -156,7 +156,7 @@ def run(seconds: float) -> list[dict[str, Any]]:
         stack.callback(proc.wait, 10)
         stack.callback(proc.terminate)
         proxy_url = f"http://127.0.0.1:{proxy_port}"
-        _wait_http(proxy_url + "/readyz", 30, proc)
+        wait_http(proxy_url + "/readyz", 30, proc)
         return asyncio.run(measure(proxy_url, urls[0], proc.pid, seconds))
 
 

@@ -1,6 +1,6 @@
 """What a Redis outage costs the clients of two proxy replicas, on a real llama-server.
 
-One llama-server (``tests/real/stack.py``: SmolLM2-135M, 2 slots), one redis-server and two
+One llama-server (``testbed/stack.py``: SmolLM2-135M, 2 slots), one redis-server and two
 proxy processes sharing it; four clients each send short chats (4 tokens) in a loop, turn
 by turn to the two replicas. After ``--before`` seconds Redis stops, ``--outage`` seconds
 later it starts again, and the traffic runs ``--after`` seconds more. Per run: the requests
@@ -20,7 +20,7 @@ import platform
 import aiohttp
 
 from bench.results_io import print_markdown
-from tests.real.stack import (
+from testbed.stack import (
     LlamaServer,
     ProxyProcess,
     RedisServer,

@@ -19,7 +19,7 @@ import aiohttp
 
 from bench.inproc import with_address_headers
 from proxy.config.settings import Settings
-from tests.real.stack import free_port
+from testbed.stack import free_port
 
 
 @asynccontextmanager

@@ -31,8 +31,8 @@ from contextlib import ExitStack, contextmanager
 import aiohttp
 
 from bench.results_io import print_markdown
-from tests.conftest import metric, until_listed
-from tests.real.stack import REPLICA_SECRET, RedisServer, _wait_http, free_port
+from testbed.probes import metric, until_listed
+from testbed.stack import REPLICA_SECRET, RedisServer, free_port, wait_http
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
@@ -42,7 +42,7 @@ def _process(args: list[str], ready_url: str) -> Iterator[None]:
     env = {**os.environ, **REPLICA_SECRET}  # replicas on one Redis forward to each other
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        _wait_http(ready_url, 30, proc)
+        wait_http(ready_url, 30, proc)
         yield
     finally:
         proc.terminate()
@@ -93,7 +93,7 @@ def run(requests: int, concurrencies: list[int], stores: list[str]) -> list[dict
     fake_args = [
         sys.executable,
         "-m",
-        "tests.fake_llama",
+        "testbed.fake_llama",
         "--port",
         str(fake_port),
         "--slots",

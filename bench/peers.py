@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.real.stack import _wait_http, free_port
+from testbed.stack import free_port, wait_http
 
 HOME = Path(__file__).parent / ".peers"
 PACKAGES = {"sglang-router": "sglang-router", "smg": "smg", "vllm-router": "vllm-router"}
@@ -97,7 +97,7 @@ def available_peers() -> dict[str, Callable[[list[str]], AbstractAsyncContextMan
             )
             try:
                 url = f"http://127.0.0.1:{port}"
-                await asyncio.to_thread(_wait_http, url + "/health", 60, proc)
+                await asyncio.to_thread(wait_http, url + "/health", 60, proc)
                 await _until_workers(url)
                 yield url
             finally:

@@ -1,6 +1,6 @@
 """Trace replay: token-weighted prompt-cache hit rate of routing policies, side by side.
 
-Each policy gets a fresh fleet of fake llama-servers (``tests/fake_llama.py``: real slot
+Each policy gets a fresh fleet of fake llama-servers (``testbed/fake_llama.py``: real slot
 LCP semantics and the host-RAM prompt cache) and the same workload: every session runs its
 prompts one after another, all sessions at once. The hit rate is read from the backends'
 own counters (cached / prompt tokens), so every router is measured the same way.
@@ -65,7 +65,7 @@ from bench.replicas import serve_replicas, serve_shards
 from bench.results_io import latest, load, print_markdown, rows_of, save
 from bench.workloads import Workload, chat_body, lmcache, mooncake
 from proxy.config.settings import Settings
-from tests.fake_llama import FakeLlamaServer, tokenize
+from testbed.fake_llama import FakeLlamaServer, tokenize
 
 Send = Callable[[aiohttp.ClientSession, tuple[str, int], int], Awaitable[None]]
 LATENCIES: list[float] = []  # this run's request latencies, seconds

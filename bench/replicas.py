@@ -17,8 +17,8 @@ from contextvars import ContextVar
 
 from bench.inproc import serve
 from proxy.config.settings import Settings
-from tests.conftest import until_listed
-from tests.real.stack import RedisServer
+from testbed.probes import until_listed
+from testbed.stack import RedisServer
 
 
 @asynccontextmanager

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from bench.results_io import machine_line, print_markdown, save
-from tests.real.stack import _wait_http, free_port
+from testbed.stack import free_port, wait_http
 
 SLOTS = 8
 
@@ -76,7 +76,15 @@ async def _sessions(url: str, first: int, count: int, concurrency: int) -> None:
 def run(sessions: int, step: int, concurrency: int) -> list[dict[str, int]]:
     fake_port, port = free_port(), free_port()
     fake = subprocess.Popen(
-        [sys.executable, "-m", "tests.fake_llama", "--port", str(fake_port), "--slots", str(SLOTS)],
+        [
+            sys.executable,
+            "-m",
+            "testbed.fake_llama",
+            "--port",
+            str(fake_port),
+            "--slots",
+            str(SLOTS),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -88,8 +96,8 @@ def run(sessions: int, step: int, concurrency: int) -> list[dict[str, int]]:
     )
     rows = []
     try:
-        _wait_http(f"http://127.0.0.1:{fake_port}/health", 30, fake)
-        _wait_http(f"http://127.0.0.1:{port}/readyz", 30, proxy)
+        wait_http(f"http://127.0.0.1:{fake_port}/health", 30, fake)
+        wait_http(f"http://127.0.0.1:{port}/readyz", 30, proxy)
         rows.append({"sessions": 0, **_status(proxy.pid)})
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         for done in range(0, sessions, step):

@@ -31,7 +31,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.replicas.shared_state import SharedState
 from proxy.state import SlotView
 from proxy.state.redis import RedisStateStore
-from tests.real.stack import RedisServer
+from testbed.stack import RedisServer
 
 CASES = [(4, 4, 20), (4, 4, 200), (4, 4, 2000), (16, 4, 200), (16, 4, 2000), (16, 4, 8000)]
 

@@ -23,7 +23,7 @@ from bench.replay import _fleet, _hit
 from bench.results_io import print_markdown, save
 from bench.workloads import Workload, lmcache
 from proxy.config.settings import Settings
-from tests.conftest import metric
+from testbed.probes import metric
 
 SIMILARITY = (0.25, 0.5, 0.75, 0.9)
 MIN_PREFIX = (16, 32, 64)

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
 from proxy.config.settings import Settings
-from tests.fake_llama import FakeLlamaServer
-from tests.real.stack import RedisServer, free_port
+from testbed.fake_llama import FakeLlamaServer
+from testbed.stack import RedisServer, free_port
 
 REPLICA_SECRET = "test replicas' shared secret"
 
@@ -107,41 +105,6 @@ def delta_text(events: list[dict[str, Any]]) -> str:
     return "".join(
         (e["choices"][0]["delta"].get("content") or "") for e in events if e.get("choices")
     )
-
-
-async def until_listed(urls: list[str]) -> None:
-    """Until every proxy replica at ``urls`` has read every other's heartbeat (and so knows
-    each backend's home)."""
-    async with aiohttp.ClientSession() as session:
-        for _ in range(100):
-            live = []
-            for url in urls:
-                async with session.get(url + "/metrics") as resp:
-                    live.append(metric(await resp.text(), "llama_cache_proxy_replicas_live"))
-            if all(n == len(urls) for n in live):
-                return
-            await asyncio.sleep(0.1)
-    raise AssertionError("the replicas never listed each other")
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        if head.split("{")[0] != name:
-            continue
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
-def server_timing(header: str) -> dict[str, float]:
-    """A ``Server-Timing`` header as {name: milliseconds}."""
-    parts = (part.strip().split(";dur=") for part in header.split(","))
-    return {name: float(ms) for name, ms in parts}
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from tests.conftest import metric
+from testbed.probes import metric
 
 T = TypeVar("T")
 ADMIN = "the tests' admin token"  # a proxy started with admin_token=ADMIN shows its slot table

@@ -19,7 +19,7 @@ from proxy.state import (
 )
 from proxy.state.base import LEFT, SlotRef
 from proxy.state.redis import RedisStateStore
-from tests.real.stack import RedisServer
+from testbed.stack import RedisServer
 from tests.relay import Relay
 
 

@@ -10,7 +10,7 @@ import pytest
 from anthropic import AsyncAnthropic
 
 from proxy.core.request.anthropic_request import to_chat
-from tests.fake_llama import render_chat, reply_words, tokenize
+from testbed.fake_llama import render_chat, reply_words, tokenize
 
 SYSTEM = [
     {

@@ -8,7 +8,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import chat, metric
+from testbed.probes import metric
+from tests.conftest import chat
 
 
 def _families(page: str) -> dict[str, Any]:

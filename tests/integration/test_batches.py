@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.fake_llama import FakeLlamaServer
+from testbed.fake_llama import FakeLlamaServer
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 4
 BATCHES = [

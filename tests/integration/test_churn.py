@@ -7,7 +7,7 @@ import io
 from typing import Any
 
 from proxy.report import run_report
-from tests.conftest import metric
+from testbed.probes import metric
 
 
 def turn(clock: str, n: int) -> dict[str, Any]:

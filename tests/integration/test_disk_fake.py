@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import metric
-from tests.fake_llama import FakeLlamaServer
+from testbed.fake_llama import FakeLlamaServer
+from testbed.probes import metric
 from tests.waiting import scrape, until, until_down, until_metric
 
 SYSTEM = "You are a careful coding agent. " + " ".join(f"rule{i} applies." for i in range(150))

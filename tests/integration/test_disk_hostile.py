@@ -19,9 +19,10 @@ from proxy.core.disk.snapshots import valid_name
 from proxy.disk.index import inside
 from proxy.state import InMemoryStateStore
 from proxy.state.redis import RedisStateStore
-from tests.conftest import make_settings, metric
+from testbed.probes import metric
+from testbed.stack import free_port
+from tests.conftest import make_settings
 from tests.integration.test_disk_fake import disk, snapshot_files, turn
-from tests.real.stack import free_port
 from tests.waiting import until
 
 LLP = "llp-" + "0" * 32 + ".bin"

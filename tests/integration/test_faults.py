@@ -10,7 +10,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import chat, metric, server_timing
+from testbed.probes import metric, server_timing
+from tests.conftest import chat
 from tests.waiting import ADMIN, admin_view, until, until_down, until_metric
 
 

@@ -13,9 +13,10 @@ import pytest
 
 from proxy.core.prompt.headers import FORWARDED_BY
 from proxy.core.replicas.auth import request_parts, sign_forward
-from tests.conftest import REPLICA_SECRET, delta_text, events_to_done, metric, until_listed
+from testbed.probes import metric, until_listed
+from testbed.stack import free_port
+from tests.conftest import REPLICA_SECRET, delta_text, events_to_done
 from tests.integration.test_routing_fake import SYSTEM
-from tests.real.stack import free_port
 from tests.waiting import until_down
 
 FORWARDS = "llama_cache_proxy_forwarded_requests_total"

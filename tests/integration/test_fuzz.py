@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
 from proxy.upstream import ROUTES
+from testbed.fake_llama import FakeLlamaServer
 from tests.conftest import make_settings
-from tests.fake_llama import FakeLlamaServer
 
 
 class Served:

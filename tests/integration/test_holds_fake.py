@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tests.conftest import metric
+from testbed.probes import metric
 from tests.waiting import once_placed
 
 SYSTEM = "You are a coding agent. Follow the rules. " * 10

@@ -16,7 +16,8 @@ from redis import asyncio as aioredis
 from proxy.core.prompt.headers import FORWARDED_BY
 from proxy.core.replicas.auth import request_parts, sign_entry, sign_forward
 from proxy.state import keys
-from tests.conftest import REPLICA_SECRET, metric, until_listed
+from testbed.probes import metric, until_listed
+from tests.conftest import REPLICA_SECRET
 from tests.integration.test_routing_fake import SYSTEM
 from tests.waiting import until_metric
 

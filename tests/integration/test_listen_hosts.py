@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from proxy.config.settings import load_settings
-from tests.real.stack import free_port
+from testbed.stack import free_port
 
 
 def _answers(url: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> int:

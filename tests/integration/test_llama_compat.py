@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from proxy.app import SCHEDULER
+from testbed.fake_llama import COUNT_PATHS, INVALID_KEY, ROUTER_ROUTES, FakeLlamaServer
+from testbed.stack import free_port
 from tests.conftest import chat
-from tests.fake_llama import COUNT_PATHS, INVALID_KEY, ROUTER_ROUTES, FakeLlamaServer
-from tests.real.stack import free_port
 from tests.waiting import until, until_metric
 
 LOADING = b'{"error":{"message":"Loading model","type":"unavailable_error","code":503}}'

@@ -6,7 +6,7 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from tests.fake_llama import render_chat, reply_words, tokenize
+from testbed.fake_llama import render_chat, reply_words, tokenize
 
 TOOLS = [
     {

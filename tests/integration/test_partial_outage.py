@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tests.conftest import chat, metric, until_listed
+from testbed.probes import metric, until_listed
+from tests.conftest import chat
 from tests.relay import Relay
 from tests.waiting import once_placed, until_metric
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import chat, metric
+from testbed.probes import metric
+from tests.conftest import chat
 from tests.waiting import until_metric
 
 COMPLETION_PATHS = [

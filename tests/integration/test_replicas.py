@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import chat, delta_text, events_to_done, metric, until_listed
+from testbed.probes import metric, until_listed
+from tests.conftest import chat, delta_text, events_to_done
 from tests.integration import test_holds_fake as holds
 from tests.integration.test_routing_fake import SYSTEM
 from tests.waiting import ADMIN, PLACED, admin_view, once_placed, until, until_metric

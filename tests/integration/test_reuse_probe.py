@@ -11,8 +11,8 @@ import pytest
 
 from proxy.app import SCHEDULER
 from proxy.core.server.fleet import BackendState
-from tests.fake_llama import FakeLlamaServer
-from tests.fake_memory import RECURRENT, SWA, Memory
+from testbed.fake_llama import FakeLlamaServer
+from testbed.fake_memory import RECURRENT, SWA, Memory
 from tests.integration.test_disk_fake import disk, turn
 from tests.waiting import until
 

@@ -6,7 +6,7 @@ import asyncio
 import random
 from typing import Any
 
-from tests.conftest import metric
+from testbed.probes import metric
 from tests.waiting import until
 
 SYSTEM = "You are a coding agent. Follow the rules. " * 40

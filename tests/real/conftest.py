@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from tests.real.stack import (
+from testbed.stack import (
     LlamaServer,
-    _wait_http,
     free_port,
     gemma3_model,
     require_real_stack,
+    wait_http,
 )
 
 
@@ -66,11 +66,11 @@ def fake_processes() -> Iterator[list[str]]:
     procs, urls = [], []
     for _ in range(2):
         port = free_port()
-        args = [sys.executable, "-m", "tests.fake_llama", "--port", str(port), "--slots", "4"]
+        args = [sys.executable, "-m", "testbed.fake_llama", "--port", str(port), "--slots", "4"]
         proc = subprocess.Popen([*args, "--gen-ms", "5", "--ctx", "200000"])
         procs.append(proc)
         urls.append(f"http://127.0.0.1:{port}")
-        _wait_http(urls[-1] + "/health", 30, proc)
+        wait_http(urls[-1] + "/health", 30, proc)
     yield urls
     for proc in procs:
         proc.terminate()

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.fake_llama import FakeLlamaServer
+from testbed.fake_llama import FakeLlamaServer
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
 QUICK = aiohttp.ClientTimeout(total=0.1)  # a client that gives up before the answer

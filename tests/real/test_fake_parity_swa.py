@@ -19,8 +19,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.fake_llama import FakeLlamaServer, render_chat, tokenize
-from tests.fake_memory import SWA, Memory
+from testbed.fake_llama import FakeLlamaServer, render_chat, tokenize
+from testbed.fake_memory import SWA, Memory
 
 SYSTEM = "you keep the harbor log tidy and note every ship that docks " * 25  # ~300 tokens
 FIRST = " and tell me about the ships in the harbor today" * 60  # ~600 tokens

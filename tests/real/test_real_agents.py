@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from proxy.app import SCHEDULER
-from tests.real.stack import LlamaServer
+from testbed.stack import LlamaServer
 from tests.real.test_real_swa import probed
 
 RULES = " ".join(

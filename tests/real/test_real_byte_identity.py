@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from tests.real.stack import LlamaServer
+from testbed.stack import LlamaServer
 from tests.real.test_real_disk import disk, settle
 
 SYSTEM = "you are the release agent of a small team and you follow these rules " + " ".join(

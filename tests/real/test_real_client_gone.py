@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.real.stack import ProxyProcess, _wait_http
+from testbed.stack import ProxyProcess, wait_http
 
 AUTH = {"Authorization": "Bearer t"}
 # a generation of minutes on a CPU: whatever frees its slot within seconds cancelled it
@@ -50,7 +50,7 @@ async def test_sigterm_stops_the_proxy_promptly_with_a_request_in_flight(
     server = llama_servers(slots=1)
     proxy = ProxyProcess([server.url]).start()
     try:
-        _wait_http(proxy.url + "/readyz", 30, proxy.proc)
+        wait_http(proxy.url + "/readyz", 30, proxy.proc)
         async with aiohttp.ClientSession() as session:
             request = asyncio.ensure_future(session.post(proxy.url + "/completion", json=ENDLESS))
             deadline = time.monotonic() + 10.0

@@ -9,8 +9,8 @@ import random
 
 import aiohttp
 
-from tests.conftest import metric
-from tests.real.stack import ProxyProcess, _wait_http
+from testbed.probes import metric
+from testbed.stack import ProxyProcess, wait_http
 
 AUTH = {"Authorization": "Bearer t"}
 
@@ -19,7 +19,7 @@ async def test_random_disconnects_of_1000_streams(fake_processes: list[str]) -> 
     env = {"LLAMA_CACHE_PROXY_ADMIN_TOKEN": "t", "LLAMA_CACHE_PROXY_QUEUE__MAX_WAIT_SECONDS": "60"}
     proxy = ProxyProcess(fake_processes, env=env).start()
     try:
-        _wait_http(proxy.url + "/readyz", 30, proxy.proc)
+        wait_http(proxy.url + "/readyz", 30, proxy.proc)
         rng = random.Random(11)
         outcomes = {"complete": 0, "aborted": 0}
         url = proxy.url + "/v1/chat/completions"

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import metric
-from tests.real.stack import LlamaServer
+from testbed.probes import metric
+from testbed.stack import LlamaServer
 
 SYSTEM = (
     "You are the build agent of a small software team. Follow the rules below exactly. "

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import metric
-from tests.real.stack import LlamaServer, ProxyProcess, Served, looping_client
+from testbed.probes import metric
+from testbed.stack import LlamaServer, ProxyProcess, Served, looping_client
 from tests.relay import Relay
 
 ADMIN = {

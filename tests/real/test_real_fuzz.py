@@ -19,9 +19,9 @@ import pytest
 from hypothesis import given
 
 from proxy.upstream import ROUTES
-from tests.conftest import metric
+from testbed.probes import metric
+from testbed.stack import LlamaServer, require_real_stack
 from tests.integration.test_fuzz import FUZZED, Served, _check, fuzz_once, paths, raw
-from tests.real.stack import LlamaServer, require_real_stack
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.conftest import metric
+from testbed.probes import metric
 from tests.integration.test_holds_fake import two_sessions
 from tests.integration.test_replicas import alternating
 

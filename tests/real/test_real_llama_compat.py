@@ -10,8 +10,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from testbed.stack import LlamaServer
 from tests.conftest import chat
-from tests.real.stack import LlamaServer
 
 KEY = {"Authorization": "Bearer k"}
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.conftest import metric
+from testbed.probes import metric
 from tests.real.test_real_llama_compat import _until_ready
 
 

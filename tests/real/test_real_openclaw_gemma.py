@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import metric
-from tests.real.stack import ProxyProcess
+from testbed.probes import metric
+from testbed.stack import ProxyProcess
 from tests.real.test_real_openclaw import OPENCLAW, configure, install, scrape
 
 READ_SECONDS = {"LLAMA_CACHE_PROXY_TIMEOUTS__READ_SECONDS": "600"}

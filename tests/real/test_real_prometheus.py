@@ -9,8 +9,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import metric
-from tests.real.stack import PrometheusServer, ProxyProcess
+from testbed.probes import metric
+from testbed.stack import PrometheusServer, ProxyProcess
 
 BOARD = Path(__file__).parents[2] / "deploy/grafana/dashboards/llama-cache-proxy.json"
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import aiohttp
 
-from tests.conftest import chat, metric, server_timing
-from tests.real.stack import LlamaServer, _wait_http, free_port
+from testbed.probes import metric, server_timing
+from testbed.stack import LlamaServer, free_port, wait_http
+from tests.conftest import chat
 
 GREEDY = {"temperature": 0, "seed": 42, "max_tokens": 24}
 
@@ -202,7 +203,7 @@ def test_cli_serves_the_readme_command(llama_servers: Any) -> None:
         env=env,
     )
     try:
-        _wait_http(f"http://127.0.0.1:{port}/readyz", 30, proc)
+        wait_http(f"http://127.0.0.1:{port}/readyz", 30, proc)
         import urllib.request
 
         request = urllib.request.Request(

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 import redis
 
-from tests.conftest import until_listed
-from tests.real.stack import ProxyProcess, _wait_http
+from testbed.probes import until_listed
+from testbed.stack import ProxyProcess, wait_http
 from tests.waiting import ADMIN, admin_view, until, until_metric
 
 TTL = "2"
@@ -43,7 +43,7 @@ async def test_replicas_never_pin_a_slot_twice_and_dead_leases_expire(
     ]
     try:
         for proxy in proxies:
-            _wait_http(proxy.url + "/readyz", 30, proxy.proc)
+            wait_http(proxy.url + "/readyz", 30, proxy.proc)
         timeout = aiohttp.ClientTimeout(total=120)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             statuses = await asyncio.gather(

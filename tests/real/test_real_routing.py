@@ -15,8 +15,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import delta_text, events_to_done, metric, until_listed
-from tests.real.stack import REPLICA_SECRET, _wait_http, free_port
+from testbed.probes import metric, until_listed
+from testbed.stack import REPLICA_SECRET, free_port, wait_http
+from tests.conftest import delta_text, events_to_done
 
 SYSTEM = (
     "You are a careful assistant for a small software team. Answer briefly, use plain "
@@ -205,7 +206,7 @@ def test_two_proxy_processes_share_redis_and_keep_a_session(
     ]
     try:
         for port, proc in zip(ports, procs, strict=True):
-            _wait_http(f"http://127.0.0.1:{port}/readyz", 30, proc)
+            wait_http(f"http://127.0.0.1:{port}/readyz", 30, proc)
         asyncio.run(until_listed([f"http://127.0.0.1:{port}" for port in ports]))
         history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(1)}]
         placed, replicas = [], set()

@@ -11,8 +11,8 @@ import pytest
 
 from proxy.app import SCHEDULER
 from proxy.core.server.fleet import BackendState
-from tests.conftest import metric
-from tests.real.stack import LlamaServer
+from testbed.probes import metric
+from testbed.stack import LlamaServer
 from tests.real.test_real_disk import disk, post, settle
 
 SYSTEM = "You are the build agent of a small software team. Follow the rules below exactly. " + (

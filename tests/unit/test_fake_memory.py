@@ -11,9 +11,9 @@ from typing import Any
 
 import aiohttp
 
-from tests import fake_memory
-from tests.fake_llama import FakeLlamaServer, render_chat, tokenize
-from tests.fake_memory import RECURRENT, SWA, Memory, SlotMemory
+from testbed import fake_memory
+from testbed.fake_llama import FakeLlamaServer, render_chat, tokenize
+from testbed.fake_memory import RECURRENT, SWA, Memory, SlotMemory
 
 GEMMA = Memory(kind=SWA, n_swa=512)
 

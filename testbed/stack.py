@@ -57,7 +57,7 @@ def gemma3_model() -> Path | None:
     return path if path.exists() else None
 
 
-def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -112,7 +112,7 @@ class LlamaServer:
         self.log_path = self.save_dir / "server.log"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        _wait_http(self.url + "/health", 120, self.proc)
+        wait_http(self.url + "/health", 120, self.proc)
         return self
 
     def stop(self) -> None:
@@ -220,7 +220,7 @@ class ProxyProcess:
             **self.env,
         }
         self.proc = subprocess.Popen(args, env=env)
-        _wait_http(self.url + "/healthz", 30, self.proc)
+        wait_http(self.url + "/healthz", 30, self.proc)
         return self
 
     def stop(self, kill: bool = False) -> None:
@@ -259,7 +259,7 @@ class PrometheusServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        _wait_http(f"http://127.0.0.1:{self.port}/-/ready", 60, self.proc)
+        wait_http(f"http://127.0.0.1:{self.port}/-/ready", 60, self.proc)
         return self
 
     def query(self, expr: str, **params: float) -> list[dict[str, Any]]:

@@ -55,7 +55,7 @@ It follows the real server's semantics (llama-server b11434, as verified against
   of a missing file, or of more tokens than fit, is a 400 that *wipes the slot*; restores
   are all or nothing and bypass the RAM cache; token-array prompts are used verbatim
   (``/tokenize`` ids map back to words);
-- ``memory`` (opt-in, ``tests.fake_memory``): a sliding-window (``--swa-full`` or not) or
+- ``memory`` (opt-in, ``testbed.fake_memory``): a sliding-window (``--swa-full`` or not) or
   recurrent/hybrid model's reuse rules: the ``n_swa`` window, context checkpoints (user
   message starts of chat requests, ``4 + n_ubatch`` and 4 tokens before a prompt's end, at
   most ``ctx_checkpoints`` a slot), reuse only from a checkpoint or within the window (an
@@ -80,8 +80,8 @@ from typing import Any
 
 from aiohttp import web
 
-from tests import fake_memory
-from tests.fake_memory import Memory, SlotMemory
+from testbed import fake_memory
+from testbed.fake_memory import Memory, SlotMemory
 
 _TOKEN = re.compile(r"<\|[a-z_]+\|>|\s*(?:(?!<\|)\S)+|\s+")  # special markers alone
 
@@ -752,7 +752,7 @@ class FakeLlamaServer:
         return reply, {"slot": slot.id, "timings": timings, "prompt_tokens": len(prompt)}
 
     def _kept(self, body: dict[str, Any], prompt: list[str], slot: FakeSlot, n_past: int) -> int:
-        """The common prefix the slot's memory still holds (``tests.fake_memory``), the rest
+        """The common prefix the slot's memory still holds (``testbed.fake_memory``), the rest
         of the prompt processed as the server batches it (taking checkpoints)."""
         if self.memory.kind == fake_memory.DENSE:
             return n_past
@@ -998,7 +998,7 @@ def _shape(
 
 
 def main() -> None:
-    """``python -m tests.fake_llama --port P --slots N [--gen-ms MS]``: a standalone fake."""
+    """``python -m testbed.fake_llama --port P --slots N [--gen-ms MS]``: a standalone fake."""
     import argparse
 
     parser = argparse.ArgumentParser()

@@ -36,7 +36,7 @@ import aiohttp
 
 from bench.overhead import _process
 from bench.results_io import print_markdown, save
-from testbed.stack import free_port, wait_http
+from testbed.stack import fake_command, free_port, wait_http
 
 MIB = 1024 * 1024
 
@@ -138,7 +138,7 @@ def run(count: int) -> list[dict[str, Any]]:
     port, proxy_port = free_port(), free_port()
     env = {**os.environ, "LLAMA_CACHE_PROXY_LOG_LEVEL": "WARNING"}
     with contextlib.ExitStack() as stack:
-        fake = [sys.executable, "-m", "testbed.fake_llama", "--slots", "4", "--port", str(port)]
+        fake = fake_command(port, 4)
         stack.enter_context(_process(fake, f"http://127.0.0.1:{port}/health"))
         args = [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{proxy_port}"]
         args += ["--backend", f"http://127.0.0.1:{port}"]

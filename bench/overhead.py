@@ -32,7 +32,7 @@ import aiohttp
 
 from bench.results_io import print_markdown
 from testbed.probes import metric, until_listed
-from testbed.stack import REPLICA_SECRET, RedisServer, free_port, wait_http
+from testbed.stack import REPLICA_SECRET, RedisServer, fake_command, free_port, wait_http
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
@@ -90,15 +90,7 @@ def run(requests: int, concurrencies: list[int], stores: list[str]) -> list[dict
     fake = f"http://127.0.0.1:{fake_port}"
     slots = max(concurrencies)
     rows: list[dict[str, object]] = []
-    fake_args = [
-        sys.executable,
-        "-m",
-        "testbed.fake_llama",
-        "--port",
-        str(fake_port),
-        "--slots",
-        str(slots),
-    ]
+    fake_args = fake_command(fake_port, slots)
     redis = RedisServer().start() if {"redis", "forwarded"} & set(stores) else None
     try:
         with _process(fake_args, fake + "/health"):

@@ -34,7 +34,7 @@ import aiohttp
 from bench.overhead import _pct, _process
 from bench.peers import available_peers
 from bench.results_io import machine_line, print_markdown, save
-from testbed.stack import free_port
+from testbed.stack import fake_command, free_port
 
 SLOTS = 64
 PROMPT_WORDS = {"tiny": 1, "4k": 4000}
@@ -109,7 +109,7 @@ async def run(
         routers["bare"] = lambda urls: _bare(urls[0])
     port = free_port()
     fake = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "testbed.fake_llama", "--port", str(port), "--slots", str(SLOTS)]
+    args = fake_command(port, SLOTS)
     rows: list[dict[str, Any]] = []
     with _process(args, fake + "/health"):
         for prompt in prompts:

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from bench.results_io import machine_line, print_markdown, save
-from testbed.stack import free_port, wait_http
+from testbed.stack import fake_command, free_port, wait_http
 
 SLOTS = 8
 
@@ -76,15 +76,7 @@ async def _sessions(url: str, first: int, count: int, concurrency: int) -> None:
 def run(sessions: int, step: int, concurrency: int) -> list[dict[str, int]]:
     fake_port, port = free_port(), free_port()
     fake = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "testbed.fake_llama",
-            "--port",
-            str(fake_port),
-            "--slots",
-            str(SLOTS),
-        ],
+        fake_command(fake_port, SLOTS),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -55,6 +56,11 @@ def gemma3_model() -> Path | None:
         return None
     path = Path(gemma.default_output_path())
     return path if path.exists() else None
+
+
+def fake_command(port: int, slots: int) -> list[str]:
+    """The command line of a standalone fake llama-server (``testbed.fake_llama``)."""
+    return [sys.executable, "-m", "testbed.fake_llama", "--port", str(port), "--slots", str(slots)]
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -9,6 +8,7 @@ import pytest
 
 from testbed.stack import (
     LlamaServer,
+    fake_command,
     free_port,
     gemma3_model,
     require_real_stack,
@@ -66,7 +66,7 @@ def fake_processes() -> Iterator[list[str]]:
     procs, urls = [], []
     for _ in range(2):
         port = free_port()
-        args = [sys.executable, "-m", "testbed.fake_llama", "--port", str(port), "--slots", "4"]
+        args = fake_command(port, 4)
         proc = subprocess.Popen([*args, "--gen-ms", "5", "--ctx", "200000"])
         procs.append(proc)
         urls.append(f"http://127.0.0.1:{port}")

@@ -56,7 +56,7 @@ class Route:
     chat: bool = False  # body carries ``messages``
     batches: bool = False  # a ``prompt`` array may be a batch: one task per element
     json: bool = True  # body is a JSON object (checked before it is forwarded)
-    via: str | None = None  # sent to this path instead, translated (``core.anthropic_*``)
+    via: str | None = None  # sent to this path instead, translated (``core.request.anthropic_*``)
 
     @property
     def method(self) -> str:

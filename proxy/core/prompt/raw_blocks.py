@@ -5,16 +5,15 @@ blocks of ``block_tokens`` tokens, hashes chained as ``core.prompt.fingerprint``
   a prefix share its whole chunks), and a chunk before each paragraph (a run of blank lines,
   ``paragraphs``); each piece is tokenized and blocked alone (its last block may be short):
   the caller memoizes a chunk's blocks by (chain hash before it, its text), so a 128k-token
-  prompt whose prefix was seen encodes and hashes only its new tail (26 ms -> under 1 ms).
+  prompt whose prefix was seen encodes and hashes only its new tail.
   Agents that send raw prompts append a turn after a blank line, so a prompt continuing an
   earlier one shares all of it, not only its whole blocks (the RAM model needs that exact
   length).
 - *Token ids* are used as given: packed once as 32-bit ids (which also tells a list of ids
   from any other list, counted as its text), then hashed in chunks of whole blocks, about
   ``CHUNK_IDS`` ids each, memoized by the caller by (chain hash before it, its packed ids):
-  a prompt of 8k / 32k / 128k ids whose prefix was seen costs 0.28 / 0.74 / 3.5 ms here,
-  mostly the packing, against 1.0 / 2.4 / 10.6 ms for a Python type check of every id, the
-  packing and hashing every block (medians of 30, side by side).
+  a prompt whose prefix was seen costs mostly the packing, a few times less than a Python
+  type check of every id and hashing every block (bench/HISTORY.md).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ ABLATIONS = [
     A("spare-parked", "spare_parked off", [_swap(R, "spare_parked", _const(None))]),
     A("ram-wait", "full-backend RAM wait off", [_swap(W, "_ram_wait", NO)]),
     A("empty-rule", "'only a slot it would take' off", [_swap(W, "_only_taken", NO)]),
-    A("eviction", "eviction damage off (eviction_weight 0)", routing={"eviction_weight": 0}),
+    A("eviction", "eviction damage off (eviction_weight 0)", params={"eviction_weight": 0.0}),
     A("ram-discount", "RAM-parked loss in full (ram_discount 1.0)", params={"ram_discount": 1.0}),
     A("min-prefix", "no hit floor (min_prefix_tokens 0)", routing={"min_prefix_tokens": 0}),
     A("recency", "recency off (half life 1e9 s)", routing={"value_half_life_seconds": 1e9}),

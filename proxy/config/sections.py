@@ -142,7 +142,6 @@ class RoutingSettings(_Frozen):
     )
     max_slot_wait_seconds: float = Field(default=5.0, ge=0, description="wait for a busy slot")
     hold_max_seconds: float = Field(default=2.0, ge=0, description="slot held for a session")
-    eviction_weight: float = Field(default=1.0, ge=0)
     value_half_life_seconds: float = Field(default=600.0, gt=0)
     cache_key_sources: tuple[str, ...] = Field(
         default=(
@@ -172,7 +171,6 @@ class RoutingSettings(_Frozen):
             wait_min_fraction=self.wait_min_fraction,
             short_wait_tokens=self.short_wait_tokens,
             short_wait_depth=self.short_wait_depth,
-            eviction_weight=self.eviction_weight,
             value_half_life_s=self.value_half_life_seconds,
             key_similarity=self.slot_cache_key_similarity,
             key_min_prefix=self.slot_cache_key_min_prefix,

@@ -43,15 +43,16 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
 - ``max_slot_wait_seconds`` (s, 5): the bound on any wait.
 - ``hold_max_seconds`` (s, 2): the longest hold of a slot for its session
   (``core.routing.returns``).
-- ``eviction_weight`` (a multiplier, 1) and ``value_half_life_seconds`` (s, 600): how much,
-  and for how long, what a slot holds counts against overwriting it (the half-life is the
+- ``value_half_life_seconds`` (s, 600): for how long what a slot holds counts against
+  overwriting it (the half-life is the
   prior; where overwritten content is lost, the measured return odds replace it:
   ``core.routing.return_odds``).
 - ``slot_cache_key_similarity`` (share, 0.5) / ``slot_cache_key_min_prefix`` (tokens, 64):
   when a cache_key's mapped slot is really the session's.
 - Constants: ``waiting.SATURATED`` (slots per idle one, 16), ``waiting.SHORT_WHOLE`` (tokens,
   4), ``waiting.SPARE_PARKED`` (tokens, 256), ``RoutingParams.ram_discount`` (share of the
-  damage when the server parks the content in RAM, 0.1), ``ram_cache.SURE_CONSULT`` (share of
+  damage when the server parks the content in RAM, 0.1), ``RoutingParams.eviction_weight``
+  (damage per token lost, 1: the objective's unit), ``ram_cache.SURE_CONSULT`` (share of
   a slot kept, 0.4), ``options.SPARES`` (slots, 2).
 
 Only IDLE slots are placed (property-tested). Ties break by load, then towards a backend this

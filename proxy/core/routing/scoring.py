@@ -64,6 +64,8 @@ class RoutingParams:
     wait_min_fraction: float = 0.5  # ... or this share of the prompt, if smaller
     short_wait_tokens: int = 4  # a smaller saving worth a wait in a short queue (0: off)
     short_wait_depth: int = 4  # ... while fewer requests than this wait for the slot
+    # damage counts as the tokens it costs, the unit of reuse (not a setting: 1 is the
+    # objective's own scale; 0 lost hit rate on every replay row, bench.ablation)
     eviction_weight: float = 1.0
     value_half_life_s: float = 600.0
     key_similarity: float = 0.5

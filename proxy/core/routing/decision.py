@@ -44,9 +44,8 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
 - ``hold_max_seconds`` (s, 2): the longest hold of a slot for its session
   (``core.routing.returns``).
 - ``value_half_life_seconds`` (s, 600): for how long what a slot holds counts against
-  overwriting it (the half-life is the
-  prior; where overwritten content is lost, the measured return odds replace it:
-  ``core.routing.return_odds``).
+  overwriting it (the prior; where overwritten content is lost, the measured return odds
+  replace it: ``core.routing.return_odds``).
 - ``slot_cache_key_similarity`` (share, 0.5) / ``slot_cache_key_min_prefix`` (tokens, 64):
   when a cache_key's mapped slot is really the session's.
 - Constants: ``waiting.SATURATED`` (slots per idle one, 16), ``waiting.SHORT_WHOLE`` (tokens,

@@ -23,12 +23,12 @@
    that cannot bring overwritten content back itself (``exact``, or no RAM cache), the measured
    odds (``core.routing.return_odds``: content whose session is due back soon outweighs fresher
    content whose session is due back later); else, and before any return was measured, the
-   prior ``0.5 ** (age / value_half_life_s)``. When
-   the request continues s's conversation (the shared prefix reaches s's first user message,
-   ``Fingerprint.same_conversation``), only the tail it overwrites (s's tokens beyond the
-   shared prefix); otherwise s's whole content, since that conversation loses its slot: its
-   whole KV, which for a raw prompt holds its reply too (``kv_estimate``; a chat content's
-   estimate already does: a short question with a long reply is not a cheap slot).
+   prior ``0.5 ** (age / value_half_life_s)``. When the request continues s's conversation
+   (the shared prefix reaches s's first user message, ``Fingerprint.same_conversation``),
+   only the tail it overwrites (s's tokens beyond the shared prefix); otherwise s's whole
+   content, since that conversation loses its slot: its whole KV, which for a raw prompt
+   holds its reply too (``kv_estimate``; a chat content's estimate already does: a short
+   question with a long reply is not a cheap slot).
    Content of another conversation evicted on a backend with the RAM cache, by a request
    that keeps less than half of it, is parked there rather than lost (and comes back the
    same way), so its damage is scaled by ``ram_discount``. A RAM entry the server would load

@@ -91,8 +91,14 @@ def configure(
         config["tools"] = {"profile": "minimal"}
         defaults = config["agents"]["defaults"]  # type: ignore[index]
         defaults.update(skipBootstrap=True, contextInjection="never")
-    else:
+    else:  # the default profile, on a model whose 32k context holds it
         model["contextWindow"] = 131072
+        # greedy, with room to finish: sampled at the server's default temperature, a small
+        # model can spend the turn on a tool call cut off at the token limit, which OpenClaw
+        # reports as a failed turn ("incomplete turn", stopReason=length)
+        model["maxTokens"] = 256
+        defaults = config["agents"]["defaults"]  # type: ignore[index]
+        defaults["models"] = {"local/smollm2": {"params": {"temperature": 0}}}
     (state / "openclaw.json").write_text(json.dumps(config))
     return {
         **os.environ,

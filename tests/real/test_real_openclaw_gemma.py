@@ -42,7 +42,7 @@ class Turns:
              "--message", message, "--json", "--timeout", "600"],
             env=self.envs[session], capture_output=True, text=True, timeout=700,
         )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.returncode == 0, (done.stdout[-1000:], done.stderr[-2000:])
         page = scrape(self.proxy)
         prompt = metric(page, "llama_cache_proxy_prompt_tokens_total")
         cached = metric(page, "llama_cache_proxy_cached_tokens_total")

@@ -13,6 +13,8 @@ import sys
 import aiohttp
 from aiohttp import web
 
+from proxy.cli import event_loop  # the proxy's own loop: the floor compares like with like
+
 CLIENT = web.AppKey("client", aiohttp.ClientSession)
 
 
@@ -44,7 +46,9 @@ def app(backend: str) -> web.Application:
 
 def main() -> None:
     backend, port = sys.argv[1], int(sys.argv[2])
-    web.run_app(app(backend), host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(
+        app(backend), host="127.0.0.1", port=port, print=None, access_log=None, loop=event_loop()
+    )
 
 
 if __name__ == "__main__":

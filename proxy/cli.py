@@ -8,6 +8,7 @@ process exits with status 2.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -117,6 +118,17 @@ def _configure_logging(level: str, form: str) -> None:
     logging.basicConfig(level=level, handlers=[handler])
 
 
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The loop ``serve`` runs on: uvloop where it is installed (a dependency except on
+    Windows), whose C loop and transports cost a relay less per request than asyncio's own;
+    asyncio's loop otherwise. The proxy's code is the same on both."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "report":
@@ -143,5 +155,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutdown_timeout=STOP_GRACE_SECONDS,
         access_log=None,
         print=None,
+        loop=event_loop(),
     )
     return 0

@@ -233,6 +233,8 @@ async def _respond(
 
 
 def _log(request: web.Request, record: RequestRecord, status: int, elapsed: float) -> None:
+    if not log.isEnabledFor(logging.INFO):
+        return
     queue_ms = None if record.queue_s is None else round(record.queue_s * 1000, 1)
     fields = {
         "request_id": record.request_id,

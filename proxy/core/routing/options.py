@@ -81,18 +81,22 @@ def options(
     if empty is not None and params.eviction_weight > 0 and params.ram_discount > 0:
         # an empty slot scores 0, a stranger holding tokens less: it loses them
         return [*found, _stranger(fp, backend, empty, now, params, load)]
-    best = max(others, key=partial(_stranger_rank, fp, backend, now, params, first), default=None)
-    return found if best is None else [*found, _stranger(fp, backend, best, now, params, load)]
+    rank = partial(_stranger_rank, fp, backend, now, params, first)
+    best = max(((rank(s), s) for s in others), key=_first, default=None)
+    return found if best is None else [*found, Candidate(backend, best[1], 0, best[0][0], load)]
 
 
 def _distinct(slots: Sequence[SlotState]) -> list[SlotState]:
     """Of slots holding the same content, the least recently used: it scores at least as
     well as the others (the same reuse, its loss the least recent)."""
     seen: dict[tuple[int, int, int], SlotState] = {}
-    for slot in sorted(slots, key=_lru):
+    for slot in slots:
         content = slot.content
         assert content is not None
-        seen.setdefault((content.hashes[-1], content.total, slot.n_tokens), slot)
+        key = (content.hashes[-1], content.total, slot.n_tokens)
+        kept = seen.get(key)
+        if kept is None or _lru(slot) < _lru(kept):
+            seen[key] = slot
     return list(seen.values())
 
 
@@ -144,6 +148,10 @@ def _stranger_rank(
     discount = params.ram_discount if backend.ram and length > 0 and not ours else 1.0
     damage = lost_tokens(content, 0, 0, length) * recency(slot, now, params, backend) * discount
     return (-params.eviction_weight * damage, -slot.last_used, -slot.id)
+
+
+def _first(ranked: tuple[tuple[float, float, int], SlotState]) -> tuple[float, float, int]:
+    return ranked[0]
 
 
 def _lru(slot: SlotState) -> tuple[float, int]:

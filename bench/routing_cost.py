@@ -13,19 +13,20 @@ memoized per 2048-character chunk: "seen" is the earlier turn's text fingerprint
 
 A second table: the decision alone at fleet scale, 64 backends x 8 slots, every slot holding
 a ~1,500-token session under one of eight system prompts, 256 requests waiting (their per-slot
-depths), for a share of busy slots from none to all; each request is a returning session's
-next turn or a new session of one of the eight kinds.
+depths), for a share of busy slots from none to all; each request is, in turn, a returning
+session's next turn (its slot's system prompt and conversation) or a new session of one of the
+eight kinds, and the table gives the median of all and of each.
 
-    python -m bench.routing_cost
+    python -m bench routing_cost      (results: bench/results/routing_cost/)
 """
 
 from __future__ import annotations
 
-import platform
 import random
 import statistics
 import time
 
+from bench.results_io import machine_line, print_markdown, save
 from proxy.core.prompt.fingerprint import Fingerprint, fingerprint_chat
 from proxy.core.prompt.raw_blocks import fingerprint_text
 from proxy.core.routing.decision import RoutingParams, route
@@ -110,16 +111,22 @@ def measure(
     return statistics.median(samples) * 1000
 
 
-def at_scale(busy_share: float, backends: int = 64, slots: int = 8, waiting: int = 256) -> float:
-    """Median ms of one routing decision over a ``backends`` x ``slots`` fleet (table 2)."""
+def at_scale(
+    busy_share: float, backends: int = 64, slots: int = 8, waiting: int = 256
+) -> tuple[float, float, float]:
+    """Median ms of one routing decision over a ``backends`` x ``slots`` fleet (table 2): of
+    every request, of the returning sessions' and of the new sessions'."""
     rng, counter = random.Random(1), TokenCounter()
     kinds = [f"agent kind {k}: " for k in range(8)]
+    kind_of: dict[str, str] = {}
     fleet = Fleet([f"b{i}" for i in range(backends)])
     for index in range(backends):
         probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(slots)))
         fleet.apply_probe(index, probe, now=0.0)
         for slot in fleet.backends[index].slots:
-            body = conversation(1500, session=f"s{index}/{slot.id}", system=rng.choice(kinds))
+            session = f"s{index}/{slot.id}"
+            kind_of[session] = rng.choice(kinds)
+            body = conversation(1500, session=session, system=kind_of[session])
             slot.content = fingerprint_chat(body, counter.count)
             slot.last_used = rng.random() * 100
             if rng.random() < busy_share:
@@ -127,10 +134,11 @@ def at_scale(busy_share: float, backends: int = 64, slots: int = 8, waiting: int
     depths = Depths()
     for _ in range(waiting):
         depths.move(None, (rng.randrange(backends), rng.randrange(slots)))
-    samples = []
+    samples: dict[bool, list[float]] = {True: [], False: []}
     for i in range(200):
-        session = f"s{rng.randrange(backends)}/{rng.randrange(slots)}" if i % 2 else f"new{i}"
-        body = conversation(1500, session=session, system=rng.choice(kinds))
+        returning = bool(i % 2)
+        session = f"s{rng.randrange(backends)}/{rng.randrange(slots)}" if returning else f"new{i}"
+        body = conversation(1500, session=session, system=kind_of.get(session, rng.choice(kinds)))
         body["messages"].append({"role": "user", "content": f"turn {i}"})  # type: ignore[attr-defined]
         fp = fingerprint_chat(body, counter.count)
         started = time.perf_counter()
@@ -142,35 +150,51 @@ def at_scale(busy_share: float, backends: int = 64, slots: int = 8, waiting: int
             queued=waiting,
             depths=depths.others(None),
         )
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples) * 1000
+        samples[returning].append(time.perf_counter() - started)
+    every = samples[True] + samples[False]
+    return tuple(  # type: ignore[return-value]
+        statistics.median(xs) * 1000 for xs in (every, samples[True], samples[False])
+    )
 
 
 def main() -> None:
-    print(
-        f"machine: {platform.machine()}, Python {platform.python_version()}; "
-        "median of 30, fingerprint + routing decision over a 4 x 4 fleet"
-    )
-    print(
-        f"| prompt tokens | prefix seen (ms) | cold (ms) | RAM model full ({LIMIT}) (ms) "
-        "| of strangers (ms) | raw, prefix seen (ms) | raw, cold (ms) |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for tokens in (8_000, 32_000, 128_000):
-        print(
-            f"| {tokens // 1000}k | {measure(tokens, True):.2f} | "
-            f"{measure(tokens, False, repeats=5):.1f} | "
-            f"{measure(tokens, True, parked=LIMIT):.2f} | "
-            f"{measure(tokens, True, parked=LIMIT, strangers=True):.2f} | "
-            f"{measure(tokens, True, raw=True):.2f} | "
-            f"{measure(tokens, False, repeats=5, raw=True):.1f} |"
-        )
+    print(f"{machine_line()}; median of 30, fingerprint + routing decision over a 4 x 4 fleet")
+    prompts = [
+        {
+            "tokens": tokens,
+            "seen_ms": measure(tokens, True),
+            "cold_ms": measure(tokens, False, repeats=5),
+            "ram_full_ms": measure(tokens, True, parked=LIMIT),
+            "ram_strangers_ms": measure(tokens, True, parked=LIMIT, strangers=True),
+            "raw_seen_ms": measure(tokens, True, raw=True),
+            "raw_cold_ms": measure(tokens, False, repeats=5, raw=True),
+        }
+        for tokens in (8_000, 32_000, 128_000)
+    ]
+    print_markdown(
+        [
+            "prompt tokens",
+            "prefix seen (ms)",
+            "cold (ms)",
+            f"RAM model full ({LIMIT}) (ms)",
+            "of strangers (ms)",
+            "raw, prefix seen (ms)",
+            "raw, cold (ms)",
+        ],
+        [[f"{r['tokens'] // 1000}k", *(f"{v:.2f}" for k, v in r.items() if k != "tokens")]
+         for r in prompts],
+    )  # fmt: skip
     print()
     print("routing decision alone, 64 backends x 8 slots, 256 requests waiting (median of 200)")
-    print("| busy slots | decision p50 (ms) |")
-    print("|---|---|")
+    scale = []
     for share in (0.0, 0.5, 0.9, 1.0):
-        print(f"| {share:.0%} | {at_scale(share):.3f} |")
+        every, returning, new = at_scale(share)
+        scale.append({"busy": share, "p50_ms": every, "returning_ms": returning, "new_ms": new})
+    print_markdown(
+        ["busy slots", "decision p50 (ms)", "returning sessions (ms)", "new sessions (ms)"],
+        [[f"{r['busy']:.0%}", *(f"{v:.3f}" for v in list(r.values())[1:])] for r in scale],
+    )
+    save("routing_cost", {"prompts": prompts, "at_scale": scale})
 
 
 if __name__ == "__main__":

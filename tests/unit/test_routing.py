@@ -707,9 +707,10 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
 
     pruned = decide()
     options, distinct_busy = routing.options, waiting._distinct_busy
-    routing.options = lambda fp, b, idle, now, params, ram, load, offer: [  # type: ignore[assignment]
-        candidate(fp, b, s, now, params, ram, load, offer) for s in idle
-    ]
+    routing.options = lambda fp, b, idle, now, params, ram, load, offer: (  # type: ignore[assignment]
+        [candidate(fp, b, s, now, params, ram, load, offer) for s in idle],
+        [],
+    )
     waiting._distinct_busy = lambda b, fp, first, depths, params: [  # type: ignore[assignment]
         s for s in b.slots if s.phase is not SlotPhase.IDLE
     ]

@@ -68,7 +68,7 @@ from enum import StrEnum
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.options import options
+from proxy.core.routing.options import options, stranger
 from proxy.core.routing.returns import held, held_until
 from proxy.core.routing.scoring import (
     Candidate,
@@ -85,6 +85,7 @@ from proxy.core.server.fleet import (
     NoPlacement,
     Placement,
     SlotPhase,
+    SlotState,
 )
 from proxy.core.server.placement import why_not
 
@@ -204,20 +205,21 @@ def route(
         for b, s in (free if allow_wait and hold > 0 else ())
         if held(b, s, fp, now, hold, least)
     )
-    idle = [
-        option
-        for b in ready
-        for option in options(
-            fp,
-            b,
-            [s for s in free_of[b.index] if (b.index, s.id) not in spared],
-            now,
-            params,
-            ram[b.index],
-            load[b.index],
-            disk.get(b.index),
+    idle: list[Candidate] = []
+    strangers: list[tuple[BackendState, list[SlotState]]] = []
+    for b in ready:
+        unspared = [s for s in free_of[b.index] if (b.index, s.id) not in spared]
+        found, others = options(
+            fp, b, unspared, now, params, ram[b.index], load[b.index], disk.get(b.index)
         )
-    ]
+        idle += found
+        if others:
+            strangers.append((b, others))
+    if not any(c.score > 0 for c in idle):  # else no stranger (at most 0) can rank first
+        for b, others in strangers:
+            found_stranger = stranger(fp, b, others, now, params, load[b.index])
+            if found_stranger is not None:
+                idle.append(found_stranger)
     if keyed is not None:
         if all(c.score <= keyed.score for c in idle):
             return _place(keyed, Reason.AFFINITY, key)

@@ -15,6 +15,11 @@ the first would push out) are scored in full.
 So a decision scores the slots that share the prompt and a few more per backend, and the
 cost of a slot that shares nothing is a few attribute reads; the decision is the one that
 scoring every idle slot gives (property-tested).
+
+A stranger scores at most 0 (no reuse, a loss), so it can rank first only when no other
+option gains: ``options`` leaves a backend's strangers aside, and the decision ranks them
+(``stranger``) only when no option scored above 0. A returning session, or a new one whose
+system prompt some slot holds, so skips the slots that share nothing with it.
 """
 
 from __future__ import annotations
@@ -62,8 +67,9 @@ def options(
     ram: RamView,
     load: int,
     offer: Offer | None,
-) -> list[Candidate]:
-    """The candidates among ``idle`` one of which ranks best (module docstring, 4)."""
+) -> tuple[list[Candidate], list[SlotState]]:
+    """The candidates among ``idle`` one of which ranks best (module docstring), and the
+    strangers left aside: ``stranger`` ranks them when no candidate scores above 0."""
     sharing: list[SlotState] = []
     others: list[SlotState] = []
     first = first_token(fp)
@@ -76,14 +82,27 @@ def options(
         return found + [  # a RAM entry or a snapshot may come into any of them
             candidate(fp, backend, slot, now, params, ram, load, offer)
             for slot in _cheapest(others, backend, now, params)
-        ]
+        ], []
+    return found, others
+
+
+def stranger(
+    fp: Fingerprint,
+    backend: BackendState,
+    others: Sequence[SlotState],
+    now: float,
+    params: RoutingParams,
+    load: int,
+) -> Candidate | None:
+    """The best of a backend's strangers (``options``): the least recently used empty slot
+    if there is one (it scores 0; a stranger holding tokens less, as it loses them), else
+    the one whose content costs least to lose."""
     empty = min((s for s in others if s.content is None), key=_lru, default=None)
     if empty is not None and params.eviction_weight > 0 and params.ram_discount > 0:
-        # an empty slot scores 0, a stranger holding tokens less: it loses them
-        return [*found, _stranger(fp, backend, empty, now, params, load)]
-    rank = partial(_stranger_rank, fp, backend, now, params, first)
+        return _stranger(fp, backend, empty, now, params, load)
+    rank = partial(_stranger_rank, fp, backend, now, params, first_token(fp))
     best = max(((rank(s), s) for s in others), key=_first, default=None)
-    return found if best is None else [*found, Candidate(backend, best[1], 0, best[0][0], load)]
+    return None if best is None else Candidate(backend, best[1], 0, best[0][0], load)
 
 
 def _distinct(slots: Sequence[SlotState]) -> list[SlotState]:

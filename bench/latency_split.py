@@ -13,8 +13,7 @@ peer routers run) and splits each request's latency, as the client saw it, into:
   a slot, and reading, fingerprinting and planning before asking for one;
 - *hops*: the rest, the router's processing and the two HTTP hops through it, both ways.
 
-First measurement, Mooncake conversation: ours' queue plus backend equalled sglang-router's
-backend (109 against 108 ms); the gap was all in the hops (12 against 3.5 ms).
+Figures: docs/benchmarks.md (trace replay, latency against sglang-router).
 """
 
 from __future__ import annotations

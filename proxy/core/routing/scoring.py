@@ -245,9 +245,16 @@ def candidate(
     lost = lost_tokens(content, shared, direct, length)
     damage = lost * recency(slot, now, params, backend) * discount + destroyed
     score = gain - params.eviction_weight * damage
-    source = from_ram.content if from_ram is not None else content
-    extends = restore is None and shared_segments(fp, source) == len(source.hashes) and reuse > 0
+    extends = restore is None and reuse > 0 and _extends(fp, content, shared, from_ram)
     return Candidate(backend, slot, reuse, score, load, restore, from_ram, extends)
+
+
+def _extends(fp: Fingerprint, own: Fingerprint, shared: int, loaded: RamEntry | None) -> bool:
+    """The prompt continues all of what the slot will hold: the RAM entry it loads, else its
+    own content (``shared``: the segments the prompt shares with that, already counted)."""
+    if loaded is None:
+        return shared == len(own.hashes)
+    return shared_segments(fp, loaded.content) == len(loaded.content.hashes)
 
 
 def once_done(slot: SlotState, now: float) -> SlotState:

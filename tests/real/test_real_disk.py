@@ -50,14 +50,21 @@ def disk(server: LlamaServer, **over: Any) -> dict[str, Any]:
 
 
 async def settle(client: Any, server: LlamaServer) -> None:
-    """Restart ``server`` and wait until the proxy has seen it come back."""
+    """Restart ``server`` and wait until the proxy has seen it gone, then back: a restart
+    between two of its probes would go unseen, its view of the slots kept."""
     server.stop()
+    await _until_ready(client, 503)
     server.start()
-    await asyncio.sleep(0.5)
-    for _ in range(100):
-        if (await client.get("/readyz")).status == 200:
-            return
-        await asyncio.sleep(0.1)
+    await _until_ready(client, 200)
+
+
+async def _until_ready(client: Any, status: int, seconds: float = 60.0) -> None:
+    """Poll the proxy's ``/readyz`` until it answers ``status`` (one backend: 503 while it
+    is down)."""
+    deadline = time.monotonic() + seconds
+    while (await client.get("/readyz")).status != status:
+        assert time.monotonic() < deadline, f"/readyz never answered {status}"
+        await asyncio.sleep(0.05)
 
 
 async def post(client: Any, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:

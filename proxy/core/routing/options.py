@@ -34,7 +34,6 @@ from proxy.core.routing.scoring import (
     RamView,
     RoutingParams,
     candidate,
-    lost_tokens,
     recency,
     shared_segments,
 )
@@ -100,9 +99,9 @@ def stranger(
     empty = min((s for s in others if s.content is None), key=_lru, default=None)
     if empty is not None and params.eviction_weight > 0 and params.ram_discount > 0:
         return _stranger(fp, backend, empty, now, params, load)
-    rank = partial(_stranger_rank, fp, backend, now, params, first_token(fp))
-    best = max(((rank(s), s) for s in others), key=_first, default=None)
-    return None if best is None else Candidate(backend, best[1], 0, best[0][0], load)
+    # (ranks differ in the slot id, so the slots themselves are never compared)
+    best = max(map(partial(_stranger_rank, fp, backend, now, params, first_token(fp)), others))
+    return Candidate(backend, best[3], 0, best[0], load) if others else None
 
 
 def _distinct(slots: Sequence[SlotState]) -> list[SlotState]:
@@ -155,22 +154,20 @@ def _stranger_rank(
     params: RoutingParams,
     first: int,
     slot: SlotState,
-) -> tuple[float, float, int]:
-    """A stranger's score (``_stranger``) and the ranking's ties after it (the least recently
-    used, then the lowest id): one call per idle slot sharing nothing, so kept lean."""
+) -> tuple[float, float, int, SlotState]:
+    """A stranger's score (``_stranger``), the ranking's ties after it (the least recently
+    used, then the lowest id) and the slot: one call per idle slot sharing nothing, so kept
+    lean."""
     content = slot.content
     if content is None or not fp.hashes:
-        return (0.0, -slot.last_used, -slot.id)
+        return (0.0, -slot.last_used, -slot.id, slot)
+    # it shares no token, so it loses all of its KV (``lost_tokens`` with no reuse)
     length = kv_length(content, slot.n_tokens, backend.token_scale or 1.0)
     # the segments it shares hold no token: its conversation only when it has no more
     ours = content.anchor <= first and content.same_conversation(shared_segments(fp, content))
     discount = params.ram_discount if backend.ram and length > 0 and not ours else 1.0
-    damage = lost_tokens(content, 0, 0, length) * recency(slot, now, params, backend) * discount
-    return (-params.eviction_weight * damage, -slot.last_used, -slot.id)
-
-
-def _first(ranked: tuple[tuple[float, float, int], SlotState]) -> tuple[float, float, int]:
-    return ranked[0]
+    damage = length * recency(slot, now, params, backend) * discount
+    return (-params.eviction_weight * damage, -slot.last_used, -slot.id, slot)
 
 
 def _lru(slot: SlotState) -> tuple[float, int]:

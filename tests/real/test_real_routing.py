@@ -82,7 +82,7 @@ async def test_six_interleaved_sessions_on_two_by_two_slots(llama_servers: Any, 
     assert accurate >= 0.9 * metric(page, "llama_cache_proxy_route_predictions_total")
 
 
-async def test_seed_000_cache_key_cases(
+async def test_cache_key_reuse_unsafe_and_busy_cases(
     llama_servers: Any, proxy: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = llama_servers(slots=2)
@@ -112,21 +112,20 @@ async def test_seed_000_cache_key_cases(
     }
     other = await client.post("/v1/chat/completions", json=unrelated)
     assert other.headers["X-Cache-Route"] != "affinity"
-    # the mapping followed the request; now make the mapped slot busy
-    busy_slot = other.headers["X-Cache-Slot"]
+    # a long streamed request under the same key: the mapping follows it to its slot, which
+    # stays busy while the reply streams (the proxy has claimed it before the headers came)
     long = {
         "messages": [{"role": "user", "content": "Count from 1 to 200."}],
         "max_tokens": 200,
         "temperature": 0,
-        "id_slot": int(busy_slot),
+        "stream": True,
+        "prompt_cache_key": "k",
     }
     caplog.set_level(logging.INFO, logger="proxy.routing.router")
-    async with aiohttp.ClientSession() as session:
-        hold = asyncio.create_task(session.post(server.url + "/v1/chat/completions", json=long))
-        await _until_busy(server.url, int(busy_slot))
-        await asyncio.sleep(0.5)  # the proxy sees foreign traffic at its next probe (0.2 s)
-        third = await client.post("/v1/chat/completions", json=unrelated)
-        (await hold).release()
+    streaming = await client.post("/v1/chat/completions", json=long)
+    busy_slot = streaming.headers["X-Cache-Slot"]
+    third = await client.post("/v1/chat/completions", json=unrelated)
+    await streaming.read()
     assert third.status == 200
     assert third.headers["X-Cache-Slot"] != busy_slot
     assert "ignoring busy cache_key slot" in caplog.text
@@ -170,16 +169,6 @@ async def test_a_cache_key_yields_to_the_slot_holding_more_of_the_prompt(
     assert timings["cache_n"] >= before["prompt_n"] + before["cache_n"] - 1
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_cache_key_total", outcome="outmatched") == 2
-
-
-async def _until_busy(url: str, slot: int) -> None:
-    async with aiohttp.ClientSession() as session:
-        for _ in range(200):
-            async with session.get(url + "/slots") as resp:
-                if (await resp.json())[slot]["is_processing"]:
-                    return
-            await asyncio.sleep(0.02)
-    raise AssertionError("slot never became busy")
 
 
 def test_two_proxy_processes_share_redis_and_keep_a_session(

@@ -96,12 +96,14 @@ def stranger(
     """The best of a backend's strangers (``options``): the least recently used empty slot
     if there is one (it scores 0; a stranger holding tokens less, as it loses them), else
     the one whose content costs least to lose."""
+    if not others:
+        return None
     empty = min((s for s in others if s.content is None), key=_lru, default=None)
     if empty is not None and params.eviction_weight > 0 and params.ram_discount > 0:
         return _stranger(fp, backend, empty, now, params, load)
     # (ranks differ in the slot id, so the slots themselves are never compared)
     best = max(map(partial(_stranger_rank, fp, backend, now, params, first_token(fp)), others))
-    return Candidate(backend, best[3], 0, best[0], load) if others else None
+    return Candidate(backend, best[3], 0, best[0], load)
 
 
 def _distinct(slots: Sequence[SlotState]) -> list[SlotState]:

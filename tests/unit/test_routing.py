@@ -10,6 +10,7 @@ from proxy.core.routing.decision import Decision, Reason, RoutingParams, predict
 from proxy.core.routing.scoring import RamView, ram_reuse
 from proxy.core.server.fleet import (
     BackendPhase,
+    BackendState,
     Fleet,
     NoPlacement,
     Placement,
@@ -651,13 +652,13 @@ def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | 
     f = fleet(*counts, exact=tuple(draw(st.booleans()) for _ in counts))
     preamble = draw(st.booleans())
 
-    def chain(ids: list[int]) -> Fingerprint:
-        if not preamble:
-            return fp(*ids)
-        c = fp(0, *ids)
-        return Fingerprint(c.hashes, tuple(t - 100 for t in c.tokens))
+    def chain(ids: list[int], anchor: int) -> Fingerprint:
+        c = fp(0, *ids) if preamble else fp(*ids)
+        tokens = tuple(t - 100 for t in c.tokens) if preamble else c.tokens
+        return Fingerprint(c.hashes, tokens, min(anchor, len(c.hashes)))
 
-    chains = st.lists(st.integers(1, 4), min_size=1, max_size=5).map(chain)
+    ids = st.lists(st.integers(1, 4), min_size=1, max_size=5)
+    chains = st.tuples(ids, st.integers(0, 3)).map(lambda drawn: chain(*drawn))
     for backend in f.backends:
         backend.ram = draw(st.booleans())
         parked = st.builds(RamEntry, chains, st.floats(0, 100))
@@ -684,8 +685,9 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
     hold: float,
     depths: dict[tuple[int, int], int],
 ) -> None:
-    """``core.routing.options`` scores the idle slots sharing a token with the prompt and the best
-    of the others, and ``core.routing.waiting`` weighs one busy slot per distinct content and bar:
+    """``core.routing.options`` scores the idle slots sharing a token with the prompt (those of
+    another conversation only while their bound may beat the best so far) and the best of the
+    others, and ``core.routing.waiting`` weighs one busy slot per distinct content and bar:
     the decision is the one weighing every slot gives."""
     import proxy.core.routing.decision as routing
     import proxy.core.routing.waiting as waiting
@@ -710,6 +712,7 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
     routing.options = lambda fp, b, idle, now, params, ram, load, offer: (  # type: ignore[assignment]
         [candidate(fp, b, s, now, params, ram, load, offer) for s in idle],
         [],
+        [],
     )
     waiting._distinct_busy = lambda b, fp, first, depths, params: [  # type: ignore[assignment]
         s for s in b.slots if s.phase is not SlotPhase.IDLE
@@ -718,3 +721,113 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
         assert pruned == decide()
     finally:
         routing.options, waiting._distinct_busy = options, distinct_busy
+
+
+@st.composite
+def kin_scenes(draw: st.DrawFn) -> tuple[BackendState, Fingerprint]:
+    """One backend whose slots and RAM entries hold chains opening with the request's first
+    segment (most of them kin of the request), of varied segment sizes, with checkpoints."""
+
+    def chain(size: int) -> st.SearchStrategy[Fingerprint]:
+        ids = st.lists(st.integers(2, 4), max_size=4).map(lambda rest: fp(1, *rest, size=size))
+        return st.builds(
+            lambda c, anchor, users: replace(
+                c,
+                anchor=min(anchor, len(c.hashes)),
+                users=tuple(u for u in users if u < len(c.hashes)),
+            ),
+            ids,
+            st.integers(0, 3),
+            st.lists(st.integers(1, 4), max_size=2).map(lambda u: tuple(sorted(set(u)))),
+        )
+
+    sized = st.sampled_from([50, 100, 300]).flatmap(chain)
+    f = fleet(draw(st.integers(1, 4)), exact=(draw(st.booleans()),))
+    backend = f.backends[0]
+    backend.ram = draw(st.booleans())
+    backend.ram_entries = draw(st.lists(st.builds(RamEntry, sized, st.floats(0, 100)), max_size=3))
+    for slot in backend.slots:
+        slot.content = draw(sized)
+        slot.last_used = draw(st.sampled_from([0.0, 50.0, 99.0]))
+    return backend, draw(sized)
+
+
+@settings(max_examples=600)
+@given(kin_scenes(), st.sampled_from([None, 150, 450]), st.sampled_from([0.0, 0.1, 1.0]))
+def test_property_a_kin_slots_bound_is_never_below_its_score(
+    scene: tuple[BackendState, Fingerprint],
+    offer_tokens: int | None,
+    discount: float,
+) -> None:
+    """``scoring.kin_bound`` bounds ``candidate``'s score of every idle slot that shares a
+    token with the prompt but not its anchor, whatever the RAM cache, a snapshot offer, the
+    model (exact or not, with checkpoints) and the RAM discount: the decision may skip a slot
+    whose bound is below the best score found (``options.kin``)."""
+    from proxy.core.routing.options import options
+    from proxy.core.routing.scoring import (
+        candidate,
+        kin_bound,
+        kin_ceiling,
+        kin_reach,
+        ram_view,
+    )
+    from tests.unit.test_snapshots import offer as restore_offer
+
+    backend, request = scene
+    params = replace(PARAMS, ram_discount=discount)
+    offer = None if offer_tokens is None else restore_offer(offer_tokens, offer_tokens / 4)
+    ram = ram_view(request, backend)
+    ceiling = kin_ceiling(kin_reach(request), backend, ram, offer)
+    _, kin, _ = options(request, backend, backend.slots, 100.0, params, ram, 0, offer)
+    for slot in kin:
+        score = candidate(request, backend, slot, 100.0, params, ram, 0, offer).score
+        assert kin_bound(request, backend, slot, 100.0, params, ceiling) >= score
+
+
+def test_a_kin_slots_bound_counts_the_ram_entry_the_server_would_load_into_it() -> None:
+    """A slot of another conversation that keeps under 0.4 of its content makes the server
+    load its best RAM entry: the request's own earlier prompt, parked there, serves 300 tokens
+    where the slot serves 100. The bound must count the entry (the property above rarely draws
+    this case)."""
+    from proxy.core.routing.scoring import (
+        candidate,
+        kin_bound,
+        kin_ceiling,
+        kin_reach,
+        ram_view,
+    )
+
+    request = replace(fp(1, 2, 3, 4), anchor=2)
+    f = fleet(2)
+    backend = f.backends[0]
+    hold(f, 0, 0, fp(1, 5, 6, 7), at=99.0)
+    backend.ram_entries = [RamEntry(fp(1, 2, 3), 99.0)]
+    ram = ram_view(request, backend)
+    found = candidate(request, backend, backend.slots[0], 100.0, PARAMS, ram, 0, None)
+    assert (found.reuse, found.from_ram) == (300, backend.ram_entries[0])
+    ceiling = kin_ceiling(kin_reach(request), backend, ram, None)
+    bound = kin_bound(request, backend, backend.slots[0], 100.0, PARAMS, ceiling)
+    assert bound >= found.score > 200
+
+
+def test_a_kin_slots_bound_on_an_exact_backend_counts_no_reuse_of_its_own() -> None:
+    """An exact backend rolls a slot that diverges inside its content back to a checkpoint,
+    or to nothing: the request may keep none of the slot, so the server may park it (the RAM
+    discount), however much the prompt's first segment is of it."""
+    from proxy.core.routing.scoring import (
+        candidate,
+        kin_bound,
+        kin_ceiling,
+        kin_reach,
+        ram_view,
+    )
+
+    request = replace(fp(1, 2, 3), anchor=2)
+    f = fleet(2, exact=(True,))
+    backend = f.backends[0]
+    hold(f, 0, 0, replace(fp(1, 5), anchor=2), at=50.0)
+    ram = ram_view(request, backend)
+    found = candidate(request, backend, backend.slots[0], 100.0, PARAMS, ram, 0, None)
+    assert found.reuse == 0
+    ceiling = kin_ceiling(kin_reach(request), backend, ram, None)
+    assert kin_bound(request, backend, backend.slots[0], 100.0, PARAMS, ceiling) >= found.score

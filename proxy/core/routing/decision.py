@@ -7,7 +7,9 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
 
 1. *Scores* (``core.routing.scoring``): per idle slot, predicted reuse (the slot's KV, the backend's
    RAM prompt cache, or a disk snapshot restored into it) minus restore cost and the recency-
-   weighted damage of evicting what the slot holds.
+   weighted damage of evicting what the slot holds. Only the slots that may rank first are
+   scored in full (``core.routing.options``: another conversation's slot only while its
+   bound beats the best score found, a stranger only when nothing gains).
 2. *cache_key affinity* (done outside the server): a keyed request whose mapped
    slot is idle reuses it only when the overlap is real — predicted reuse / prompt tokens
    >= ``key_similarity`` and reuse >= ``key_min_prefix`` tokens ("reuse"), and no other idle
@@ -68,7 +70,7 @@ from enum import StrEnum
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.options import options, stranger
+from proxy.core.routing.options import kin, options, stranger
 from proxy.core.routing.returns import held, held_until
 from proxy.core.routing.scoring import (
     Candidate,
@@ -206,15 +208,21 @@ def route(
         if held(b, s, fp, now, hold, least)
     )
     idle: list[Candidate] = []
+    deferred: list[tuple[BackendState, list[SlotState]]] = []
     strangers: list[tuple[BackendState, list[SlotState]]] = []
     for b in ready:
         unspared = [s for s in free_of[b.index] if (b.index, s.id) not in spared]
-        found, others = options(
+        found, near, others = options(
             fp, b, unspared, now, params, ram[b.index], load[b.index], disk.get(b.index)
         )
         idle += found
+        if near:
+            deferred.append((b, near))
         if others:
             strangers.append((b, others))
+    if deferred:
+        top = max((c.score for c in idle), default=None)
+        idle += kin(fp, deferred, top, now, params, ram, load, disk)
     if not any(c.score > 0 for c in idle):  # else no stranger (at most 0) can rank first
         for b, others in strangers:
             found_stranger = stranger(fp, b, others, now, params, load[b.index])

@@ -1,20 +1,31 @@
 """Which of a backend's idle slots a routing decision scores (``options``).
 
 Slots sharing a token with the prompt (one hash compare each: segment ``first_token`` of
-the prompt, since hash ``i`` of a chain covers segments ``0..i``) are scored in full
-(``scoring.candidate``), one per distinct content: of slots holding the same, the least
-recently used scores at least as well (the same reuse, its loss the least recent) and wins
-the ranking's ties. A slot sharing nothing reuses nothing of its own. On a backend with no
-RAM entry and no disk snapshot for the prompt it scores minus the loss of all it holds
-(``_stranger``, without the cache model), and only the best such slot of the backend can
-rank first: the least recently used empty one if there is one (it scores 0; a stranger
-holding tokens scores less, as it loses them). On a backend with one, the first empty slot
-(it scores the disk gain alone: an empty pinned slot skips the RAM cache) and the
-``SPARES`` whose content costs least to lose (the second covers a RAM entry that parking
-the first would push out) are scored in full.
-So a decision scores the slots that share the prompt and a few more per backend, and the
-cost of a slot that shares nothing is a few attribute reads; the decision is the one that
-scoring every idle slot gives (property-tested).
+the prompt, since hash ``i`` of a chain covers segments ``0..i``, so a shared segment means
+every one before it is shared too) are scored, one per distinct content: of slots holding
+the same, the least recently used scores at least as well (the same reuse, its loss the
+least recent) and wins the ranking's ties.
+
+- Those that share the prompt's anchor too (a second hash compare: they may hold its
+  conversation) are scored in full (``scoring.candidate``).
+- The *kin*, sharing a token but not the anchor (another conversation under the same system
+  prompt: most slots of an agent fleet), are scored in full only while they may rank first
+  (``kin``): each gets a cheap upper bound (``scoring.kin_bound``: what it can gain at most,
+  less what it loses at least), and they are scored in the order of their bounds until a
+  bound falls below the best score found. A returning session's own slot so outscores every
+  kin bound, and none is scored in full.
+- A slot sharing nothing reuses nothing of its own. On a backend with no RAM entry and no
+  disk snapshot for the prompt it scores minus the loss of all it holds (``_stranger``,
+  without the cache model), and only the best such slot of the backend can rank first: the
+  least recently used empty one if there is one (it scores 0; a stranger holding tokens
+  scores less, as it loses them). On a backend with one, the first empty slot (it scores the
+  disk gain alone: an empty pinned slot skips the RAM cache) and the ``SPARES`` whose content
+  costs least to lose (the second covers a RAM entry that parking the first would push out)
+  are scored in full.
+
+So a decision scores in full the slots that may hold the prompt's conversation and a few
+more per backend, and the cost of any other slot is a few attribute reads; the decision is
+the one that scoring every idle slot gives (property-tested).
 
 A stranger scores at most 0 (no reuse, a loss), so it can rank first only when no other
 option gains: ``options`` leaves a backend's strangers aside, and the decision ranks them
@@ -24,8 +35,8 @@ system prompt some slot holds, so skips the slots that share nothing with it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from functools import partial
+from collections.abc import Mapping, Sequence
+from operator import itemgetter
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
@@ -34,22 +45,17 @@ from proxy.core.routing.scoring import (
     RamView,
     RoutingParams,
     candidate,
+    kin_bound,
+    kin_ceiling,
+    kin_reach,
     recency,
     shared_segments,
+    weigher,
 )
 from proxy.core.server.fleet import BackendState, SlotState
 from proxy.core.server.slots import kv_length
 
 SPARES = 2  # slots sharing nothing scored in full per backend with a RAM or disk gain
-
-
-def shares(fp: Fingerprint, content: Fingerprint | None, first: int) -> bool:
-    """Whether ``content`` holds at least one token of the prompt: its segment ``first``,
-    the prompt's first holding a token (``first_token``; chains: hash ``i`` covers
-    segments ``0..i``, so a shared segment means every one before it is shared too)."""
-    if content is None or first < 0 or len(content.hashes) <= first:
-        return False
-    return content.hashes[first] == fp.hashes[first]
 
 
 def first_token(fp: Fingerprint) -> int:
@@ -66,23 +72,71 @@ def options(
     ram: RamView,
     load: int,
     offer: Offer | None,
-) -> tuple[list[Candidate], list[SlotState]]:
+) -> tuple[list[Candidate], list[SlotState], list[SlotState]]:
     """The candidates among ``idle`` one of which ranks best (module docstring), and the
-    strangers left aside: ``stranger`` ranks them when no candidate scores above 0."""
-    sharing: list[SlotState] = []
+    slots left aside: the kin, which ``kin`` scores when they may rank first, and the
+    strangers, which ``stranger`` ranks when no candidate scores above 0."""
     others: list[SlotState] = []
-    first = first_token(fp)
-    for slot in idle:
-        (sharing if shares(fp, slot.content, first) else others).append(slot)
-    found = [
-        candidate(fp, backend, slot, now, params, ram, load, offer) for slot in _distinct(sharing)
-    ]
+    ours: list[SlotState] = []
+    kin: list[SlotState] = []
+    first, at = first_token(fp), fp.anchor - 1
+    head = fp.hashes[first] if first >= 0 else None
+    mark = fp.hashes[at] if at >= 0 else None
+    for slot in idle:  # one pass: a hash compare or two per slot (``shares``, then the anchor)
+        content = slot.content
+        hashes = content.hashes if content is not None and head is not None else ()
+        if not hashes or len(hashes) <= first or hashes[first] != head:
+            others.append(slot)
+        elif mark is None or (len(hashes) > at and hashes[at] == mark):
+            ours.append(slot)
+        else:
+            kin.append(slot)
+    if len(ours) > 1:
+        ours = _distinct(ours)
+    if len(kin) > 1:
+        kin = _distinct(kin)
+    found = [candidate(fp, backend, slot, now, params, ram, load, offer) for slot in ours]
     if offer is not None or any(served for served, _ in ram.served):
-        return found + [  # a RAM entry or a snapshot may come into any of them
-            candidate(fp, backend, slot, now, params, ram, load, offer)
-            for slot in _cheapest(others, backend, now, params)
-        ], []
-    return found, others
+        return (
+            found
+            + [  # a RAM entry or a snapshot may come into any of them
+                candidate(fp, backend, slot, now, params, ram, load, offer)
+                for slot in _cheapest(others, backend, now, params)
+            ],
+            kin,
+            [],
+        )
+    return found, kin, others
+
+
+def kin(
+    fp: Fingerprint,
+    deferred: Sequence[tuple[BackendState, Sequence[SlotState]]],
+    top: float | None,
+    now: float,
+    params: RoutingParams,
+    ram: Mapping[int, RamView],
+    load: Mapping[int, int],
+    disk: Mapping[int, Offer],
+) -> list[Candidate]:
+    """The kin slots (``options``) that may beat ``top``, the best score so far, scored in
+    full in order of their bound (``scoring.kin_bound``): once a bound falls below the best
+    score found, no kin slot left can rank first."""
+    bounded: list[tuple[float, BackendState, SlotState]] = []
+    reach = kin_reach(fp)
+    for backend, slots in deferred:
+        ceiling = kin_ceiling(reach, backend, ram[backend.index], disk.get(backend.index))
+        bounded += ((kin_bound(fp, backend, s, now, params, ceiling), backend, s) for s in slots)
+    bounded.sort(key=itemgetter(0), reverse=True)
+    out: list[Candidate] = []
+    for bound, backend, slot in bounded:
+        if top is not None and bound < top:
+            break
+        i = backend.index
+        found = candidate(fp, backend, slot, now, params, ram[i], load[i], disk.get(i))
+        out.append(found)
+        top = found.score if top is None else max(top, found.score)
+    return out
 
 
 def stranger(
@@ -102,7 +156,7 @@ def stranger(
     if empty is not None and params.eviction_weight > 0 and params.ram_discount > 0:
         return _stranger(fp, backend, empty, now, params, load)
     # (ranks differ in the slot id, so the slots themselves are never compared)
-    best = max(map(partial(_stranger_rank, fp, backend, now, params, first_token(fp)), others))
+    best = max(_stranger_ranks(fp, backend, now, params, first_token(fp), others))
     return Candidate(backend, best[3], 0, best[0], load)
 
 
@@ -145,31 +199,41 @@ def _stranger(
 ) -> Candidate:
     """``candidate`` for a slot sharing nothing with the prompt on a backend with nothing
     to load or restore for it: no reuse, and the loss of all it holds."""
-    score = _stranger_rank(fp, backend, now, params, first_token(fp), slot)[0]
+    score = _stranger_ranks(fp, backend, now, params, first_token(fp), (slot,))[0][0]
     return Candidate(backend, slot, 0, score, load)
 
 
-def _stranger_rank(
+def _stranger_ranks(
     fp: Fingerprint,
     backend: BackendState,
     now: float,
     params: RoutingParams,
     first: int,
-    slot: SlotState,
-) -> tuple[float, float, int, SlotState]:
-    """A stranger's score (``_stranger``), the ranking's ties after it (the least recently
-    used, then the lowest id) and the slot: one call per idle slot sharing nothing, so kept
-    lean."""
-    content = slot.content
-    if content is None or not fp.hashes:
-        return (0.0, -slot.last_used, -slot.id, slot)
-    # it shares no token, so it loses all of its KV (``lost_tokens`` with no reuse)
-    length = kv_length(content, slot.n_tokens, backend.token_scale or 1.0)
-    # the segments it shares hold no token: its conversation only when it has no more
-    ours = content.anchor <= first and content.same_conversation(shared_segments(fp, content))
-    discount = params.ram_discount if backend.ram and length > 0 and not ours else 1.0
-    damage = length * recency(slot, now, params, backend) * discount
-    return (-params.eviction_weight * damage, -slot.last_used, -slot.id, slot)
+    slots: Sequence[SlotState],
+) -> list[tuple[float, float, int, SlotState]]:
+    """Each stranger's score (``_stranger``), the ranking's ties after it (the least recently
+    used, then the lowest id) and the slot: over every idle slot sharing nothing, so the
+    rules are looked up once per backend and the loop kept lean."""
+    weight, scale, w = (
+        weigher(now, params, backend),
+        backend.token_scale or 1.0,
+        params.eviction_weight,
+    )
+    parks = params.ram_discount if backend.ram else 1.0
+    out = []
+    for slot in slots:
+        content = slot.content
+        if content is None or not fp.hashes:
+            out.append((0.0, -slot.last_used, -slot.id, slot))
+            continue
+        # it shares no token, so it loses all of its KV (``lost_tokens`` with no reuse)
+        length = kv_length(content, slot.n_tokens, scale)
+        # the segments it shares hold no token: its conversation only when it has no more
+        ours = content.anchor <= first and content.same_conversation(shared_segments(fp, content))
+        discount = parks if length > 0 and not ours else 1.0
+        damage = length * weight(slot.last_used) * discount
+        out.append((-w * damage, -slot.last_used, -slot.id, slot))
+    return out
 
 
 def _lru(slot: SlotState) -> tuple[float, int]:

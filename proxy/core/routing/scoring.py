@@ -43,7 +43,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -154,9 +154,17 @@ def recency(slot: SlotState, now: float, params: RoutingParams, backend: Backend
     once it is overwritten (an ``exact`` backend, or one without the RAM cache), the measured
     odds that its session is back for it (``core.routing.return_odds``); else, and before any return
     was measured, the half-life prior."""
-    if params.returns is not None and (backend.exact or not backend.ram):
-        return params.returns.weight(max(0.0, now - slot.last_used))
-    return _recency(slot.last_used, now, params)
+    return weigher(now, params, backend)(slot.last_used)
+
+
+def weigher(now: float, params: RoutingParams, backend: BackendState) -> Callable[[float], float]:
+    """``recency`` on ``backend`` at ``now`` as a function of a slot's last use (one lookup
+    of the rule per backend, for a loop over its slots)."""
+    returns = params.returns
+    if returns is not None and (backend.exact or not backend.ram):
+        return lambda last_used: returns.weight(max(0.0, now - last_used))
+    half_life = params.value_half_life_s
+    return lambda last_used: float(0.5 ** (max(0.0, now - last_used) / half_life))
 
 
 def _recency(last_used: float, now: float, params: RoutingParams) -> float:
@@ -247,6 +255,69 @@ def candidate(
     score = gain - params.eviction_weight * damage
     extends = restore is None and reuse > 0 and _extends(fp, content, shared, from_ram)
     return Candidate(backend, slot, reuse, score, load, restore, from_ram, extends)
+
+
+@dataclass(frozen=True)
+class KinCeiling:
+    """What bounds a kin slot's score on one backend (kin: a slot sharing a token with the
+    prompt but not its anchor: another conversation's, under the same system prompt)."""
+
+    gain: float  # the most it gains: the prompt before its conversation, a RAM load, a restore
+    before: int  # the most it reuses of its own: the prompt before its conversation
+    floor: int  # the least it reuses of its own (the prompt's first segment holding tokens)
+    restorable: bool  # a snapshot may be restored into it (the server then parks its content)
+
+
+def kin_reach(fp: Fingerprint) -> tuple[int, int]:
+    """Per request, what bounds a kin slot's own reuse: at most the prompt before its
+    conversation (before the anchor), and, on a model that reuses any prefix, at least the
+    prompt's first segment holding tokens (the kin share it)."""
+    cap = fp.total - 1
+    before = max(0, min(fp.tokens_at(fp.anchor - 1), cap))
+    first = next((i for i, tokens in enumerate(fp.tokens) if tokens > 0), -1)
+    return before, max(0, min(fp.tokens_at(first + 1), cap))
+
+
+def kin_ceiling(
+    reach: tuple[int, int], backend: BackendState, ram: RamView, offer: Offer | None
+) -> KinCeiling:
+    """``KinCeiling`` on ``backend`` (``reach``: ``kin_reach`` of the request): a kin slot's
+    own reuse ends before the prompt's anchor, a RAM entry loaded into it serves at most the
+    best entry, a restore nets its gain; an exact model may keep none of it."""
+    before, floor = reach
+    parked = max((served for served, _ in ram.served), default=0) if ram.served else 0
+    restored = offer.reuse - offer.cost if offer is not None else 0
+    gain = max(before, parked, restored)
+    return KinCeiling(gain, before, 0 if backend.exact else floor, offer is not None)
+
+
+def kin_bound(
+    fp: Fingerprint,
+    backend: BackendState,
+    slot: SlotState,
+    now: float,
+    params: RoutingParams,
+    ceiling: KinCeiling,
+) -> float:
+    """An upper bound on ``candidate``'s score for a kin slot: its gain is at most
+    ``ceiling.gain``, and it loses at least what ``candidate`` counts with the RAM discount
+    applied wherever the server may park its content (a restore into it, or a request that
+    may keep under half of it: not when even ``ceiling.floor`` is half). It shares less than
+    the prompt's anchor, so less than its own when that is no earlier: its content is lost
+    whole; else at least what lies beyond the prompt before its conversation. Computed in
+    ``candidate``'s order of operations, so the bound holds in floating point too (rounding
+    is monotone)."""
+    content = slot.content
+    assert content is not None
+    length = backend.kv_estimate(content, slot.n_tokens)
+    if content.anchor >= fp.anchor:
+        lost = max(content.total, length)
+    else:
+        lost = max(0, content.total - ceiling.before)
+    parks = backend.ram and (ceiling.restorable or ram_cache.consulted(ceiling.floor, length))
+    discount = min(params.ram_discount, 1.0) if parks else 1.0
+    damage = lost * recency(slot, now, params, backend) * discount
+    return ceiling.gain - params.eviction_weight * damage
 
 
 def _extends(fp: Fingerprint, own: Fingerprint, shared: int, loaded: RamEntry | None) -> bool:

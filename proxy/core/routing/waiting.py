@@ -59,7 +59,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.options import first_token, shares
+from proxy.core.routing.options import first_token
 from proxy.core.routing.scoring import (
     Candidate,
     RamView,
@@ -204,10 +204,15 @@ def _distinct_busy(
     bar (``depths`` below ``short_wait_depth`` or not, busy with an outside request or not):
     the others would pass or fail as it does and save no more, and the first found wins."""
     seen: set[tuple[int, int, int, bool, bool]] = set()
-    out = []
+    out: list[SlotState] = []
+    if first < 0:
+        return out
+    head = fp.hashes[first]
     for slot in backend.slots:
-        content = slot.expected
-        if slot.phase is SlotPhase.IDLE or content is None or not shares(fp, content, first):
+        if slot.phase is SlotPhase.IDLE:
+            continue
+        content = slot.expected  # (``shares``, inlined: this runs for every busy slot)
+        if content is None or len(content.hashes) <= first or content.hashes[first] != head:
             continue
         queued = depths.get((backend.index, slot.id), 0) < params.short_wait_depth
         key = (
@@ -239,9 +244,11 @@ def _ram_wait(
     would, once done."""
     if backend.slots and not free:
         return True
-    busy = [s for s in backend.slots if s.phase is not SlotPhase.IDLE]
     # cheapest first: the best entry scans the whole cache, scoring slots costs more still
-    if not busy or view.best < floor:
+    if not view.served or view.best < floor:
+        return False
+    busy = [s for s in backend.slots if s.phase is not SlotPhase.IDLE]
+    if not busy:
         return False
 
     def serves(slot: SlotState) -> bool:

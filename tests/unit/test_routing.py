@@ -831,3 +831,19 @@ def test_a_kin_slots_bound_on_an_exact_backend_counts_no_reuse_of_its_own() -> N
     assert found.reuse == 0
     ceiling = kin_ceiling(kin_reach(request), backend, ram, None)
     assert kin_bound(request, backend, backend.slots[0], 100.0, PARAMS, ceiling) >= found.score
+
+
+def test_depths_as_one_waiting_request_sees_them_leave_it_out() -> None:
+    from proxy.core.routing.waiting import Depths
+
+    depths = Depths()
+    depths.move(None, (0, 1))
+    depths.move(None, (0, 1))
+    depths.move(None, (1, 0))
+    mine = depths.others((1, 0))  # the request waiting for (1, 0) sees only the others
+    assert (mine.get((0, 1)), mine.get((1, 0)), mine.get((2, 2), 7)) == (2, 0, 7)
+    assert ((0, 1) in mine, (1, 0) in mine, "x" in mine) == (True, False, False)
+    assert dict(mine) == {(0, 1): 2}
+    assert len(mine) == 1
+    depths.move((0, 1), None)
+    assert depths.others(None).get((0, 1)) == 1

@@ -308,6 +308,15 @@ class _Others(Mapping[Slot, int]):
             raise KeyError(slot)
         return count
 
+    def get(self, slot: Slot, default: int = 0) -> int:  # type: ignore[override]
+        # (one signature of the overloaded ``Mapping.get``, without the KeyError it catches:
+        # read for every busy slot of every decision)
+        count = self._counts.get(slot, 0) - (slot == self._own)
+        return count if count > 0 else default
+
+    def __contains__(self, slot: object) -> bool:
+        return isinstance(slot, tuple) and self.get(slot, 0) > 0
+
     def __iter__(self) -> Iterator[Slot]:
         return (slot for slot in self._counts if slot in self)
 

@@ -38,6 +38,7 @@ from bench.results_io import load, print_markdown, save
 from proxy.config import sections as config_sections
 from proxy.core.routing import decision as routing
 from proxy.core.routing import waiting
+from proxy.core.routing.index import BackendIndex
 from proxy.core.server.fleet import BackendState, SlotState
 
 WORKLOADS = ["lmcache/taubench", "lmcache/taubench (6 sessions, 2x3)", "lmcache/magagent"]
@@ -71,9 +72,13 @@ def _const(value: Any) -> Callable[..., Any]:
 
 
 def _unpressed(
-    backends: Sequence[BackendState], free: Mapping[int, Sequence[SlotState]], sat: bool, _: bool
+    backends: Sequence[BackendState],
+    free: Mapping[int, Sequence[SlotState]],
+    sat: bool,
+    _: bool,
+    index: Mapping[int, BackendIndex],
 ) -> waiting.Fleetview:
-    return waiting.Fleetview(backends, free, sat, False)
+    return waiting.Fleetview(backends, free, sat, False, index)
 
 
 _UNPRESSED = (_unpressed, lambda view: view.pressed)  # counted: decisions that were pressed

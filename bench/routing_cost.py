@@ -30,6 +30,7 @@ from bench.results_io import machine_line, print_markdown, save
 from proxy.core.prompt.fingerprint import Fingerprint, fingerprint_chat
 from proxy.core.prompt.raw_blocks import fingerprint_text
 from proxy.core.routing.decision import RoutingParams, route
+from proxy.core.routing.index import FleetIndex
 from proxy.core.routing.waiting import Depths
 from proxy.core.server.fleet import RAM_ENTRY_LIMIT as LIMIT
 from proxy.core.server.fleet import BackendPhase, Fleet, Probe, SlotPhase, SlotProbe
@@ -135,6 +136,7 @@ def at_scale(
     for _ in range(waiting):
         depths.move(None, (rng.randrange(backends), rng.randrange(slots)))
     samples: dict[bool, list[float]] = {True: [], False: []}
+    index = FleetIndex()  # kept across decisions, as the router keeps it
     for i in range(200):
         returning = bool(i % 2)
         session = f"s{rng.randrange(backends)}/{rng.randrange(slots)}" if returning else f"new{i}"
@@ -149,6 +151,7 @@ def at_scale(
             now=200.0,
             queued=waiting,
             depths=depths.others(None),
+            index=index,
         )
         samples[returning].append(time.perf_counter() - started)
     every = samples[True] + samples[False]

@@ -36,6 +36,7 @@ from proxy.core.prompt.usage import Reply, Usage
 from proxy.core.replicas.homes import target
 from proxy.core.request.body import is_chat, raw_prompt, type_error
 from proxy.core.routing.decision import Decision, KeyOutcome, Reason, route
+from proxy.core.routing.index import FleetIndex
 from proxy.core.routing.returns import SCAN, ReturnTracker
 from proxy.core.routing.scoring import RamView
 from proxy.core.routing.waiting import Depths
@@ -98,6 +99,7 @@ class Router:
         self._counter, self._offload = counter, offload
         self._metrics, self._clock = metrics, clock
         self._depths = Depths()  # per busy slot, the plans waiting for it
+        self._index = FleetIndex()  # the fleet's slots grouped for routing, kept while unchanged
         self.params = settings.routing.params()
         self._labels = {b.label: b.index for b in fleet.backends}
         self._scheduler = scheduler
@@ -183,6 +185,7 @@ class Router:
             views=plan.views,
             remote=remote,
             depths=self._depths.others(plan.queued_for),
+            index=self._index,
         )
 
     async def acquire(self, scheduler: Scheduler, plan: Plan, decide: Decide) -> Placement:

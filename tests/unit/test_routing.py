@@ -709,12 +709,16 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
 
     pruned = decide()
     options, distinct_busy = routing.options, waiting._distinct_busy
-    routing.options = lambda fp, b, idle, now, params, ram, load, offer: (  # type: ignore[assignment]
-        [candidate(fp, b, s, now, params, ram, load, offer) for s in idle],
+    routing.options = lambda fp, b, index, spared, now, params, ram, load, offer: (  # type: ignore[assignment]
+        [
+            candidate(fp, b, s, now, params, ram, load, offer)
+            for s in b.slots
+            if s.phase is SlotPhase.IDLE and s.id not in spared
+        ],
         [],
-        [],
+        None,
     )
-    waiting._distinct_busy = lambda b, fp, first, depths, params: [  # type: ignore[assignment]
+    waiting._distinct_busy = lambda b, index, fp, depths, params: [  # type: ignore[assignment]
         s for s in b.slots if s.phase is not SlotPhase.IDLE
     ]
     try:
@@ -763,6 +767,7 @@ def test_property_a_kin_slots_bound_is_never_below_its_score(
     token with the prompt but not its anchor, whatever the RAM cache, a snapshot offer, the
     model (exact or not, with checkpoints) and the RAM discount: the decision may skip a slot
     whose bound is below the best score found (``options.kin``)."""
+    from proxy.core.routing.index import FleetIndex
     from proxy.core.routing.options import options
     from proxy.core.routing.scoring import (
         candidate,
@@ -778,7 +783,8 @@ def test_property_a_kin_slots_bound_is_never_below_its_score(
     offer = None if offer_tokens is None else restore_offer(offer_tokens, offer_tokens / 4)
     ram = ram_view(request, backend)
     ceiling = kin_ceiling(kin_reach(request), backend, ram, offer)
-    _, kin, _ = options(request, backend, backend.slots, 100.0, params, ram, 0, offer)
+    index = FleetIndex().of(backend)
+    _, kin, _ = options(request, backend, index, frozenset(), 100.0, params, ram, 0, offer)
     for slot in kin:
         score = candidate(request, backend, slot, 100.0, params, ram, 0, offer).score
         assert kin_bound(request, backend, slot, 100.0, params, ceiling) >= score
@@ -847,3 +853,93 @@ def test_depths_as_one_waiting_request_sees_them_leave_it_out() -> None:
     assert len(mine) == 1
     depths.move((0, 1), None)
     assert depths.others(None).get((0, 1)) == 1
+
+
+@settings(max_examples=200)
+@given(wide_scenes(), st.data())
+def test_property_an_index_kept_across_changes_decides_as_one_built_anew(
+    scene: tuple[Fleet, Fingerprint, tuple[int, int] | None], data: st.DataObject
+) -> None:
+    """``core.routing.index`` keeps each backend's grouped slots while the backend is unchanged:
+    after any change of a slot or a backend (through ``Fleet`` or written directly, as the
+    disk tier writes a restored slot), a decision with the kept index is the one a fresh
+    index gives."""
+    from proxy.core.routing.index import FleetIndex
+
+    f, request, hint = scene
+    kept = FleetIndex()
+    chains = st.lists(st.integers(1, 4), min_size=1, max_size=5).map(lambda ids: fp(*ids))
+    for _ in range(data.draw(st.integers(1, 6))):
+        for index in (kept, None):  # the kept one first: it is built, then reused
+            now = data.draw(st.sampled_from([100.0, 160.0]))
+            args = {"now": now, "affinity": hint, "hold": data.draw(st.sampled_from([0.0, 50.0]))}
+            assert route(request, f.backends, PARAMS, index=kept, **args) == route(
+                request, f.backends, PARAMS, index=index, **args
+            )
+        backend = data.draw(st.sampled_from(f.backends))
+        slot = data.draw(st.sampled_from(backend.slots))
+        change = data.draw(st.sampled_from(["content", "phase", "used", "scale", "ram", "probe"]))
+        if change == "content":
+            slot.content = data.draw(st.none() | chains)
+        elif change == "phase":
+            slot.phase = data.draw(st.sampled_from(list(SlotPhase)))
+        elif change == "used":
+            slot.last_used = data.draw(st.sampled_from([10.0, 90.0, 150.0]))
+        elif change == "scale":
+            backend.token_scale = data.draw(st.sampled_from([None, 0.5, 2.0]))
+        elif change == "ram":
+            backend.ram = not backend.ram
+        else:
+            count = data.draw(st.integers(1, 4))
+            probe = Probe(
+                BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(count))
+            )
+            f.apply_probe(backend.index, probe, now=120.0)
+        request = data.draw(
+            st.sampled_from([request, *(s.content for s in backend.slots if s.content)])
+        )
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 4), min_size=1, max_size=4),
+            st.integers(0, 2),
+            st.sampled_from([0.0, 30.0, 60.0, 99.5]),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.booleans(),
+    st.sampled_from([None, 0.5, 3.0]),
+    st.sampled_from([0.0, 0.1, 1.0]),
+)
+def test_property_the_stranger_found_by_loss_is_the_best_of_all(
+    held: list[tuple[list[int], int, float, bool]],
+    ram: bool,
+    scale: float | None,
+    discount: float,
+) -> None:
+    """``options.stranger`` ranks exactly only the first few strangers by loss
+    (``index.least_lost``): the slot it finds is the one ranking every stranger finds, whatever
+    the contents' anchors (a raw prompt's content is not parked), lengths, sealed replies
+    and last uses."""
+    from proxy.core.routing.index import FleetIndex
+    from proxy.core.routing.options import Strangers, _stranger_ranks, stranger
+
+    f = fleet(len(held))
+    backend = f.backends[0]
+    backend.ram, backend.token_scale = ram, scale
+    for slot, (ids, anchor, used, sealed) in zip(backend.slots, held, strict=True):
+        content = fp(*ids)
+        slot.content = replace(content, anchor=min(anchor, len(ids)), sealed=sealed)
+        slot.last_used, slot.n_tokens = used, 150 * len(ids)
+    request = fp(9, 8)  # shares no token with any slot
+    params = replace(PARAMS, ram_discount=discount)
+    strangers = Strangers(backend, FleetIndex().of(backend), frozenset())
+    found = stranger(request, strangers, 100.0, params, 0)
+    assert found is not None
+    every = max(_stranger_ranks(request, backend, 100.0, params, 0, backend.slots))
+    assert (found.slot, found.score) == (every[3], every[0])

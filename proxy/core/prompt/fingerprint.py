@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import xxhash
@@ -73,6 +74,11 @@ class Fingerprint:
     @property
     def total(self) -> int:
         return self.tokens[-1] if self.tokens else 0
+
+    @cached_property
+    def first(self) -> int:
+        """The first segment holding a token (-1: none; a chat preamble may be empty)."""
+        return next((i for i, tokens in enumerate(self.tokens) if tokens > 0), -1)
 
     def tokens_at(self, segments: int) -> int:
         return self.tokens[segments - 1] if segments > 0 else 0

@@ -9,7 +9,10 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    RAM prompt cache, or a disk snapshot restored into it) minus restore cost and the recency-
    weighted damage of evicting what the slot holds. Only the slots that may rank first are
    scored in full (``core.routing.options``: another conversation's slot only while its
-   bound beats the best score found, a stranger only when nothing gains).
+   bound beats the best score found, a stranger only when nothing gains), and each
+   backend's slots are read grouped as the last decision left them unless the backend
+   changed since (``core.routing.index``): by the head of what they hold, by recency, and
+   by what overwriting them loses.
 2. *cache_key affinity* (done outside the server): a keyed request whose mapped
    slot is idle reuses it only when the overlap is real — predicted reuse / prompt tokens
    >= ``key_similarity`` and reuse >= ``key_min_prefix`` tokens ("reuse"), and no other idle
@@ -64,13 +67,14 @@ the lowest backend's home), then backend index and slot recency and id.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.options import kin, options, stranger
+from proxy.core.routing.index import BackendIndex, FleetIndex
+from proxy.core.routing.options import Strangers, kin, options, stranger
 from proxy.core.routing.returns import held, held_until
 from proxy.core.routing.scoring import (
     Candidate,
@@ -182,16 +186,19 @@ def route(
     views: dict[int, RamView] | None = None,
     remote: frozenset[int] = frozenset(),
     depths: Mapping[tuple[int, int], int] | None = None,
+    index: FleetIndex | None = None,
 ) -> Decision | NoPlacement:
     """The decision for ``fp``; ``disk``: per backend, the best snapshot it could restore;
     ``queued``: requests waiting for a slot (this one included, if it waits); ``hold``: seconds
     a freed slot is held for its session; ``views``: the request's RAM views, memo updated;
     ``remote``: backends another replica schedules (ties go to the others); ``depths``: per
-    busy slot, the other requests waiting for it."""
-    disk = disk or {}
+    busy slot, the other requests waiting for it; ``index``: the fleet's slots grouped for
+    routing, kept across decisions (``core.routing.index``; without it, built anew)."""
+    disk, index = disk or {}, index or FleetIndex()
     usable = [b for b in backends if b.index not in avoid]
     up = [b for b in usable if b.phase is BackendPhase.READY]
-    free_of = {b.index: b.idle_slots() for b in up}  # (read once per decision)
+    indexes = {b.index: index.of(b) for b in up}
+    free_of = {i: found.idle for i, found in indexes.items()}
     ready = [b for b in up if free_of[b.index]]
     key, keyed = None, None
     if affinity is not None and affinity[0] not in avoid:
@@ -200,46 +207,56 @@ def route(
     if views is not None:
         views.update(ram)
     load = {b.index: len(b.slots) - len(free_of[b.index]) for b in up}
-    free = [(b, s) for b in ready for s in free_of[b.index]]
+    idle_count = sum(len(free_of[b.index]) for b in ready)
     least = params.min_prefix_tokens
     spared = frozenset(
         (b.index, s.id)
-        for b, s in (free if allow_wait and hold > 0 else ())
+        for b in (ready if allow_wait and hold > 0 else ())
+        for s in _recent(indexes[b.index], now, hold)
         if held(b, s, fp, now, hold, least)
     )
     idle: list[Candidate] = []
     deferred: list[tuple[BackendState, list[SlotState]]] = []
-    strangers: list[tuple[BackendState, list[SlotState]]] = []
+    strangers: list[Strangers] = []
     for b in ready:
-        unspared = [s for s in free_of[b.index] if (b.index, s.id) not in spared]
+        mine = frozenset(s for i, s in spared if i == b.index) if spared else frozenset()
         found, near, others = options(
-            fp, b, unspared, now, params, ram[b.index], load[b.index], disk.get(b.index)
+            fp,
+            b,
+            indexes[b.index],
+            mine,
+            now,
+            params,
+            ram[b.index],
+            load[b.index],
+            disk.get(b.index),
         )
         idle += found
         if near:
             deferred.append((b, near))
-        if others:
-            strangers.append((b, others))
+        if others is not None:
+            strangers.append(others)
     if deferred:
         top = max((c.score for c in idle), default=None)
         idle += kin(fp, deferred, top, now, params, ram, load, disk)
     if not any(c.score > 0 for c in idle):  # else no stranger (at most 0) can rank first
-        for b, others in strangers:
-            found_stranger = stranger(fp, b, others, now, params, load[b.index])
+        for others in strangers:
+            found_stranger = stranger(fp, others, now, params, load[others.backend.index])
             if found_stranger is not None:
                 idle.append(found_stranger)
     if keyed is not None:
         if all(c.score <= keyed.score for c in idle):
             return _place(keyed, Reason.AFFINITY, key)
         key = KeyOutcome.OUTMATCHED  # another idle slot scores higher: route by prefix
-    if spared and len(spared) == len(free):
+    if spared and len(spared) == idle_count:
+        free = [(b, s) for b in ready for s in free_of[b.index]]
         until = min(held_until(b, s, hold) for b, s in free)
         return Decision(None, Reason.WAIT, 0, (free[0][0].index, free[0][1].id), key, until=until)
     best = max(idle, key=_ranking(remote), default=None)
-    pressed = len(free) < queued  # idle slots go to waiters anyway
-    fleet = Fleetview(up, free_of, crowded(len(free), up), pressed)
+    pressed = idle_count < queued  # idle slots go to waiters anyway
+    fleet = Fleetview(up, free_of, crowded(idle_count, up), pressed, indexes)
     waiting = (
-        worth_waiting(fp, fleet, best, params, ram, spared, now, depths or {})
+        worth_waiting(fp, fleet, best, params, ram, spared, now, {} if depths is None else depths)
         if allow_wait
         else None
     )
@@ -252,6 +269,15 @@ def route(
     # every idle slot may hold another conversation: the least bad may still hold the prefix
     reason = Reason.PREFIX if best.reuse >= hit_floor(fp, params) else Reason.COLD
     return _place(best, reason, key)
+
+
+def _recent(index: BackendIndex, now: float, hold: float) -> Iterator[SlotState]:
+    """The idle slots a hold may keep: used within the last ``hold`` seconds (a hold never
+    outlasts that, ``returns.held_until``), the most recent first."""
+    for slot in index.recent:
+        if now >= slot.last_used + hold:
+            return
+        yield slot
 
 
 def _slot(c: Candidate) -> tuple[int, int]:

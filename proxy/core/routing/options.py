@@ -1,7 +1,7 @@
 """Which of a backend's idle slots a routing decision scores (``options``).
 
-Slots sharing a token with the prompt (one hash compare each: segment ``first_token`` of
-the prompt, since hash ``i`` of a chain covers segments ``0..i``, so a shared segment means
+Slots sharing a token with the prompt (one hash compare each: segment ``Fingerprint.first``
+of the prompt, since hash ``i`` of a chain covers segments ``0..i``, so a shared segment means
 every one before it is shared too) are scored, one per distinct content: of slots holding
 the same, the least recently used scores at least as well (the same reuse, its loss the
 least recent) and wins the ranking's ties.
@@ -18,7 +18,9 @@ least recent) and wins the ranking's ties.
   disk snapshot for the prompt it scores minus the loss of all it holds (``_stranger``,
   without the cache model), and only the best such slot of the backend can rank first: the
   least recently used empty one if there is one (it scores 0; a stranger holding tokens
-  scores less, as it loses them). On a backend with one, the first empty slot (it scores the
+  scores less, as it loses them), else the one that costs least to lose: under the
+  half-life prior one of the first few of the backend's slots ordered by loss
+  (``core.routing.index``), so a few are ranked rather than all. On a backend with one, the first empty slot (it scores the
   disk gain alone: an empty pinned slot skips the RAM cache) and the ``SPARES`` whose content
   costs least to lose (the second covers a RAM entry that parking the first would push out)
   are scored in full.
@@ -36,10 +38,12 @@ system prompt some slot holds, so skips the slots that share nothing with it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from operator import itemgetter
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.routing.index import BackendIndex, head, least_lost
 from proxy.core.routing.scoring import (
     Candidate,
     RamView,
@@ -58,36 +62,45 @@ from proxy.core.server.slots import kv_length
 SPARES = 2  # slots sharing nothing scored in full per backend with a RAM or disk gain
 
 
-def first_token(fp: Fingerprint) -> int:
-    """The prompt's first segment holding a token (-1: none; a chat preamble may be empty)."""
-    return next((i for i, tokens in enumerate(fp.tokens) if tokens > 0), -1)
+@dataclass(frozen=True)
+class Strangers:
+    """A backend's idle slots sharing no token with the prompt, left aside by ``options``:
+    its idle slots but those in ``skip`` (slot ids: sharing the prompt, or held)."""
+
+    backend: BackendState
+    index: BackendIndex
+    skip: frozenset[int]
+
+    def slots(self) -> list[SlotState]:
+        return [s for s in self.index.idle if s.id not in self.skip]
 
 
 def options(
     fp: Fingerprint,
     backend: BackendState,
-    idle: Sequence[SlotState],
+    index: BackendIndex,
+    spared: frozenset[int],
     now: float,
     params: RoutingParams,
     ram: RamView,
     load: int,
     offer: Offer | None,
-) -> tuple[list[Candidate], list[SlotState], list[SlotState]]:
-    """The candidates among ``idle`` one of which ranks best (module docstring), and the
-    slots left aside: the kin, which ``kin`` scores when they may rank first, and the
-    strangers, which ``stranger`` ranks when no candidate scores above 0."""
-    others: list[SlotState] = []
+) -> tuple[list[Candidate], list[SlotState], Strangers | None]:
+    """The candidates among the backend's idle slots but the ``spared`` ones (slot ids)
+    one of which ranks best (module docstring), and the slots left aside: the kin, which
+    ``kin`` scores when they may rank first, and the strangers (None: none), which
+    ``stranger`` ranks when no candidate scores above 0."""
+    key = head(fp)
+    sharing = index.idle_heads.get(key, ()) if key is not None else ()
     ours: list[SlotState] = []
     kin: list[SlotState] = []
-    first, at = first_token(fp), fp.anchor - 1
-    head = fp.hashes[first] if first >= 0 else None
+    at = fp.anchor - 1
     mark = fp.hashes[at] if at >= 0 else None
-    for slot in idle:  # one pass: a hash compare or two per slot (``shares``, then the anchor)
-        content = slot.content
-        hashes = content.hashes if content is not None and head is not None else ()
-        if not hashes or len(hashes) <= first or hashes[first] != head:
-            others.append(slot)
-        elif mark is None or (len(hashes) > at and hashes[at] == mark):
+    for slot in sharing:  # a hash compare per slot: does it share the anchor too?
+        if slot.id in spared:
+            continue
+        hashes = slot.content.hashes if slot.content is not None else ()
+        if mark is None or (len(hashes) > at and hashes[at] == mark):
             ours.append(slot)
         else:
             kin.append(slot)
@@ -96,17 +109,19 @@ def options(
     if len(kin) > 1:
         kin = _distinct(kin)
     found = [candidate(fp, backend, slot, now, params, ram, load, offer) for slot in ours]
-    if offer is not None or any(served for served, _ in ram.served):
+    skip = spared.union(s.id for s in sharing) if sharing else spared
+    strangers = Strangers(backend, index, skip) if len(skip) < len(index.idle) else None
+    if strangers is not None and (offer is not None or any(n for n, _ in ram.served)):
         return (
             found
             + [  # a RAM entry or a snapshot may come into any of them
                 candidate(fp, backend, slot, now, params, ram, load, offer)
-                for slot in _cheapest(others, backend, now, params)
+                for slot in _cheapest(strangers.slots(), backend, now, params)
             ],
             kin,
-            [],
+            None,
         )
-    return found, kin, others
+    return found, kin, strangers
 
 
 def kin(
@@ -141,22 +156,36 @@ def kin(
 
 def stranger(
     fp: Fingerprint,
-    backend: BackendState,
-    others: Sequence[SlotState],
+    strangers: Strangers,
     now: float,
     params: RoutingParams,
     load: int,
 ) -> Candidate | None:
     """The best of a backend's strangers (``options``): the least recently used empty slot
     if there is one (it scores 0; a stranger holding tokens less, as it loses them), else
-    the one whose content costs least to lose."""
-    if not others:
+    the one whose content costs least to lose: under the half-life prior, one of the first
+    few of the backend's slots by loss (``index.least_lost``), else any."""
+    backend, index, skip = strangers.backend, strangers.index, strangers.skip
+    empties = [s for s in index.empty if s.id not in skip]
+    if empties and params.eviction_weight > 0 and params.ram_discount > 0:
+        return _stranger(fp, backend, empties[0], now, params, load)
+    first = fp.first
+    returns = params.returns is not None and (backend.exact or not backend.ram)
+    if (
+        params.eviction_weight > 0
+        and not returns
+        and first >= 0
+        and index.latest <= now
+        and not 0 < index.anchored <= first
+    ):
+        order = index.by_loss(backend, params.value_half_life_s, params.ram_discount)
+        ranked: Sequence[SlotState] = [*least_lost(order, skip), *empties]
+    else:
+        ranked = strangers.slots()
+    if not ranked:
         return None
-    empty = min((s for s in others if s.content is None), key=_lru, default=None)
-    if empty is not None and params.eviction_weight > 0 and params.ram_discount > 0:
-        return _stranger(fp, backend, empty, now, params, load)
     # (ranks differ in the slot id, so the slots themselves are never compared)
-    best = max(_stranger_ranks(fp, backend, now, params, first_token(fp), others))
+    best = max(_stranger_ranks(fp, backend, now, params, first, ranked))
     return Candidate(backend, best[3], 0, best[0], load)
 
 
@@ -199,7 +228,7 @@ def _stranger(
 ) -> Candidate:
     """``candidate`` for a slot sharing nothing with the prompt on a backend with nothing
     to load or restore for it: no reuse, and the loss of all it holds."""
-    score = _stranger_ranks(fp, backend, now, params, first_token(fp), (slot,))[0][0]
+    score = _stranger_ranks(fp, backend, now, params, fp.first, (slot,))[0][0]
     return Candidate(backend, slot, 0, score, load)
 
 

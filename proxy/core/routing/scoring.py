@@ -274,8 +274,7 @@ def kin_reach(fp: Fingerprint) -> tuple[int, int]:
     prompt's first segment holding tokens (the kin share it)."""
     cap = fp.total - 1
     before = max(0, min(fp.tokens_at(fp.anchor - 1), cap))
-    first = next((i for i, tokens in enumerate(fp.tokens) if tokens > 0), -1)
-    return before, max(0, min(fp.tokens_at(first + 1), cap))
+    return before, max(0, min(fp.tokens_at(fp.first + 1), cap))
 
 
 def kin_ceiling(

@@ -59,7 +59,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.options import first_token
+from proxy.core.routing.index import BackendIndex, head
 from proxy.core.routing.scoring import (
     Candidate,
     RamView,
@@ -85,6 +85,7 @@ class Fleetview:
     free: Mapping[int, Sequence[SlotState]]
     saturated: bool
     pressed: bool
+    index: Mapping[int, BackendIndex]  # each backend's slots grouped (``core.routing.index``)
 
 
 def crowded(idle: int, backends: Sequence[BackendState]) -> bool:
@@ -99,9 +100,10 @@ def spare_parked(fleet: Fleetview, best: Candidate) -> tuple[tuple[int, int], in
     already happens for any saving and idle slots go to the next request."""
     if best.from_ram is None or best.score >= -SPARE_PARKED or fleet.saturated:
         return None
-    backends = fleet.backends
-    busy = ((b.index, s.id) for b in backends for s in b.slots if s.phase is not SlotPhase.IDLE)
-    first = next(busy, None)
+    index = fleet.index
+    first = next(
+        ((b.index, index[b.index].busy[0].id) for b in fleet.backends if index[b.index].busy), None
+    )
     return (first, best.reuse) if first is not None else None
 
 
@@ -155,20 +157,19 @@ def worth_waiting(
     empty = not saturated and _only_taken(best)
     rival = best.score if best is not None else 0.0  # a short queue's slot must beat it
     found: tuple[tuple[int, int], int] | None = None
-    first = first_token(fp)  # a busy slot sharing no token with the prompt saves nothing
     for backend in fleet.backends:  # the ready ones
         if not spared and len(fleet.free[backend.index]) == len(backend.slots):
             continue  # every slot idle and free to take: nothing to wait for
         options = [
             ((backend.index, s.id), reuse)
-            for s in _distinct_busy(backend, fp, first, depths, params)
+            for s in _distinct_busy(backend, fleet.index[backend.index], fp, depths, params)
             if (reuse := predicted_reuse(fp, s, backend.exact)) >= bar(backend, s, reuse)
             and (not empty or _taken(fp, backend, once_done(s, now), now, params, ram))
             and (reuse >= floor or _taken(fp, backend, once_done(s, now), now, params, ram, rival))
         ]
         free = [s for s in fleet.free[backend.index] if (backend.index, s.id) not in spared]
         view = ram[backend.index]
-        if _ram_wait(fp, backend, free, view, floor_ram, params, now):
+        if _ram_wait(fp, backend, fleet.index[backend.index], free, view, floor_ram, params, now):
             options.append(((backend.index, -1), view.best))
         for where, reuse in options:  # the busy slots passed their bar above
             if (where[1] >= 0 or reuse >= floor_ram) and (found is None or reuse > found[1]):
@@ -194,36 +195,31 @@ def pays(backend: BackendState, saved: int, ahead: int) -> bool:
 
 def _distinct_busy(
     backend: BackendState,
+    index: BackendIndex,
     fp: Fingerprint,
-    first: int,
     depths: Mapping[tuple[int, int], int],
     params: RoutingParams,
 ) -> list[SlotState]:
-    """The busy slots sharing a token with the prompt (one hash compare each: one sharing
+    """The busy slots sharing a token with the prompt (``index.busy_heads``: one sharing
     none saves nothing), the first of those that will hold the same content with the same
     bar (``depths`` below ``short_wait_depth`` or not, busy with an outside request or not):
     the others would pass or fail as it does and save no more, and the first found wins."""
+    key = head(fp)
     seen: set[tuple[int, int, int, bool, bool]] = set()
     out: list[SlotState] = []
-    if first < 0:
-        return out
-    head = fp.hashes[first]
-    for slot in backend.slots:
-        if slot.phase is SlotPhase.IDLE:
-            continue
-        content = slot.expected  # (``shares``, inlined: this runs for every busy slot)
-        if content is None or len(content.hashes) <= first or content.hashes[first] != head:
-            continue
+    for slot in index.busy_heads.get(key, ()) if key is not None else ():
+        content = slot.expected
+        assert content is not None
         queued = depths.get((backend.index, slot.id), 0) < params.short_wait_depth
-        key = (
+        key_ = (
             content.hashes[-1],
             content.total,
             slot.n_tokens,
             queued,
             slot.phase is SlotPhase.EXTERNAL,
         )
-        if key not in seen:
-            seen.add(key)
+        if key_ not in seen:
+            seen.add(key_)
             out.append(slot)
     return out
 
@@ -231,6 +227,7 @@ def _distinct_busy(
 def _ram_wait(
     fp: Fingerprint,
     backend: BackendState,
+    index: BackendIndex,
     free: Sequence[SlotState],
     view: RamView,
     floor: float,
@@ -247,7 +244,7 @@ def _ram_wait(
     # cheapest first: the best entry scans the whole cache, scoring slots costs more still
     if not view.served or view.best < floor:
         return False
-    busy = [s for s in backend.slots if s.phase is not SlotPhase.IDLE]
+    busy = index.busy
     if not busy:
         return False
 

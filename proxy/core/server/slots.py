@@ -90,6 +90,13 @@ class SlotState:
         default=None, compare=False, repr=False
     )
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # every change of a slot is a change of its backend (``BackendState.version``)
+        object.__setattr__(self, name, value)
+        backend = self.__dict__.get("_backend")
+        if backend is not None:
+            backend.version += 1
+
     @property
     def expected(self) -> Fingerprint | None:
         """What the KV will hold when the request in flight (if any) is done."""
@@ -114,8 +121,19 @@ class BackendState:
     prefill_tps: float = 1000.0  # prompt tokens computed per second (timings.prompt_ms, EMA)
     service_s: float | None = None  # seconds a request holds its slot, claim to release (EMA)
     token_scale: float | None = None  # its tokens per fingerprint estimate (EMA)
-    slots: list[SlotState] = field(default_factory=list)
+    slots: list[SlotState] = field(default_factory=list)  # replaced, not mutated
     ram_entries: list[RamEntry] = field(default_factory=list)  # oldest first; replaced, not mutated
+    # bumped by every change of the backend or of one of its slots: what is derived from them
+    # (``core.routing.index``) holds while it is the same
+    version: int = field(default=0, compare=False, repr=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name == "slots":  # its slots report their changes to it
+            for slot in self.slots:
+                slot.__dict__["_backend"] = self
+        if name != "version":
+            object.__setattr__(self, "version", self.__dict__.get("version", 0) + 1)
 
     def idle_slots(self) -> list[SlotState]:
         return [s for s in self.slots if s.phase is SlotPhase.IDLE]

@@ -1,0 +1,151 @@
+"""A backend's slots grouped for routing, kept across decisions while the backend is unchanged.
+
+A decision reads, per backend, its idle slots, the ones among them that share a token with
+the prompt, the busy ones that will, the ones a session just left, and the stranger that
+costs least to overwrite. Scanning every slot of every backend for each of these makes a
+decision cost in proportion to the fleet. ``FleetIndex`` keeps per backend a
+``BackendIndex``, rebuilt only when the backend changed (``BackendState.version``: any write
+to it or to one of its slots bumps it), so a decision costs per backend a version compare
+and a few dictionary lookups, plus the slots that share the prompt:
+
+- *Heads*: a slot shares a token with a prompt exactly when their *heads* are equal: the
+  first segment holding tokens and its chain hash (hash ``i`` of a chain covers segments
+  ``0..i``, and equal segments carry equal token estimates). Idle slots are grouped by the
+  head of what they hold, busy ones by the head of what they will hold.
+- *Recent*: the idle slots, most recently used first: a hold (``core.routing.returns``) can
+  only keep a slot used within the last ``hold`` seconds, so the check stops at the first
+  older one.
+- *Strangers by loss*: overwriting a stranger (a slot sharing no token) costs its KV length
+  ``L`` times its recency weight times the RAM discount ``d`` (``options.stranger``). Under
+  the half-life prior the weight is ``0.5 ** ((now - last_used) / half_life)``, so the
+  order of the losses does not depend on ``now``: it is the order of
+  ``log(L * d) + last_used * ln 2 / half_life``, kept sorted per backend. A decision walks it
+  past the slots sharing the prompt (and held ones) and ranks exactly only the first few,
+  those within a rounding margin of the first (``STRANGER_MARGIN``). Where the prior does
+  not hold (the measured return odds, which are not monotone in age; a slot used after
+  ``now``; a prompt or contents that make the discount depend on the prompt) the caller
+  ranks every stranger instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.server.fleet import BackendState, SlotPhase, SlotState
+from proxy.core.server.slots import kv_length
+
+Head = tuple[int, int]  # (first segment holding tokens, its chain hash)
+STRANGER_MARGIN = 1e-9  # relative: log losses this close to the least are ranked exactly
+
+
+def head(fp: Fingerprint | None) -> Head | None:
+    """The chain's first segment holding tokens and its hash; None when it holds none."""
+    if fp is None or fp.first < 0:
+        return None
+    return (fp.first, fp.hashes[fp.first])
+
+
+@dataclass(frozen=True)
+class BackendIndex:
+    version: int
+    idle: tuple[SlotState, ...]
+    busy: tuple[SlotState, ...]  # every slot not IDLE
+    idle_heads: dict[Head, tuple[SlotState, ...]]  # idle slots by the head of their content
+    busy_heads: dict[Head, tuple[SlotState, ...]]  # busy slots by the head of what they will hold
+    recent: tuple[SlotState, ...]  # idle slots, the most recently used first
+    empty: tuple[SlotState, ...]  # idle slots holding nothing, the least recently used first
+    latest: float  # the latest use of an idle slot holding content
+    anchored: int  # the smallest anchor above 0 of an idle slot's content (0: none)
+    # (half-life, RAM discount) -> the idle slots holding content by log loss (module docstring)
+    _orders: dict[tuple[float, float], list[tuple[float, float, int, SlotState]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def by_loss(
+        self, backend: BackendState, half_life: float, discount: float
+    ) -> list[tuple[float, float, int, SlotState]]:
+        """(log loss, last use, id, slot) of every idle slot holding content, ascending; a
+        content without anchor (a raw prompt's) is not parked by a stranger's request."""
+        key = (half_life, discount)
+        order = self._orders.get(key)
+        if order is None:
+            scale, order = backend.token_scale or 1.0, []
+            for slot in self.idle:
+                content = slot.content
+                if content is None:
+                    continue
+                length = kv_length(content, slot.n_tokens, scale)
+                parks = discount if backend.ram and length > 0 and content.anchor else 1.0
+                loss = length * parks
+                log = (
+                    math.log(loss) + slot.last_used * math.log(2) / half_life if loss else -math.inf
+                )
+                order.append((log, slot.last_used, slot.id, slot))
+            order.sort(key=lambda entry: entry[:3])
+            self._orders[key] = order
+        return order
+
+
+def least_lost(
+    order: Sequence[tuple[float, float, int, SlotState]], skip: frozenset[int]
+) -> Iterator[SlotState]:
+    """The slots of ``order`` (``BackendIndex.by_loss``) not in ``skip`` (slot ids) whose log
+    loss is within ``STRANGER_MARGIN`` of the least of them: one of these is the stranger
+    that costs least to overwrite."""
+    limit: float | None = None
+    for log, _, slot_id, slot in order:
+        if slot_id in skip:
+            continue
+        if limit is None:  # (a loss of 0 is -inf: only other losses of 0 tie with it)
+            limit = log + STRANGER_MARGIN * max(1.0, abs(log)) if math.isfinite(log) else log
+        elif log > limit:
+            return
+        yield slot
+
+
+def _build(backend: BackendState) -> BackendIndex:
+    idle, busy = [], []
+    idle_heads: dict[Head, list[SlotState]] = {}
+    busy_heads: dict[Head, list[SlotState]] = {}
+    for slot in backend.slots:
+        if slot.phase is SlotPhase.IDLE:
+            idle.append(slot)
+            key = head(slot.content)
+            if key is not None:
+                idle_heads.setdefault(key, []).append(slot)
+        else:
+            busy.append(slot)
+            key = head(slot.expected)
+            if key is not None:
+                busy_heads.setdefault(key, []).append(slot)
+    held = [s for s in idle if s.content is not None]
+    anchors = [s.content.anchor for s in held if s.content is not None and s.content.anchor]
+    return BackendIndex(
+        backend.version,
+        tuple(idle),
+        tuple(busy),
+        {key: tuple(slots) for key, slots in idle_heads.items()},
+        {key: tuple(slots) for key, slots in busy_heads.items()},
+        tuple(sorted(idle, key=lambda s: (-s.last_used, s.id))),
+        tuple(sorted((s for s in idle if s.content is None), key=lambda s: (s.last_used, s.id))),
+        max((s.last_used for s in held), default=-math.inf),
+        min(anchors, default=0),
+    )
+
+
+class FleetIndex:
+    """Each backend's ``BackendIndex``, rebuilt when the backend changed."""
+
+    def __init__(self) -> None:
+        self._backends: dict[int, tuple[BackendState, BackendIndex]] = {}
+
+    def of(self, backend: BackendState) -> BackendIndex:
+        kept = self._backends.get(backend.index)
+        if kept is not None and kept[0] is backend and kept[1].version == backend.version:
+            return kept[1]
+        built = _build(backend)
+        self._backends[backend.index] = (backend, built)
+        return built

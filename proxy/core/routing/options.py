@@ -20,10 +20,10 @@ least recent) and wins the ranking's ties.
   least recently used empty one if there is one (it scores 0; a stranger holding tokens
   scores less, as it loses them), else the one that costs least to lose: under the
   half-life prior one of the first few of the backend's slots ordered by loss
-  (``core.routing.index``), so a few are ranked rather than all. On a backend with one, the first empty slot (it scores the
-  disk gain alone: an empty pinned slot skips the RAM cache) and the ``SPARES`` whose content
-  costs least to lose (the second covers a RAM entry that parking the first would push out)
-  are scored in full.
+  (``core.routing.index``), so a few are ranked rather than all. On a backend with one, the
+  first empty slot (it scores the disk gain alone: an empty pinned slot skips the RAM cache)
+  and the ``SPARES`` whose content costs least to lose (the second covers a RAM entry that
+  parking the first would push out) are scored in full.
 
 So a decision scores in full the slots that may hold the prompt's conversation and a few
 more per backend, and the cost of any other slot is a few attribute reads; the decision is

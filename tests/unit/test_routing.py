@@ -678,12 +678,14 @@ def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | 
     st.booleans(),
     st.sampled_from([0.0, 50.0]),
     st.dictionaries(st.tuples(st.integers(0, 2), st.integers(0, 5)), st.integers(1, 6)),
+    st.sampled_from([0.1, 0.0]),
 )
 def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
     scene: tuple[Fleet, Fingerprint, tuple[int, int] | None],
     allow_wait: bool,
     hold: float,
     depths: dict[tuple[int, int], int],
+    discount: float,
 ) -> None:
     """``core.routing.options`` scores the idle slots sharing a token with the prompt (those of
     another conversation only while their bound may beat the best so far) and the best of the
@@ -699,7 +701,7 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
         return route(
             request,
             f.backends,
-            PARAMS,
+            replace(PARAMS, ram_discount=discount),
             now=100.0,
             affinity=hint,
             allow_wait=allow_wait,
@@ -922,12 +924,12 @@ def test_property_the_stranger_found_by_loss_is_the_best_of_all(
     scale: float | None,
     discount: float,
 ) -> None:
-    """``options.stranger`` ranks exactly only the first few strangers by loss
+    """``options.strangers`` ranks exactly only the first few strangers by loss
     (``index.least_lost``): the slot it finds is the one ranking every stranger finds, whatever
     the contents' anchors (a raw prompt's content is not parked), lengths, sealed replies
     and last uses."""
     from proxy.core.routing.index import FleetIndex
-    from proxy.core.routing.options import Strangers, _stranger_ranks, stranger
+    from proxy.core.routing.options import Strangers, _stranger_ranks, strangers
 
     f = fleet(len(held))
     backend = f.backends[0]
@@ -938,8 +940,7 @@ def test_property_the_stranger_found_by_loss_is_the_best_of_all(
         slot.last_used, slot.n_tokens = used, 150 * len(ids)
     request = fp(9, 8)  # shares no token with any slot
     params = replace(PARAMS, ram_discount=discount)
-    strangers = Strangers(backend, FleetIndex().of(backend), frozenset())
-    found = stranger(request, strangers, 100.0, params, 0)
-    assert found is not None
+    left = Strangers(backend, FleetIndex().of(backend), frozenset())
+    [found] = strangers(request, [left], 100.0, params, {0: 0})
     every = max(_stranger_ranks(request, backend, 100.0, params, 0, backend.slots))
     assert (found.slot, found.score) == (every[3], every[0])

@@ -74,7 +74,8 @@ from enum import StrEnum
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.routing.index import BackendIndex, FleetIndex
-from proxy.core.routing.options import Strangers, kin, options, stranger
+from proxy.core.routing.options import Strangers, kin, options
+from proxy.core.routing.options import strangers as best_strangers
 from proxy.core.routing.returns import held, held_until
 from proxy.core.routing.scoring import (
     Candidate,
@@ -217,7 +218,7 @@ def route(
     )
     idle: list[Candidate] = []
     deferred: list[tuple[BackendState, list[SlotState]]] = []
-    strangers: list[Strangers] = []
+    left: list[Strangers] = []
     for b in ready:
         mine = frozenset(s for i, s in spared if i == b.index) if spared else frozenset()
         found, near, others = options(
@@ -235,15 +236,12 @@ def route(
         if near:
             deferred.append((b, near))
         if others is not None:
-            strangers.append(others)
+            left.append(others)
     if deferred:
         top = max((c.score for c in idle), default=None)
         idle += kin(fp, deferred, top, now, params, ram, load, disk)
     if not any(c.score > 0 for c in idle):  # else no stranger (at most 0) can rank first
-        for others in strangers:
-            found_stranger = stranger(fp, others, now, params, load[others.backend.index])
-            if found_stranger is not None:
-                idle.append(found_stranger)
+        idle += best_strangers(fp, left, now, params, load)
     if keyed is not None:
         if all(c.score <= keyed.score for c in idle):
             return _place(keyed, Reason.AFFINITY, key)

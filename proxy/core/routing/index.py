@@ -30,7 +30,7 @@ and a few dictionary lookups, plus the slots that share the prompt:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from proxy.core.prompt.fingerprint import Fingerprint
@@ -89,21 +89,28 @@ class BackendIndex:
         return order
 
 
+def margin(log: float) -> float:
+    """The highest log loss that may tie with ``log`` once rounded (``STRANGER_MARGIN``; a
+    loss of 0, log -inf, ties only with losses of 0)."""
+    return log + STRANGER_MARGIN * max(1.0, abs(log)) if math.isfinite(log) else log
+
+
 def least_lost(
     order: Sequence[tuple[float, float, int, SlotState]], skip: frozenset[int]
-) -> Iterator[SlotState]:
-    """The slots of ``order`` (``BackendIndex.by_loss``) not in ``skip`` (slot ids) whose log
-    loss is within ``STRANGER_MARGIN`` of the least of them: one of these is the stranger
-    that costs least to overwrite."""
-    limit: float | None = None
+) -> tuple[float, list[SlotState]]:
+    """The least log loss of the slots of ``order`` (``BackendIndex.by_loss``) not in
+    ``skip`` (slot ids), and those within ``margin`` of it: one of these is the stranger that
+    costs least to overwrite (``(inf, [])``: none left)."""
+    least, limit, out = math.inf, math.inf, list[SlotState]()
     for log, _, slot_id, slot in order:
         if slot_id in skip:
             continue
-        if limit is None:  # (a loss of 0 is -inf: only other losses of 0 tie with it)
-            limit = log + STRANGER_MARGIN * max(1.0, abs(log)) if math.isfinite(log) else log
+        if not out:
+            least, limit = log, margin(log)
         elif log > limit:
-            return
-        yield slot
+            break
+        out.append(slot)
+    return least, out
 
 
 def _build(backend: BackendState) -> BackendIndex:

@@ -37,13 +37,14 @@ system prompt some slot holds, so skips the slots that share nothing with it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.index import BackendIndex, head, least_lost
+from proxy.core.routing.index import BackendIndex, head, least_lost, margin
 from proxy.core.routing.scoring import (
     Candidate,
     RamView,
@@ -154,39 +155,54 @@ def kin(
     return out
 
 
-def stranger(
+def strangers(
     fp: Fingerprint,
-    strangers: Strangers,
+    left: Sequence[Strangers],
     now: float,
     params: RoutingParams,
-    load: int,
-) -> Candidate | None:
-    """The best of a backend's strangers (``options``): the least recently used empty slot
-    if there is one (it scores 0; a stranger holding tokens less, as it loses them), else
-    the one whose content costs least to lose: under the half-life prior, one of the first
-    few of the backend's slots by loss (``index.least_lost``), else any."""
+    load: Mapping[int, int],
+) -> list[Candidate]:
+    """Each backend's best stranger (``options`` left them aside) that may rank first: the
+    least recently used empty slot if there is one (it scores 0; a stranger holding tokens
+    less, as it loses them), else the one whose content costs least to lose. Under the
+    half-life prior only the first few of a backend's slots by loss are ranked
+    (``index.least_lost``), and only on the backends whose least loss is within the rounding
+    margin of the fleet's least (the weight's factor of ``now`` is common to all): a larger
+    loss scores less."""
+    windows = [(_window(fp, s, now, params), s) for s in left]
+    least = min((log for (log, _), _ in windows if log is not None), default=math.inf)
+    out = []
+    for (log, slots), found in windows:
+        if not slots or (log is not None and log > margin(least)):
+            continue
+        backend = found.backend
+        # (ranks differ in the slot id, so the slots themselves are never compared)
+        best = max(_stranger_ranks(fp, backend, now, params, fp.first, slots))
+        out.append(Candidate(backend, best[3], 0, best[0], load[backend.index]))
+    return out
+
+
+def _window(
+    fp: Fingerprint, strangers: Strangers, now: float, params: RoutingParams
+) -> tuple[float | None, Sequence[SlotState]]:
+    """The strangers of one backend of which ``strangers`` ranks the best, and their least
+    log loss (None: not known, the best is ranked among all of them)."""
     backend, index, skip = strangers.backend, strangers.index, strangers.skip
     empties = [s for s in index.empty if s.id not in skip]
     if empties and params.eviction_weight > 0 and params.ram_discount > 0:
-        return _stranger(fp, backend, empties[0], now, params, load)
-    first = fp.first
+        return -math.inf, empties[:1]  # it scores 0: a loss of 0
     returns = params.returns is not None and (backend.exact or not backend.ram)
     if (
         params.eviction_weight > 0
         and not returns
-        and first >= 0
+        and fp.first >= 0
         and index.latest <= now
-        and not 0 < index.anchored <= first
+        and not 0 < index.anchored <= fp.first
     ):
         order = index.by_loss(backend, params.value_half_life_s, params.ram_discount)
-        ranked: Sequence[SlotState] = [*least_lost(order, skip), *empties]
-    else:
-        ranked = strangers.slots()
-    if not ranked:
-        return None
-    # (ranks differ in the slot id, so the slots themselves are never compared)
-    best = max(_stranger_ranks(fp, backend, now, params, first, ranked))
-    return Candidate(backend, best[3], 0, best[0], load)
+        log, window = least_lost(order, skip)
+        return (-math.inf if empties else log), [*window, *empties]
+    return None, strangers.slots()
 
 
 def _distinct(slots: Sequence[SlotState]) -> list[SlotState]:

@@ -198,16 +198,21 @@ def route(
     disk, index = disk or {}, index or FleetIndex()
     usable = [b for b in backends if b.index not in avoid]
     up = [b for b in usable if b.phase is BackendPhase.READY]
-    indexes = {b.index: index.of(b) for b in up}
-    free_of = {i: found.idle for i, found in indexes.items()}
+    indexes: dict[int, BackendIndex] = {}
+    free_of: dict[int, tuple[SlotState, ...]] = {}
+    ram: dict[int, RamView] = {}
+    load: dict[int, int] = {}
+    memo, empty = views or {}, RamView(fp.total)  # (one view for every backend without entries)
+    for b in up:  # (read once per decision)
+        i, grouped = b.index, index.of(b)
+        indexes[i], free_of[i], load[i] = grouped, grouped.idle, len(b.slots) - len(grouped.idle)
+        ram[i] = ram_view(fp, b, memo.get(i, empty))
     ready = [b for b in up if free_of[b.index]]
     key, keyed = None, None
     if affinity is not None and affinity[0] not in avoid:
         keyed, key = _affinity(fp, backends, affinity, now, params, disk)
-    ram = {b.index: ram_view(fp, b, (views or {}).get(b.index)) for b in up}
     if views is not None:
         views.update(ram)
-    load = {b.index: len(b.slots) - len(free_of[b.index]) for b in up}
     idle_count = sum(len(free_of[b.index]) for b in ready)
     least = params.min_prefix_tokens
     spared = frozenset(

@@ -54,6 +54,7 @@ class BackendIndex:
     idle: tuple[SlotState, ...]
     busy: tuple[SlotState, ...]  # every slot not IDLE
     idle_heads: dict[Head, tuple[SlotState, ...]]  # idle slots by the head of their content
+    idle_head_ids: dict[Head, frozenset[int]]  # ... and their ids
     busy_heads: dict[Head, tuple[SlotState, ...]]  # busy slots by the head of what they will hold
     recent: tuple[SlotState, ...]  # idle slots, the most recently used first
     empty: tuple[SlotState, ...]  # idle slots holding nothing, the least recently used first
@@ -135,6 +136,7 @@ def _build(backend: BackendState) -> BackendIndex:
         tuple(idle),
         tuple(busy),
         {key: tuple(slots) for key, slots in idle_heads.items()},
+        {key: frozenset(s.id for s in slots) for key, slots in idle_heads.items()},
         {key: tuple(slots) for key, slots in busy_heads.items()},
         tuple(sorted(idle, key=lambda s: (-s.last_used, s.id))),
         tuple(sorted((s for s in idle if s.content is None), key=lambda s: (s.last_used, s.id))),

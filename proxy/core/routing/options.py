@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from operator import itemgetter
+from typing import NamedTuple
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
@@ -63,17 +63,17 @@ from proxy.core.server.slots import kv_length
 SPARES = 2  # slots sharing nothing scored in full per backend with a RAM or disk gain
 
 
-@dataclass(frozen=True)
-class Strangers:
+class Strangers(NamedTuple):
     """A backend's idle slots sharing no token with the prompt, left aside by ``options``:
-    its idle slots but those in ``skip`` (slot ids: sharing the prompt, or held)."""
+    its idle slots but those in ``skip`` (slot ids: sharing the prompt, or held). (A tuple:
+    one per backend per decision, made fast.)"""
 
     backend: BackendState
-    index: BackendIndex
+    groups: BackendIndex
     skip: frozenset[int]
 
     def slots(self) -> list[SlotState]:
-        return [s for s in self.index.idle if s.id not in self.skip]
+        return [s for s in self.groups.idle if s.id not in self.skip]
 
 
 def options(
@@ -110,9 +110,11 @@ def options(
     if len(kin) > 1:
         kin = _distinct(kin)
     found = [candidate(fp, backend, slot, now, params, ram, load, offer) for slot in ours]
-    skip = spared.union(s.id for s in sharing) if sharing else spared
+    shared = index.idle_head_ids.get(key, frozenset()) if key is not None else frozenset()
+    skip = spared | shared if spared else shared
     strangers = Strangers(backend, index, skip) if len(skip) < len(index.idle) else None
-    if strangers is not None and (offer is not None or any(n for n, _ in ram.served)):
+    gains = offer is not None or (ram.served and any(n for n, _ in ram.served))
+    if strangers is not None and gains:
         return (
             found
             + [  # a RAM entry or a snapshot may come into any of them
@@ -187,7 +189,7 @@ def _window(
 ) -> tuple[float | None, Sequence[SlotState]]:
     """The strangers of one backend of which ``strangers`` ranks the best, and their least
     log loss (None: not known, the best is ranked among all of them)."""
-    backend, index, skip = strangers.backend, strangers.index, strangers.skip
+    backend, index, skip = strangers
     empties = [s for s in index.empty if s.id not in skip]
     if empties and params.eviction_weight > 0 and params.ram_discount > 0:
         return -math.inf, empties[:1]  # it scores 0: a loss of 0

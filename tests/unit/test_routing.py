@@ -723,10 +723,13 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
     waiting._distinct_busy = lambda b, index, fp, depths, params: [  # type: ignore[assignment]
         s for s in b.slots if s.phase is not SlotPhase.IDLE
     ]
+    continues = waiting.continues  # (no busy slot of another conversation skipped either)
+    waiting.continues = lambda fp, content: True  # type: ignore[assignment]
     try:
         assert pruned == decide()
     finally:
         routing.options, waiting._distinct_busy = options, distinct_busy
+        waiting.continues = continues
 
 
 @st.composite
@@ -944,3 +947,51 @@ def test_property_the_stranger_found_by_loss_is_the_best_of_all(
     [found] = strangers(request, [left], 100.0, params, {0: 0})
     every = max(_stranger_ranks(request, backend, 100.0, params, 0, backend.slots))
     assert (found.slot, found.score) == (every[3], every[0])
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(2, 4), max_size=4),
+            st.sampled_from([*SlotPhase, SlotPhase.BUSY, SlotPhase.BUSY]),
+            st.sampled_from([1, 2, 3]),
+            st.sampled_from([50, 100]),
+        ),
+        min_size=8,
+        max_size=8,
+    ),
+    st.lists(st.integers(2, 4), min_size=1, max_size=4),
+    st.integers(1, 3),
+    st.dictionaries(st.tuples(st.integers(0, 1), st.integers(0, 3)), st.integers(1, 6)),
+)
+def test_property_waiting_skips_only_busy_slots_that_cannot_save_more(
+    held: list[tuple[list[int], SlotPhase, int, int]],
+    asked: list[int],
+    anchor: int,
+    depths: dict[tuple[int, int], int],
+) -> None:
+    """A busy slot of another conversation (it shares the prompt's head, not its anchor)
+    saves at most the prompt before its anchor, so ``waiting.worth_waiting`` does not work it
+    out once a wait saving that much was found: the decision is the one weighing it gives."""
+    import proxy.core.routing.waiting as waiting
+
+    f = fleet(4, 4)
+    for (ids, phase, at, size), slot in zip(
+        held, [s for b in f.backends for s in b.slots], strict=False
+    ):
+        content = replace(fp(1, *ids, size=size), anchor=at)
+        slot.content, slot.phase, slot.last_used = content, phase, 50.0
+        slot.pending = content if phase is SlotPhase.BUSY else None
+    request = replace(fp(1, *asked), anchor=min(anchor, len(asked) + 1))
+
+    def decide() -> Decision | NoPlacement:
+        return route(request, f.backends, USUAL_BAR, now=100.0, queued=9, depths=depths)
+
+    skipping = decide()
+    continues = waiting.continues
+    waiting.continues = lambda fp, content: True  # type: ignore[assignment]
+    try:
+        assert skipping == decide()
+    finally:
+        waiting.continues = continues

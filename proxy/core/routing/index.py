@@ -48,6 +48,18 @@ def head(fp: Fingerprint | None) -> Head | None:
     return (fp.first, fp.hashes[fp.first])
 
 
+def continues(fp: Fingerprint, content: Fingerprint | None) -> bool:
+    """Whether ``content`` (sharing the prompt's head) may hold the prompt's conversation: it
+    shares the segments up to the prompt's anchor too (one hash compare; any content when the
+    prompt has no anchor). One that does not (kin: another conversation under the same
+    system prompt) reuses at most the prompt before its anchor (``scoring.kin_reach``)."""
+    at = fp.anchor - 1
+    if at < 0:
+        return True
+    hashes = content.hashes if content is not None else ()
+    return len(hashes) > at and hashes[at] == fp.hashes[at]
+
+
 @dataclass(frozen=True)
 class BackendIndex:
     version: int

@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.index import BackendIndex, head, least_lost, margin
+from proxy.core.routing.index import BackendIndex, continues, head, least_lost, margin
 from proxy.core.routing.scoring import (
     Candidate,
     RamView,
@@ -95,16 +95,9 @@ def options(
     sharing = index.idle_heads.get(key, ()) if key is not None else ()
     ours: list[SlotState] = []
     kin: list[SlotState] = []
-    at = fp.anchor - 1
-    mark = fp.hashes[at] if at >= 0 else None
-    for slot in sharing:  # a hash compare per slot: does it share the anchor too?
-        if slot.id in spared:
-            continue
-        hashes = slot.content.hashes if slot.content is not None else ()
-        if mark is None or (len(hashes) > at and hashes[at] == mark):
-            ours.append(slot)
-        else:
-            kin.append(slot)
+    for slot in sharing:
+        if slot.id not in spared:
+            (ours if continues(fp, slot.content) else kin).append(slot)
     if len(ours) > 1:
         ours = _distinct(ours)
     if len(kin) > 1:

@@ -59,12 +59,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.index import BackendIndex, head
+from proxy.core.routing.index import BackendIndex, continues, head
 from proxy.core.routing.scoring import (
     Candidate,
     RamView,
     RoutingParams,
     candidate,
+    kin_reach,
     once_done,
     predicted_reuse,
 )
@@ -157,23 +158,33 @@ def worth_waiting(
     empty = not saturated and _only_taken(best)
     rival = best.score if best is not None else 0.0  # a short queue's slot must beat it
     found: tuple[tuple[int, int], int] | None = None
+    before = kin_reach(fp)[0]  # the most a busy slot of another conversation saves
     for backend in fleet.backends:  # the ready ones
         if not spared and len(fleet.free[backend.index]) == len(backend.slots):
             continue  # every slot idle and free to take: nothing to wait for
-        options = [
-            ((backend.index, s.id), reuse)
-            for s in _distinct_busy(backend, fleet.index[backend.index], fp, depths, params)
-            if (reuse := predicted_reuse(fp, s, backend.exact)) >= bar(backend, s, reuse)
-            and (not empty or _taken(fp, backend, once_done(s, now), now, params, ram))
-            and (reuse >= floor or _taken(fp, backend, once_done(s, now), now, params, ram, rival))
-        ]
-        free = [s for s in fleet.free[backend.index] if (backend.index, s.id) not in spared]
+        for s in _distinct_busy(backend, fleet.index[backend.index], fp, depths, params):
+            if found is not None and found[1] >= before and not continues(fp, s.expected):
+                continue  # it could not save more than what was found: not worked out
+            reuse = predicted_reuse(fp, s, backend.exact)
+            if (
+                (found is None or reuse > found[1])
+                and reuse >= bar(backend, s, reuse)
+                and (not empty or _taken(fp, backend, once_done(s, now), now, params, ram))
+                and (
+                    reuse >= floor
+                    or _taken(fp, backend, once_done(s, now), now, params, ram, rival)
+                )
+            ):
+                found = ((backend.index, s.id), reuse)
+        free = fleet.free[backend.index]
+        if spared:
+            free = [s for s in free if (backend.index, s.id) not in spared]
         view = ram[backend.index]
-        if _ram_wait(fp, backend, fleet.index[backend.index], free, view, floor_ram, params, now):
-            options.append(((backend.index, -1), view.best))
-        for where, reuse in options:  # the busy slots passed their bar above
-            if (where[1] >= 0 or reuse >= floor_ram) and (found is None or reuse > found[1]):
-                found = (where, reuse)
+        waits = _ram_wait(
+            fp, backend, fleet.index[backend.index], free, view, floor_ram, params, now
+        )
+        if waits and view.best >= floor_ram and (found is None or view.best > found[1]):
+            found = ((backend.index, -1), view.best)
     return found
 
 

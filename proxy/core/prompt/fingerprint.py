@@ -80,6 +80,12 @@ class Fingerprint:
         """The first segment holding a token (-1: none; a chat preamble may be empty)."""
         return next((i for i, tokens in enumerate(self.tokens) if tokens > 0), -1)
 
+    @cached_property
+    def head(self) -> tuple[int, int] | None:
+        """``first`` and its chain hash: two chains share a token exactly when their heads
+        are equal (equal segments carry equal token estimates); None when none holds one."""
+        return (self.first, self.hashes[self.first]) if self.first >= 0 else None
+
     def tokens_at(self, segments: int) -> int:
         return self.tokens[segments - 1] if segments > 0 else 0
 

@@ -43,9 +43,7 @@ STRANGER_MARGIN = 1e-9  # relative: log losses this close to the least are ranke
 
 def head(fp: Fingerprint | None) -> Head | None:
     """The chain's first segment holding tokens and its hash; None when it holds none."""
-    if fp is None or fp.first < 0:
-        return None
-    return (fp.first, fp.hashes[fp.first])
+    return fp.head if fp is not None else None
 
 
 def continues(fp: Fingerprint, content: Fingerprint | None) -> bool:

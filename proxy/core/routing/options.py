@@ -166,9 +166,9 @@ def strangers(
     loss scores less."""
     windows = [(_window(fp, s, now, params), s) for s in left]
     least = min((log for (log, _), _ in windows if log is not None), default=math.inf)
-    out = []
+    limit, out = margin(least), []
     for (log, slots), found in windows:
-        if not slots or (log is not None and log > margin(least)):
+        if not slots or (log is not None and log > limit):
             continue
         backend = found.backend
         # (ranks differ in the slot id, so the slots themselves are never compared)
@@ -183,7 +183,7 @@ def _window(
     """The strangers of one backend of which ``strangers`` ranks the best, and their least
     log loss (None: not known, the best is ranked among all of them)."""
     backend, index, skip = strangers
-    empties = [s for s in index.empty if s.id not in skip]
+    empties = [s for s in index.empty if s.id not in skip] if index.empty else []
     if empties and params.eviction_weight > 0 and params.ram_discount > 0:
         return -math.inf, empties[:1]  # it scores 0: a loss of 0
     returns = params.returns is not None and (backend.exact or not backend.ram)

@@ -186,10 +186,8 @@ def ram_view(fp: Fingerprint, backend: BackendState, before: RamView | None = No
     same list (``BackendState.ram_entries`` is replaced, never changed in place) and its token
     scale the same (a sealed entry's length is measured through it): a request that waits is
     decided again on every release, and the cache rarely changed in between."""
-    if not backend.ram or not fp.total or not backend.ram_entries:  # (``before`` may serve:
-        # a view of no entry is the same on every backend)
-        empty = before is not None and not before.entries and before.prompt_tokens == fp.total
-        return before if empty and before is not None else RamView(fp.total)
+    if not backend.ram or not fp.total or not backend.ram_entries:
+        return RamView(fp.total)
     scale = backend.token_scale or 1.0
     if before is not None and before.entries is backend.ram_entries and before.scale == scale:
         return before

@@ -93,6 +93,7 @@ def measure(
     texts = [str(m["content"]) for m in body["messages"]]  # type: ignore[attr-defined]
     params = RoutingParams()
     samples = []
+    index = FleetIndex()  # kept across decisions, as the router keeps it
 
     def fingerprint(turns: int) -> Fingerprint:
         if raw:
@@ -107,7 +108,7 @@ def measure(
             fingerprint(len(texts) - 1)  # the earlier turn
         started = time.perf_counter()
         fp = fingerprint(len(texts))
-        route(fp, fleet.backends, params, now=1.0)
+        route(fp, fleet.backends, params, now=1.0, index=index)
         samples.append(time.perf_counter() - started)
     return statistics.median(samples) * 1000
 

@@ -158,13 +158,15 @@ def worth_waiting(
     empty = not saturated and _only_taken(best)
     rival = best.score if best is not None else 0.0  # a short queue's slot must beat it
     found: tuple[tuple[int, int], int] | None = None
-    before = kin_reach(fp)[0]  # the most a busy slot of another conversation saves
+    before: int | None = None  # the most a busy slot of another conversation saves (lazily)
     for backend in fleet.backends:  # the ready ones
         if not spared and len(fleet.free[backend.index]) == len(backend.slots):
             continue  # every slot idle and free to take: nothing to wait for
         for s in _distinct_busy(backend, fleet.index[backend.index], fp, depths, params):
-            if found is not None and found[1] >= before and not continues(fp, s.expected):
-                continue  # it could not save more than what was found: not worked out
+            if found is not None and not continues(fp, s.expected):
+                before = kin_reach(fp)[0] if before is None else before
+                if found[1] >= before:
+                    continue  # it could not save more than what was found: not worked out
             reuse = predicted_reuse(fp, s, backend.exact)
             if (
                 (found is None or reuse > found[1])

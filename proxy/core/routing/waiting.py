@@ -159,10 +159,13 @@ def worth_waiting(
     rival = best.score if best is not None else 0.0  # a short queue's slot must beat it
     found: tuple[tuple[int, int], int] | None = None
     before: int | None = None  # the most a busy slot of another conversation saves (lazily)
+    key = fp.head
     for backend in fleet.backends:  # the ready ones
         if not spared and len(fleet.free[backend.index]) == len(backend.slots):
             continue  # every slot idle and free to take: nothing to wait for
-        for s in _distinct_busy(backend, fleet.index[backend.index], fp, depths, params):
+        grouped = fleet.index[backend.index]
+        sharing = key in grouped.busy_heads if key is not None else False
+        for s in _distinct_busy(backend, grouped, fp, depths, params) if sharing else ():
             if found is not None and not continues(fp, s.expected):
                 before = kin_reach(fp)[0] if before is None else before
                 if found[1] >= before:
@@ -181,9 +184,9 @@ def worth_waiting(
         free = fleet.free[backend.index]
         if spared:
             free = [s for s in free if (backend.index, s.id) not in spared]
-        view = ram[backend.index]
-        waits = _ram_wait(
-            fp, backend, fleet.index[backend.index], free, view, floor_ram, params, now
+        view = ram[backend.index]  # (no entry and a free slot: nothing to wait for)
+        waits = bool(view.served or not free) and _ram_wait(
+            fp, backend, grouped, free, view, floor_ram, params, now
         )
         if waits and view.best >= floor_ram and (found is None or view.best > found[1]):
             found = ((backend.index, -1), view.best)

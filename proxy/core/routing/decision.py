@@ -199,7 +199,7 @@ def route(
     usable = [b for b in backends if b.index not in avoid]
     up = [b for b in usable if b.phase is BackendPhase.READY]
     indexes: dict[int, BackendIndex] = {}
-    free_of: dict[int, tuple[SlotState, ...]] = {}
+    free_of: dict[int, Sequence[SlotState]] = {}
     ram: dict[int, RamView] = {}
     load: dict[int, int] = {}
     memo, empty = views or {}, RamView(fp.total)  # (one view for every backend without entries)

@@ -12,9 +12,9 @@ and a few dictionary lookups, plus the slots that share the prompt:
   first segment holding tokens and its chain hash (hash ``i`` of a chain covers segments
   ``0..i``, and equal segments carry equal token estimates). Idle slots are grouped by the
   head of what they hold, busy ones by the head of what they will hold.
-- *Recent*: the idle slots, most recently used first: a hold (``core.routing.returns``) can
-  only keep a slot used within the last ``hold`` seconds, so the check stops at the first
-  older one.
+- *Recent*: the idle slots holding content, most recently used first: a hold
+  (``core.routing.returns``) can only keep such a slot used within the last ``hold`` seconds,
+  so the check stops at the first older one.
 - *Strangers by loss*: overwriting a stranger (a slot sharing no token) costs its KV length
   ``L`` times its recency weight times the RAM discount ``d`` (``options.stranger``). Under
   the half-life prior the weight is ``0.5 ** ((now - last_used) / half_life)``, so the
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from functools import cached_property
 
 from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.server.fleet import BackendState, SlotPhase, SlotState
@@ -58,31 +58,78 @@ def continues(fp: Fingerprint, content: Fingerprint | None) -> bool:
     return len(hashes) > at and hashes[at] == fp.hashes[at]
 
 
-@dataclass(frozen=True)
 class BackendIndex:
-    version: int
-    idle: tuple[SlotState, ...]
-    busy: tuple[SlotState, ...]  # every slot not IDLE
-    idle_heads: dict[Head, tuple[SlotState, ...]]  # idle slots by the head of their content
-    idle_head_ids: dict[Head, frozenset[int]]  # ... and their ids
-    busy_heads: dict[Head, tuple[SlotState, ...]]  # busy slots by the head of what they will hold
-    recent: tuple[SlotState, ...]  # idle slots, the most recently used first
-    empty: tuple[SlotState, ...]  # idle slots holding nothing, the least recently used first
-    latest: float  # the latest use of an idle slot holding content
-    anchored: int  # the smallest anchor above 0 of an idle slot's content (0: none)
-    # (half-life, RAM discount) -> the idle slots holding content by log loss (module docstring)
-    _orders: dict[tuple[float, float], list[tuple[float, float, int, SlotState]]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    """One backend's slots grouped (module docstring), as of ``version``: the idle and busy
+    slots and the idle ones by head in one pass over the slots; the rest when first read
+    (a backend that changes at every request, as a lone backend does, is grouped at every
+    decision: only what that decision reads is worked out)."""
+
+    def __init__(self, backend: BackendState) -> None:
+        self.backend, self.version = backend, backend.version
+        self.idle: list[SlotState] = []
+        self.busy: list[SlotState] = []  # every slot not IDLE
+        self.idle_heads: dict[Head, list[SlotState]] = {}  # idle slots by their content's head
+        for slot in backend.slots:
+            if slot.phase is SlotPhase.IDLE:
+                self.idle.append(slot)
+                content = slot.content
+                key = content.head if content is not None else None
+                if key is not None:
+                    self.idle_heads.setdefault(key, []).append(slot)
+            else:
+                self.busy.append(slot)
+        # (half-life, RAM discount) -> the idle slots holding content by log loss
+        self._orders: dict[tuple[float, float], list[tuple[float, float, int, SlotState]]] = {}
+
+    @cached_property
+    def idle_head_ids(self) -> dict[Head, frozenset[int]]:
+        """``idle_heads``' slot ids."""
+        return {key: frozenset(s.id for s in slots) for key, slots in self.idle_heads.items()}
+
+    @cached_property
+    def busy_heads(self) -> dict[Head, list[SlotState]]:
+        """Busy slots by the head of what they will hold."""
+        out: dict[Head, list[SlotState]] = {}
+        for slot in self.busy:
+            key = head(slot.expected)
+            if key is not None:
+                out.setdefault(key, []).append(slot)
+        return out
+
+    @cached_property
+    def recent(self) -> list[SlotState]:
+        """The idle slots holding content (a hold keeps no empty slot), the most recently
+        used first."""
+        held = (s for s in self.idle if s.content is not None)
+        return sorted(held, key=lambda s: (-s.last_used, s.id))
+
+    @cached_property
+    def empty(self) -> list[SlotState]:
+        """The idle slots holding nothing, the least recently used first."""
+        return sorted(
+            (s for s in self.idle if s.content is None), key=lambda s: (s.last_used, s.id)
+        )
+
+    @cached_property
+    def latest(self) -> float:
+        """The latest use of an idle slot holding content."""
+        return max((s.last_used for s in self.idle if s.content is not None), default=-math.inf)
+
+    @cached_property
+    def anchored(self) -> int:
+        """The smallest anchor above 0 of an idle slot's content (0: none)."""
+        anchors = (s.content.anchor for s in self.idle if s.content is not None)
+        return min((a for a in anchors if a), default=0)
 
     def by_loss(
-        self, backend: BackendState, half_life: float, discount: float
+        self, half_life: float, discount: float
     ) -> list[tuple[float, float, int, SlotState]]:
         """(log loss, last use, id, slot) of every idle slot holding content, ascending; a
         content without anchor (a raw prompt's) is not parked by a stranger's request."""
         key = (half_life, discount)
         order = self._orders.get(key)
         if order is None:
+            backend = self.backend
             scale, order = backend.token_scale or 1.0, []
             for slot in self.idle:
                 content = slot.content
@@ -124,47 +171,15 @@ def least_lost(
     return least, out
 
 
-def _build(backend: BackendState) -> BackendIndex:
-    idle, busy = [], []
-    idle_heads: dict[Head, list[SlotState]] = {}
-    busy_heads: dict[Head, list[SlotState]] = {}
-    for slot in backend.slots:
-        if slot.phase is SlotPhase.IDLE:
-            idle.append(slot)
-            key = head(slot.content)
-            if key is not None:
-                idle_heads.setdefault(key, []).append(slot)
-        else:
-            busy.append(slot)
-            key = head(slot.expected)
-            if key is not None:
-                busy_heads.setdefault(key, []).append(slot)
-    held = [s for s in idle if s.content is not None]
-    anchors = [s.content.anchor for s in held if s.content is not None and s.content.anchor]
-    return BackendIndex(
-        backend.version,
-        tuple(idle),
-        tuple(busy),
-        {key: tuple(slots) for key, slots in idle_heads.items()},
-        {key: frozenset(s.id for s in slots) for key, slots in idle_heads.items()},
-        {key: tuple(slots) for key, slots in busy_heads.items()},
-        tuple(sorted(idle, key=lambda s: (-s.last_used, s.id))),
-        tuple(sorted((s for s in idle if s.content is None), key=lambda s: (s.last_used, s.id))),
-        max((s.last_used for s in held), default=-math.inf),
-        min(anchors, default=0),
-    )
-
-
 class FleetIndex:
     """Each backend's ``BackendIndex``, rebuilt when the backend changed."""
 
     def __init__(self) -> None:
-        self._backends: dict[int, tuple[BackendState, BackendIndex]] = {}
+        self._backends: dict[int, BackendIndex] = {}
 
     def of(self, backend: BackendState) -> BackendIndex:
         kept = self._backends.get(backend.index)
-        if kept is not None and kept[0] is backend and kept[1].version == backend.version:
-            return kept[1]
-        built = _build(backend)
-        self._backends[backend.index] = (backend, built)
+        if kept is not None and kept.backend is backend and kept.version == backend.version:
+            return kept
+        built = self._backends[backend.index] = BackendIndex(backend)
         return built

@@ -194,7 +194,7 @@ def _window(
         and index.latest <= now
         and not 0 < index.anchored <= fp.first
     ):
-        order = index.by_loss(backend, params.value_half_life_s, params.ram_discount)
+        order = index.by_loss(params.value_half_life_s, params.ram_discount)
         log, window = least_lost(order, skip)
         return (-math.inf if empties else log), [*window, *empties]
     return None, strangers.slots()

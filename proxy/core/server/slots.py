@@ -95,7 +95,7 @@ class SlotState:
         object.__setattr__(self, name, value)
         backend = self.__dict__.get("_backend")
         if backend is not None:
-            backend.version += 1
+            backend.__dict__["version"] += 1
 
     @property
     def expected(self) -> Fingerprint | None:

@@ -693,6 +693,7 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
     the decision is the one weighing every slot gives."""
     import proxy.core.routing.decision as routing
     import proxy.core.routing.waiting as waiting
+    from proxy.core.routing.index import BackendIndex
     from proxy.core.routing.scoring import candidate
 
     f, request, hint = scene
@@ -720,16 +721,16 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
         [],
         None,
     )
-    waiting._distinct_busy = lambda b, index, fp, depths, params: [  # type: ignore[assignment]
-        s for s in b.slots if s.phase is not SlotPhase.IDLE
-    ]
+    waiting._distinct_busy = lambda b, sharing, fp, depths, params: list(sharing)  # type: ignore[assignment]
+    busy_of = BackendIndex.waiting  # every busy slot, sharing the prompt's head or not
+    BackendIndex.waiting = lambda self, key: list(self.busy)  # type: ignore[method-assign]
     continues = waiting.continues  # (no busy slot of another conversation skipped either)
     waiting.continues = lambda fp, content: True  # type: ignore[assignment]
     try:
         assert pruned == decide()
     finally:
         routing.options, waiting._distinct_busy = options, distinct_busy
-        waiting.continues = continues
+        waiting.continues, BackendIndex.waiting = continues, busy_of  # type: ignore[method-assign]
 
 
 @st.composite

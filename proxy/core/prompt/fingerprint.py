@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -70,21 +69,21 @@ class Fingerprint:
     # segments at which a user message starts (chat): where a checkpointing backend
     # (``core.server.reuse_rules``) can roll a slot back to
     users: tuple[int, ...] = ()
+    # the first segment holding a token (-1: none; a chat preamble may be empty), and the
+    # *head*: it and its chain hash. Two chains share a token exactly when their heads are
+    # equal (equal segments carry equal token estimates); None when no segment holds one.
+    # (Worked out once: routing reads them for every slot it groups.)
+    first: int = field(init=False, compare=False, repr=False)
+    head: tuple[int, int] | None = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        first = next((i for i, tokens in enumerate(self.tokens) if tokens > 0), -1)
+        object.__setattr__(self, "first", first)
+        object.__setattr__(self, "head", (first, self.hashes[first]) if first >= 0 else None)
 
     @property
     def total(self) -> int:
         return self.tokens[-1] if self.tokens else 0
-
-    @cached_property
-    def first(self) -> int:
-        """The first segment holding a token (-1: none; a chat preamble may be empty)."""
-        return next((i for i, tokens in enumerate(self.tokens) if tokens > 0), -1)
-
-    @cached_property
-    def head(self) -> tuple[int, int] | None:
-        """``first`` and its chain hash: two chains share a token exactly when their heads
-        are equal (equal segments carry equal token estimates); None when none holds one."""
-        return (self.first, self.hashes[self.first]) if self.first >= 0 else None
 
     def tokens_at(self, segments: int) -> int:
         return self.tokens[segments - 1] if segments > 0 else 0

@@ -66,25 +66,40 @@ class BackendIndex:
 
     def __init__(self, backend: BackendState) -> None:
         self.backend, self.version = backend, backend.version
-        self.idle: list[SlotState] = []
-        self.busy: list[SlotState] = []  # every slot not IDLE
-        self.idle_heads: dict[Head, list[SlotState]] = {}  # idle slots by their content's head
-        for slot in backend.slots:
-            if slot.phase is SlotPhase.IDLE:
-                self.idle.append(slot)
-                content = slot.content
-                key = content.head if content is not None else None
-                if key is not None:
-                    self.idle_heads.setdefault(key, []).append(slot)
-            else:
-                self.busy.append(slot)
+        idle = SlotPhase.IDLE
+        self.idle = [s for s in backend.slots if s.phase is idle]
+        self._reads = 0  # lookups by head so far (``sharing``)
         # (half-life, RAM discount) -> the idle slots holding content by log loss
         self._orders: dict[tuple[float, float], list[tuple[float, float, int, SlotState]]] = {}
 
+    def sharing(self, key: Head) -> list[SlotState]:
+        """The idle slots whose content has head ``key``, in slot order. The first lookup
+        filters the idle slots; a second one groups them all by head (``idle_heads``): a
+        backend that changes at every request is read once per grouping."""
+        if "idle_heads" not in self.__dict__ and self._reads == 0:
+            self._reads = 1
+            return [s for s in self.idle if s.content is not None and s.content.head == key]
+        return self.idle_heads.get(key, [])
+
     @cached_property
-    def idle_head_ids(self) -> dict[Head, frozenset[int]]:
-        """``idle_heads``' slot ids."""
-        return {key: frozenset(s.id for s in slots) for key, slots in self.idle_heads.items()}
+    def busy(self) -> list[SlotState]:
+        """Every slot not IDLE, in slot order."""
+        idle = SlotPhase.IDLE
+        return [s for s in self.backend.slots if s.phase is not idle]
+
+    def waiting(self, key: Head) -> list[SlotState]:
+        """The busy slots that will hold content with head ``key``, in slot order."""
+        return self.busy_heads.get(key, [])
+
+    @cached_property
+    def idle_heads(self) -> dict[Head, list[SlotState]]:
+        """Idle slots by the head of their content."""
+        out: dict[Head, list[SlotState]] = {}
+        for slot in self.idle:
+            content = slot.content
+            if content is not None and content.head is not None:
+                out.setdefault(content.head, []).append(slot)
+        return out
 
     @cached_property
     def busy_heads(self) -> dict[Head, list[SlotState]]:

@@ -92,7 +92,7 @@ def options(
     ``kin`` scores when they may rank first, and the strangers (None: none), which
     ``stranger`` ranks when no candidate scores above 0."""
     key = head(fp)
-    sharing = index.idle_heads.get(key, ()) if key is not None else ()
+    sharing = index.sharing(key) if key is not None else ()
     ours: list[SlotState] = []
     kin: list[SlotState] = []
     for slot in sharing:
@@ -103,7 +103,7 @@ def options(
     if len(kin) > 1:
         kin = _distinct(kin)
     found = [candidate(fp, backend, slot, now, params, ram, load, offer) for slot in ours]
-    shared = index.idle_head_ids.get(key, frozenset()) if key is not None else frozenset()
+    shared = frozenset(s.id for s in sharing)
     skip = spared | shared if spared else shared
     strangers = Strangers(backend, index, skip) if len(skip) < len(index.idle) else None
     gains = offer is not None or (ram.served and any(n for n, _ in ram.served))

@@ -59,7 +59,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.index import BackendIndex, continues, head
+from proxy.core.routing.index import BackendIndex, continues
 from proxy.core.routing.scoring import (
     Candidate,
     RamView,
@@ -164,8 +164,8 @@ def worth_waiting(
         if not spared and len(fleet.free[backend.index]) == len(backend.slots):
             continue  # every slot idle and free to take: nothing to wait for
         grouped = fleet.index[backend.index]
-        sharing = key in grouped.busy_heads if key is not None else False
-        for s in _distinct_busy(backend, grouped, fp, depths, params) if sharing else ():
+        sharing = grouped.waiting(key) if key is not None and grouped.busy else ()
+        for s in _distinct_busy(backend, sharing, fp, depths, params) if sharing else ():
             if found is not None and not continues(fp, s.expected):
                 before = kin_reach(fp)[0] if before is None else before
                 if found[1] >= before:
@@ -211,19 +211,19 @@ def pays(backend: BackendState, saved: int, ahead: int) -> bool:
 
 def _distinct_busy(
     backend: BackendState,
-    index: BackendIndex,
+    sharing: Sequence[SlotState],
     fp: Fingerprint,
     depths: Mapping[tuple[int, int], int],
     params: RoutingParams,
 ) -> list[SlotState]:
-    """The busy slots sharing a token with the prompt (``index.busy_heads``: one sharing
-    none saves nothing), the first of those that will hold the same content with the same
-    bar (``depths`` below ``short_wait_depth`` or not, busy with an outside request or not):
-    the others would pass or fail as it does and save no more, and the first found wins."""
-    key = head(fp)
+    """Of the busy slots sharing a token with the prompt (``sharing``: ``index.waiting``; one
+    sharing none saves nothing), the first of those that will hold the same content with the
+    same bar (``depths`` below ``short_wait_depth`` or not, busy with an outside request or
+    not): the others would pass or fail as it does and save no more, and the first found
+    wins."""
     seen: set[tuple[int, int, int, bool, bool]] = set()
     out: list[SlotState] = []
-    for slot in index.busy_heads.get(key, ()) if key is not None else ():
+    for slot in sharing:
         content = slot.expected
         assert content is not None
         queued = depths.get((backend.index, slot.id), 0) < params.short_wait_depth

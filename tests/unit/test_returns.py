@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.routing.decision import Reason, route
-from proxy.core.routing.returns import ReturnTracker, estimate, held, lost_if_evicted
+from proxy.core.routing.returns import Outcomes, ReturnTracker, estimate, held, lost_if_evicted
 from proxy.core.server.fleet import BackendPhase, Fleet, Placement, Probe, SlotProbe
 from proxy.core.server.ram_cache import RamEntry
 from tests.unit.test_routing import PARAMS, decided, fp
@@ -85,6 +85,20 @@ def test_holding_is_off_at_max_hold_zero_while_returns_still_count_for_the_odds(
 @given(st.lists(st.one_of(st.none(), st.floats(0, 2.0)), max_size=50), st.floats(0, 5))
 def test_the_estimate_stays_within_its_bound(outcomes: list[float | None], bound: float) -> None:
     assert 0.0 <= estimate(outcomes, bound) <= bound
+
+
+@given(
+    st.lists(st.one_of(st.none(), st.sampled_from([0.1, 0.5, 1.0]), st.floats(0, 2.0))),
+    st.integers(1, 12),
+    st.floats(0, 5),
+)
+def test_the_window_kept_sorted_estimates_as_its_last_outcomes_sorted(
+    outcomes: list[float | None], size: int, bound: float
+) -> None:
+    window = Outcomes(size)
+    for outcome in outcomes:
+        window.add(outcome)
+    assert window.estimate(bound) == estimate(outcomes[-size:], bound)
 
 
 def no_ram_fleet(slots: int = 1, ram: bool = False, ram_tokens: int | None = None) -> Fleet:

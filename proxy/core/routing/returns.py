@@ -44,6 +44,7 @@ fixed hold tried first: bench/HISTORY.md.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -77,7 +78,7 @@ class ReturnTracker:
         self._open: OrderedDict[int, float] = OrderedDict()  # releases within max_hold
         self._keys: dict[int, int] = {}  # chain hash -> release id
         self._next = 0
-        self._outcomes: deque[float | None] = deque(maxlen=WINDOW)  # gap, or None: a miss
+        self._outcomes = Outcomes(WINDOW)  # the hold's: a gap, or None: a miss
         self._seen: deque[float | None] = deque(maxlen=ODDS_WINDOW)  # gap, or None: gone
         self._hold: float | None = None  # cached estimate; None: recompute
         self._odds: tuple[float, ReturnOdds | None] | None = None  # (when built, odds)
@@ -119,7 +120,7 @@ class ReturnTracker:
         if release is not None and release in self._open:
             self._close(release, gap)
         else:
-            self._outcomes.append(gap)
+            self._outcomes.add(gap)
             self._hold = None
         if release is not None and release in self._pending:
             self._forget(release, gap)
@@ -133,7 +134,8 @@ class ReturnTracker:
 
     def missed(self, count: int) -> None:
         """Shared: ``count`` expired releases no replica claimed."""
-        self._outcomes.extend([None] * count)
+        for _ in range(count):
+            self._outcomes.add(None)
         if count:
             self._hold = None
 
@@ -141,7 +143,7 @@ class ReturnTracker:
         """How long a freed slot is held for its session now."""
         self._expire(now)
         if self._hold is None:
-            self._hold = estimate(list(self._outcomes), self.max_hold)
+            self._hold = self._outcomes.estimate(self.max_hold)
         return self._hold
 
     def placed(self, now: float) -> None:
@@ -163,7 +165,7 @@ class ReturnTracker:
         if outcome is None and self.shared:
             self._expired.append(release)  # a miss unless another replica saw it come back
             return
-        self._outcomes.append(outcome)
+        self._outcomes.add(outcome)
         self._hold = None
 
     def _forget(self, release: int, outcome: float | None) -> None:
@@ -199,14 +201,40 @@ def _keys(prompt: Fingerprint, content: Fingerprint) -> tuple[int, ...]:
 def estimate(outcomes: Sequence[float | None], max_hold: float) -> float:
     """Twice the 90th-percentile return gap when at least half the outcomes are returns
     (capped at ``max_hold``); ``max_hold`` with no outcomes; else 0."""
+    return _estimate(sorted(g for g in outcomes if g is not None), len(outcomes), max_hold)
+
+
+def _estimate(gaps: Sequence[float], count: int, max_hold: float) -> float:
+    """``estimate`` of ``count`` outcomes whose returns' gaps are ``gaps``, ascending."""
     if max_hold <= 0:
         return 0.0
-    if not outcomes:
+    if not count:
         return max_hold
-    gaps = sorted(g for g in outcomes if g is not None)
-    if 2 * len(gaps) < len(outcomes):
+    if 2 * len(gaps) < count:
         return 0.0
     return min(max_hold, 2 * gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))])
+
+
+class Outcomes:
+    """The last ``size`` hold outcomes (a gap, or None: a miss), their gaps kept sorted as
+    they come and go: the hold is estimated at every request without sorting the window."""
+
+    def __init__(self, size: int) -> None:
+        self._all: deque[float | None] = deque()
+        self._gaps: list[float] = []
+        self._size = size
+
+    def add(self, outcome: float | None) -> None:
+        if len(self._all) >= self._size:
+            gone = self._all.popleft()
+            if gone is not None:
+                del self._gaps[bisect_left(self._gaps, gone)]
+        self._all.append(outcome)
+        if outcome is not None:
+            insort(self._gaps, outcome)
+
+    def estimate(self, max_hold: float) -> float:
+        return _estimate(self._gaps, len(self._all), max_hold)
 
 
 def lost_if_evicted(backend: BackendState) -> bool:

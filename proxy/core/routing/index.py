@@ -16,7 +16,7 @@ and a few dictionary lookups, plus the slots that share the prompt:
   (``core.routing.returns``) can only keep such a slot used within the last ``hold`` seconds,
   so the check stops at the first older one.
 - *Strangers by loss*: overwriting a stranger (a slot sharing no token) costs its KV length
-  ``L`` times its recency weight times the RAM discount ``d`` (``options.stranger``). Under
+  ``L`` times its recency weight times the RAM discount ``d`` (``options.strangers``). Under
   the half-life prior the weight is ``0.5 ** ((now - last_used) / half_life)``, so the
   order of the losses does not depend on ``now``: it is the order of
   ``log(L * d) + last_used * ln 2 / half_life``, kept sorted per backend. A decision walks it
@@ -59,10 +59,10 @@ def continues(fp: Fingerprint, content: Fingerprint | None) -> bool:
 
 
 class BackendIndex:
-    """One backend's slots grouped (module docstring), as of ``version``: the idle and busy
-    slots and the idle ones by head in one pass over the slots; the rest when first read
-    (a backend that changes at every request, as a lone backend does, is grouped at every
-    decision: only what that decision reads is worked out)."""
+    """One backend's slots grouped (module docstring), as of ``version``: its idle slots in
+    one pass over the slots, the rest when first read (a backend that changes at every
+    request, as a lone backend does, is grouped at every decision: only what that decision
+    reads is worked out)."""
 
     def __init__(self, backend: BackendState) -> None:
         self.backend, self.version = backend, backend.version

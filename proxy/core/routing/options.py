@@ -31,7 +31,7 @@ the one that scoring every idle slot gives (property-tested).
 
 A stranger scores at most 0 (no reuse, a loss), so it can rank first only when no other
 option gains: ``options`` leaves a backend's strangers aside, and the decision ranks them
-(``stranger``) only when no option scored above 0. A returning session, or a new one whose
+(``strangers``) only when no option scored above 0. A returning session, or a new one whose
 system prompt some slot holds, so skips the slots that share nothing with it.
 """
 
@@ -90,7 +90,7 @@ def options(
     """The candidates among the backend's idle slots but the ``spared`` ones (slot ids)
     one of which ranks best (module docstring), and the slots left aside: the kin, which
     ``kin`` scores when they may rank first, and the strangers (None: none), which
-    ``stranger`` ranks when no candidate scores above 0."""
+    ``strangers`` ranks when no candidate scores above 0."""
     key = head(fp)
     sharing = index.sharing(key) if key is not None else ()
     ours: list[SlotState] = []

@@ -7,7 +7,15 @@ from hypothesis import strategies as st
 
 from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.routing.decision import Decision, Reason, RoutingParams, predicted_reuse, route
-from proxy.core.routing.scoring import RamView, ram_reuse
+from proxy.core.routing.scoring import (
+    RamView,
+    candidate,
+    kin_bound,
+    kin_ceiling,
+    kin_reach,
+    ram_reuse,
+    ram_view,
+)
 from proxy.core.server.fleet import (
     BackendPhase,
     BackendState,
@@ -694,7 +702,6 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
     import proxy.core.routing.decision as routing
     import proxy.core.routing.waiting as waiting
     from proxy.core.routing.index import BackendIndex
-    from proxy.core.routing.scoring import candidate
 
     f, request, hint = scene
 
@@ -720,6 +727,7 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
         ],
         [],
         None,
+        [],
     )
     waiting._distinct_busy = lambda b, sharing, fp, depths, params: list(sharing)  # type: ignore[assignment]
     busy_of = BackendIndex.waiting  # every busy slot, sharing the prompt's head or not
@@ -775,13 +783,6 @@ def test_property_a_kin_slots_bound_is_never_below_its_score(
     whose bound is below the best score found (``options.kin``)."""
     from proxy.core.routing.index import FleetIndex
     from proxy.core.routing.options import options
-    from proxy.core.routing.scoring import (
-        candidate,
-        kin_bound,
-        kin_ceiling,
-        kin_reach,
-        ram_view,
-    )
     from tests.unit.test_snapshots import offer as restore_offer
 
     backend, request = scene
@@ -790,7 +791,7 @@ def test_property_a_kin_slots_bound_is_never_below_its_score(
     ram = ram_view(request, backend)
     ceiling = kin_ceiling(kin_reach(request), backend, ram, offer)
     index = FleetIndex().of(backend)
-    _, kin, _ = options(request, backend, index, frozenset(), 100.0, params, ram, 0, offer)
+    _, kin, _, _ = options(request, backend, index, frozenset(), 100.0, params, ram, 0, offer)
     for slot in kin:
         score = candidate(request, backend, slot, 100.0, params, ram, 0, offer).score
         assert kin_bound(request, backend, slot, 100.0, params, ceiling) >= score
@@ -801,13 +802,6 @@ def test_a_kin_slots_bound_counts_the_ram_entry_the_server_would_load_into_it() 
     load its best RAM entry: the request's own earlier prompt, parked there, serves 300 tokens
     where the slot serves 100. The bound must count the entry (the property above rarely draws
     this case)."""
-    from proxy.core.routing.scoring import (
-        candidate,
-        kin_bound,
-        kin_ceiling,
-        kin_reach,
-        ram_view,
-    )
 
     request = replace(fp(1, 2, 3, 4), anchor=2)
     f = fleet(2)
@@ -826,13 +820,6 @@ def test_a_kin_slots_bound_on_an_exact_backend_counts_no_reuse_of_its_own() -> N
     """An exact backend rolls a slot that diverges inside its content back to a checkpoint,
     or to nothing: the request may keep none of the slot, so the server may park it (the RAM
     discount), however much the prompt's first segment is of it."""
-    from proxy.core.routing.scoring import (
-        candidate,
-        kin_bound,
-        kin_ceiling,
-        kin_reach,
-        ram_view,
-    )
 
     request = replace(fp(1, 2, 3), anchor=2)
     f = fleet(2, exact=(True,))
@@ -996,3 +983,33 @@ def test_property_waiting_skips_only_busy_slots_that_cannot_save_more(
         assert skipping == decide()
     finally:
         waiting.continues = continues
+
+
+@settings(max_examples=300)
+@given(
+    kin_scenes(),
+    st.lists(st.lists(st.integers(5, 7), min_size=1, max_size=3), min_size=1, max_size=3),
+    st.sampled_from([None, 150, 450]),
+    st.sampled_from([0.0, 0.1, 1.0]),
+)
+def test_property_a_spare_strangers_bound_is_never_below_its_score(
+    scene: tuple[BackendState, Fingerprint],
+    held: list[list[int]],
+    offer_tokens: int | None,
+    discount: float,
+) -> None:
+    """A stranger that a RAM entry or a snapshot may serve (``options``' spares) reuses
+    nothing of its own, so the server may park all of it: its bound (``kin_bound`` with no
+    floor) is never below ``candidate``'s score, whatever the prompt's first segment."""
+    from tests.unit.test_snapshots import offer as restore_offer
+
+    backend, request = scene
+    for slot, ids in zip(backend.slots, held, strict=False):
+        slot.content = fp(*ids, size=50)  # shares no token with the request (it opens with 1)
+    params = replace(PARAMS, ram_discount=discount)
+    offer = None if offer_tokens is None else restore_offer(offer_tokens, offer_tokens / 4)
+    ram = ram_view(request, backend)
+    ceiling = replace(kin_ceiling(kin_reach(request), backend, ram, offer), floor=0)
+    for slot in backend.slots[: len(held)]:
+        score = candidate(request, backend, slot, 100.0, params, ram, 0, offer).score
+        assert kin_bound(request, backend, slot, 100.0, params, ceiling) >= score

@@ -222,11 +222,11 @@ def route(
         if held(b, s, fp, now, hold, least)
     )
     idle: list[Candidate] = []
-    deferred: list[tuple[BackendState, list[SlotState]]] = []
+    deferred: list[tuple[BackendState, list[SlotState], list[SlotState]]] = []
     left: list[Strangers] = []
     for b in ready:
         mine = frozenset(s for i, s in spared if i == b.index) if spared else frozenset()
-        found, near, others = options(
+        found, near, others, spares = options(
             fp,
             b,
             indexes[b.index],
@@ -238,8 +238,8 @@ def route(
             disk.get(b.index),
         )
         idle += found
-        if near:
-            deferred.append((b, near))
+        if near or spares:
+            deferred.append((b, near, spares))
         if others is not None:
             left.append(others)
     if deferred:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -86,11 +87,13 @@ def options(
     ram: RamView,
     load: int,
     offer: Offer | None,
-) -> tuple[list[Candidate], list[SlotState], Strangers | None]:
+) -> tuple[list[Candidate], list[SlotState], Strangers | None, list[SlotState]]:
     """The candidates among the backend's idle slots but the ``spared`` ones (slot ids)
     one of which ranks best (module docstring), and the slots left aside: the kin, which
-    ``kin`` scores when they may rank first, and the strangers (None: none), which
-    ``strangers`` ranks when no candidate scores above 0."""
+    ``kin`` scores when they may rank first; the strangers (None: none), which
+    ``strangers`` ranks when no candidate scores above 0; and, on a backend with a RAM
+    entry or a snapshot for the prompt, the spare strangers, which ``kin`` scores like the
+    kin (None strangers then)."""
     key = head(fp)
     sharing = index.sharing(key) if key is not None else ()
     ours: list[SlotState] = []
@@ -107,22 +110,14 @@ def options(
     skip = spared | shared if spared else shared
     strangers = Strangers(backend, index, skip) if len(skip) < len(index.idle) else None
     gains = offer is not None or (ram.served and any(n for n, _ in ram.served))
-    if strangers is not None and gains:
-        return (
-            found
-            + [  # a RAM entry or a snapshot may come into any of them
-                candidate(fp, backend, slot, now, params, ram, load, offer)
-                for slot in _cheapest(strangers.slots(), backend, now, params)
-            ],
-            kin,
-            None,
-        )
-    return found, kin, strangers
+    if strangers is not None and gains:  # a RAM entry or a snapshot may come into any of them
+        return found, kin, None, _cheapest(strangers.slots(), backend, now, params)
+    return found, kin, strangers, []
 
 
 def kin(
     fp: Fingerprint,
-    deferred: Sequence[tuple[BackendState, Sequence[SlotState]]],
+    deferred: Sequence[tuple[BackendState, Sequence[SlotState], Sequence[SlotState]]],
     top: float | None,
     now: float,
     params: RoutingParams,
@@ -130,14 +125,19 @@ def kin(
     load: Mapping[int, int],
     disk: Mapping[int, Offer],
 ) -> list[Candidate]:
-    """The kin slots (``options``) that may beat ``top``, the best score so far, scored in
-    full in order of their bound (``scoring.kin_bound``): once a bound falls below the best
-    score found, no kin slot left can rank first."""
+    """The kin slots and spare strangers (``options``: per backend, the two lists) that may
+    beat ``top``, the best score so far, scored in full in order of their bound
+    (``scoring.kin_bound``; a spare stranger reuses nothing of its own, so the server may
+    park all of it): once a bound falls below the best score found, none left can rank
+    first."""
     bounded: list[tuple[float, BackendState, SlotState]] = []
     reach = kin_reach(fp)
-    for backend, slots in deferred:
+    for backend, near, spares in deferred:
         ceiling = kin_ceiling(reach, backend, ram[backend.index], disk.get(backend.index))
-        bounded += ((kin_bound(fp, backend, s, now, params, ceiling), backend, s) for s in slots)
+        bounded += ((kin_bound(fp, backend, s, now, params, ceiling), backend, s) for s in near)
+        if spares:
+            bare = replace(ceiling, floor=0)
+            bounded += ((kin_bound(fp, backend, s, now, params, bare), backend, s) for s in spares)
     bounded.sort(key=itemgetter(0), reverse=True)
     out: list[Candidate] = []
     for bound, backend, slot in bounded:

@@ -307,7 +307,8 @@ def kin_bound(
     ``candidate``'s order of operations, so the bound holds in floating point too (rounding
     is monotone)."""
     content = slot.content
-    assert content is not None
+    if content is None:  # an empty slot loses nothing
+        return ceiling.gain
     length = backend.kv_estimate(content, slot.n_tokens)
     if content.anchor >= fp.anchor:
         lost = max(content.total, length)

@@ -15,7 +15,7 @@ least recent) and wins the ranking's ties.
   bound falls below the best score found. A returning session's own slot so outscores every
   kin bound, and none is scored in full.
 - A slot sharing nothing reuses nothing of its own. On a backend with no RAM entry and no
-  disk snapshot for the prompt it scores minus the loss of all it holds (``_stranger``,
+  disk snapshot for the prompt it scores minus the loss of all it holds (``_stranger_ranks``,
   without the cache model), and only the best such slot of the backend can rank first: the
   least recently used empty one if there is one (it scores 0; a stranger holding tokens
   scores less, as it loses them), else the one that costs least to lose: under the
@@ -229,20 +229,6 @@ def _cheapest(
     return held + ([empty] if empty is not None else [])
 
 
-def _stranger(
-    fp: Fingerprint,
-    backend: BackendState,
-    slot: SlotState,
-    now: float,
-    params: RoutingParams,
-    load: int,
-) -> Candidate:
-    """``candidate`` for a slot sharing nothing with the prompt on a backend with nothing
-    to load or restore for it: no reuse, and the loss of all it holds."""
-    score = _stranger_ranks(fp, backend, now, params, fp.first, (slot,))[0][0]
-    return Candidate(backend, slot, 0, score, load)
-
-
 def _stranger_ranks(
     fp: Fingerprint,
     backend: BackendState,
@@ -251,9 +237,10 @@ def _stranger_ranks(
     first: int,
     slots: Sequence[SlotState],
 ) -> list[tuple[float, float, int, SlotState]]:
-    """Each stranger's score (``_stranger``), the ranking's ties after it (the least recently
-    used, then the lowest id) and the slot: over every idle slot sharing nothing, so the
-    rules are looked up once per backend and the loop kept lean."""
+    """Each stranger's score (``candidate``'s for a slot sharing nothing with the prompt on a
+    backend with nothing to load or restore for it: no reuse, and the loss of all it holds),
+    the ranking's ties after it (the least recently used, then the lowest id) and the slot:
+    the rules are looked up once per backend and the loop kept lean."""
     weight, scale, w = (
         weigher(now, params, backend),
         backend.token_scale or 1.0,

@@ -163,8 +163,7 @@ def weigher(now: float, params: RoutingParams, backend: BackendState) -> Callabl
     returns = params.returns
     if returns is not None and (backend.exact or not backend.ram):
         return lambda last_used: returns.weight(max(0.0, now - last_used))
-    half_life = params.value_half_life_s
-    return lambda last_used: float(0.5 ** (max(0.0, now - last_used) / half_life))
+    return lambda last_used: _recency(last_used, now, params)
 
 
 def _recency(last_used: float, now: float, params: RoutingParams) -> float:

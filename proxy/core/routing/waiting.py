@@ -227,15 +227,15 @@ def _distinct_busy(
         content = slot.expected
         assert content is not None
         queued = depths.get((backend.index, slot.id), 0) < params.short_wait_depth
-        key_ = (
+        key = (
             content.hashes[-1],
             content.total,
             slot.n_tokens,
             queued,
             slot.phase is SlotPhase.EXTERNAL,
         )
-        if key_ not in seen:
-            seen.add(key_)
+        if key not in seen:
+            seen.add(key)
             out.append(slot)
     return out
 

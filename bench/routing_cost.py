@@ -15,7 +15,9 @@ A second table: the decision alone at fleet scale, 64 backends x 8 slots, every 
 a ~1,500-token session under one of eight system prompts, 256 requests waiting (their per-slot
 depths), for a share of busy slots from none to all; each request is, in turn, a returning
 session's next turn (its slot's system prompt and conversation) or a new session of one of the
-eight kinds, and the table gives the median of all and of each.
+eight kinds, and the table gives the median of all and of each. A third: the same with no
+slot busy and each backend's RAM-cache model holding N sessions under the eight system prompts
+(llama-server's host-RAM cache is on by default).
 
     python -m bench routing_cost      (results: bench/results/routing_cost/)
 """
@@ -114,10 +116,11 @@ def measure(
 
 
 def at_scale(
-    busy_share: float, backends: int = 64, slots: int = 8, waiting: int = 256
+    busy_share: float, backends: int = 64, slots: int = 8, waiting: int = 256, parked: int = 0
 ) -> tuple[float, float, float]:
-    """Median ms of one routing decision over a ``backends`` x ``slots`` fleet (table 2): of
-    every request, of the returning sessions' and of the new sessions'."""
+    """Median ms of one routing decision over a ``backends`` x ``slots`` fleet (tables 2 and
+    3): of every request, of the returning sessions' and of the new sessions'. ``parked``:
+    sessions each backend's RAM-cache model holds, under the same system prompts."""
     rng, counter = random.Random(1), TokenCounter()
     kinds = [f"agent kind {k}: " for k in range(8)]
     kind_of: dict[str, str] = {}
@@ -133,6 +136,16 @@ def at_scale(
             slot.last_used = rng.random() * 100
             if rng.random() < busy_share:
                 slot.phase, slot.pending = SlotPhase.BUSY, slot.content
+        fleet.backends[index].ram_entries = [
+            RamEntry(
+                fingerprint_chat(
+                    conversation(1500, session=f"p{index}/{k}", system=rng.choice(kinds)),
+                    counter.count,
+                ),
+                rng.random() * 100,
+            )
+            for k in range(parked)
+        ]
     depths = Depths()
     for _ in range(waiting):
         depths.move(None, (rng.randrange(backends), rng.randrange(slots)))
@@ -198,7 +211,17 @@ def main() -> None:
         ["busy slots", "decision p50 (ms)", "returning sessions (ms)", "new sessions (ms)"],
         [[f"{r['busy']:.0%}", *(f"{v:.3f}" for v in list(r.values())[1:])] for r in scale],
     )
-    save("routing_cost", {"prompts": prompts, "at_scale": scale})
+    print()
+    print("the same, no slot busy, each backend's RAM-cache model holding N sessions")
+    ram = []
+    for parked in (16, 64):
+        every, returning, new = at_scale(0.0, parked=parked)
+        ram.append({"parked": parked, "p50_ms": every, "returning_ms": returning, "new_ms": new})
+    print_markdown(
+        ["RAM entries (N)", "decision p50 (ms)", "returning sessions (ms)", "new sessions (ms)"],
+        [[str(r["parked"]), *(f"{v:.3f}" for v in list(r.values())[1:])] for r in ram],
+    )
+    save("routing_cost", {"prompts": prompts, "at_scale": scale, "with_ram": ram})
 
 
 if __name__ == "__main__":

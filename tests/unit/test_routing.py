@@ -25,6 +25,7 @@ from proxy.core.server.fleet import (
     Probe,
     SlotPhase,
     SlotProbe,
+    SlotState,
 )
 from proxy.core.server.ram_cache import RamEntry
 
@@ -727,7 +728,7 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
         ],
         [],
         None,
-        [],
+        None,
     )
     waiting._distinct_busy = lambda b, sharing, fp, depths, params: list(sharing)  # type: ignore[assignment]
     busy_of = BackendIndex.waiting  # every busy slot, sharing the prompt's head or not
@@ -739,6 +740,32 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
     finally:
         routing.options, waiting._distinct_busy = options, distinct_busy
         waiting.continues, BackendIndex.waiting = continues, busy_of  # type: ignore[method-assign]
+
+
+@settings(max_examples=300)
+@given(wide_scenes(), st.sampled_from([None, 0.5, 3.0]))
+def test_property_a_ram_view_read_by_heads_is_the_view_of_every_entry(
+    scene: tuple[Fleet, Fingerprint, tuple[int, int] | None], scale: float | None
+) -> None:
+    """``scoring.ram_view`` compares the prompt only with the RAM entries of its head
+    (``index.BackendIndex.ram_heads``): the entries that serve it a token, what they serve,
+    and what the server loads for any slot are the ones comparing every entry gives."""
+    from proxy.core.routing.index import FleetIndex
+    from proxy.core.server.ram_cache import pick
+
+    f, request, _ = scene
+    for backend in f.backends:
+        backend.ram, backend.token_scale = True, scale
+        by_heads = ram_view(request, backend, None, FleetIndex().of(backend).ram_heads)
+        every = ram_view(request, backend)
+        assert by_heads.loadable == every.loadable
+        for i in every.loadable:
+            assert (by_heads.served[i], by_heads.shared[i]) == (every.served[i], every.shared[i])
+        for kept, length in ((0, 0), (0, 300), (100, 300), (200, 250)):
+            for skip in range(len(backend.ram_entries) + 1):
+                found = pick(every.served[skip:], kept, length, request.total)
+                whole = None if found is None else found + skip  # (every entry read)
+                assert by_heads.pick(kept, length, skip) == every.pick(kept, length, skip) == whole
 
 
 @st.composite
@@ -814,6 +841,23 @@ def test_a_kin_slots_bound_counts_the_ram_entry_the_server_would_load_into_it() 
     ceiling = kin_ceiling(kin_reach(request), backend, ram, None)
     bound = kin_bound(request, backend, backend.slots[0], 100.0, PARAMS, ceiling)
     assert bound >= found.score > 200
+
+
+def test_a_kin_slot_that_loads_more_than_the_sessions_own_slot_serves_is_scored() -> None:
+    """The session's own slot (b0) holds only its first turn: 200 tokens. On b1 a slot of
+    another conversation under the same system prompt would make the server load the
+    session's longer prompt, parked in b1's RAM cache: 300 tokens. That backend's most gain
+    (300) is above the best score found (200), so its kin are scored, and the load wins; a
+    backend is passed over only when its most gain is below the best."""
+    request = replace(fp(1, 2, 3, 4), anchor=2)
+    f = fleet(1, 1)
+    hold(f, 0, 0, replace(fp(1, 2), anchor=2), at=99.0)
+    hold(f, 1, 0, replace(fp(1, 5, 6, 7), anchor=2), at=20.0)
+    f.backends[1].ram_entries = [RamEntry(replace(fp(1, 2, 3), anchor=2), 99.0)]
+    d = decided(route(request, f.backends, PARAMS, now=100.0, allow_wait=False))
+    assert d.placement is not None
+    assert (d.placement.backend, d.predicted) == (1, 300)
+    assert d.placement.from_ram is f.backends[1].ram_entries[0]
 
 
 def test_a_kin_slots_bound_on_an_exact_backend_counts_no_reuse_of_its_own() -> None:
@@ -935,6 +979,57 @@ def test_property_the_stranger_found_by_loss_is_the_best_of_all(
     [found] = strangers(request, [left], 100.0, params, {0: 0})
     every = max(_stranger_ranks(request, backend, 100.0, params, 0, backend.slots))
     assert (found.slot, found.score) == (every[3], every[0])
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(
+        st.tuples(
+            st.none() | st.lists(st.integers(1, 4), min_size=1, max_size=4),
+            st.sampled_from([0.0, 30.0, 60.0, 99.5, 130.0]),
+            st.sampled_from([0, 120, 480]),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=7,
+    ),
+    st.sets(st.integers(0, 6)),
+    st.sampled_from([None, 0.5, 3.0]),
+    st.booleans(),
+)
+def test_property_the_spare_strangers_found_by_loss_are_the_cheapest_of_all(
+    held: list[tuple[list[int] | None, float, int, bool]],
+    skip: set[int],
+    scale: float | None,
+    exact: bool,
+) -> None:
+    """On a backend with a RAM entry or a snapshot for the prompt, the spare strangers
+    (``options._cheapest``) are found among the first few slots by loss: they are the
+    ``SPARES`` that sorting every stranger by its loss finds, and the least recently used
+    empty one, whatever the lengths (sealed replies, the token scale), last uses (some after
+    ``now``: then every stranger is sorted) and slots left out."""
+    from proxy.core.routing.index import FleetIndex
+    from proxy.core.routing.options import SPARES, Strangers, _cheapest
+    from proxy.core.routing.scoring import recency
+
+    f = fleet(len(held), exact=(exact,))
+    backend = f.backends[0]
+    backend.ram, backend.token_scale = True, scale
+    for slot, (ids, used, n_tokens, sealed) in zip(backend.slots, held, strict=True):
+        slot.content = None if ids is None else replace(fp(*ids), sealed=sealed)
+        slot.last_used, slot.n_tokens = used, n_tokens
+    left = Strangers(backend, FleetIndex().of(backend), frozenset(skip))
+    found = _cheapest(left, 100.0, PARAMS)
+
+    def cost(slot: SlotState) -> tuple[float, float, int]:
+        assert slot.content is not None
+        lost = backend.kv_estimate(slot.content, slot.n_tokens)
+        return (lost * recency(slot, 100.0, PARAMS, backend), slot.last_used, slot.id)
+
+    slots = left.slots()
+    every = sorted((s for s in slots if s.content is not None), key=cost)[:SPARES]
+    empty = sorted((s for s in slots if s.content is None), key=lambda s: (s.last_used, s.id))
+    assert found == every + empty[:1]
 
 
 @settings(max_examples=300)

@@ -206,7 +206,7 @@ def route(
     for b in up:  # (read once per decision)
         i, grouped = b.index, index.of(b)
         indexes[i], free_of[i], load[i] = grouped, grouped.idle, len(b.slots) - len(grouped.idle)
-        ram[i] = ram_view(fp, b, memo.get(i)) if b.ram_entries else empty
+        ram[i] = ram_view(fp, b, memo.get(i), grouped.ram_heads) if b.ram_entries else empty
     ready = [b for b in up if free_of[b.index]]
     key, keyed = None, None
     if affinity is not None and affinity[0] not in avoid:
@@ -222,7 +222,7 @@ def route(
         if held(b, s, fp, now, hold, least)
     )
     idle: list[Candidate] = []
-    deferred: list[tuple[BackendState, list[SlotState], list[SlotState]]] = []
+    deferred: list[tuple[BackendState, list[SlotState], Strangers | None]] = []
     left: list[Strangers] = []
     for b in ready:
         mine = frozenset(s for i, s in spared if i == b.index) if spared else frozenset()

@@ -136,6 +136,17 @@ class BackendIndex:
         anchors = (s.content.anchor for s in self.idle if s.content is not None)
         return min((a for a in anchors if a), default=0)
 
+    @cached_property
+    def ram_heads(self) -> dict[Head, list[int]]:
+        """The backend's RAM entries (positions, oldest first) by the head of their content:
+        an entry serving a prompt a token shares its head (``scoring.ram_view``)."""
+        out: dict[Head, list[int]] = {}
+        for i, entry in enumerate(self.backend.ram_entries):
+            key = entry.content.head
+            if key is not None:
+                out.setdefault(key, []).append(i)
+        return out
+
     def by_loss(
         self, half_life: float, discount: float
     ) -> list[tuple[float, float, int, SlotState]]:
@@ -169,19 +180,22 @@ def margin(log: float) -> float:
 
 
 def least_lost(
-    order: Sequence[tuple[float, float, int, SlotState]], skip: frozenset[int]
+    order: Sequence[tuple[float, float, int, SlotState]], skip: frozenset[int], count: int = 1
 ) -> tuple[float, list[SlotState]]:
     """The least log loss of the slots of ``order`` (``BackendIndex.by_loss``) not in
-    ``skip`` (slot ids), and those within ``margin`` of it: one of these is the stranger that
-    costs least to overwrite (``(inf, [])``: none left)."""
+    ``skip`` (slot ids), and the first ``count`` of those slots with every one within
+    ``margin`` of the last of them: they include the ``count`` strangers that cost least to
+    overwrite (``(inf, [])``: none left)."""
     least, limit, out = math.inf, math.inf, list[SlotState]()
     for log, _, slot_id, slot in order:
         if slot_id in skip:
             continue
-        if not out:
-            least, limit = log, margin(log)
-        elif log > limit:
+        if len(out) >= count and log > limit:
             break
+        if not out:
+            least = log
+        if len(out) < count:
+            limit = margin(log)
         out.append(slot)
     return least, out
 

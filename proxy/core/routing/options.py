@@ -87,13 +87,13 @@ def options(
     ram: RamView,
     load: int,
     offer: Offer | None,
-) -> tuple[list[Candidate], list[SlotState], Strangers | None, list[SlotState]]:
+) -> tuple[list[Candidate], list[SlotState], Strangers | None, Strangers | None]:
     """The candidates among the backend's idle slots but the ``spared`` ones (slot ids)
     one of which ranks best (module docstring), and the slots left aside: the kin, which
     ``kin`` scores when they may rank first; the strangers (None: none), which
-    ``strangers`` ranks when no candidate scores above 0; and, on a backend with a RAM
-    entry or a snapshot for the prompt, the spare strangers, which ``kin`` scores like the
-    kin (None strangers then)."""
+    ``strangers`` ranks when no candidate scores above 0, or, on a backend with a RAM entry
+    or a snapshot for the prompt, whose spares ``kin`` scores like the kin (the fourth;
+    the third None then)."""
     key = head(fp)
     sharing = index.sharing(key) if key is not None else ()
     ours: list[SlotState] = []
@@ -109,15 +109,15 @@ def options(
     shared = frozenset(s.id for s in sharing)
     skip = spared | shared if spared else shared
     strangers = Strangers(backend, index, skip) if len(skip) < len(index.idle) else None
-    gains = offer is not None or (ram.served and any(n for n, _ in ram.served))
+    gains = offer is not None or bool(ram.loadable)
     if strangers is not None and gains:  # a RAM entry or a snapshot may come into any of them
-        return found, kin, None, _cheapest(strangers.slots(), backend, now, params)
-    return found, kin, strangers, []
+        return found, kin, None, strangers
+    return found, kin, strangers, None
 
 
 def kin(
     fp: Fingerprint,
-    deferred: Sequence[tuple[BackendState, Sequence[SlotState], Sequence[SlotState]]],
+    deferred: Sequence[tuple[BackendState, Sequence[SlotState], Strangers | None]],
     top: float | None,
     now: float,
     params: RoutingParams,
@@ -125,18 +125,22 @@ def kin(
     load: Mapping[int, int],
     disk: Mapping[int, Offer],
 ) -> list[Candidate]:
-    """The kin slots and spare strangers (``options``: per backend, the two lists) that may
-    beat ``top``, the best score so far, scored in full in order of their bound
-    (``scoring.kin_bound``; a spare stranger reuses nothing of its own, so the server may
-    park all of it): once a bound falls below the best score found, none left can rank
-    first."""
+    """The kin slots and spare strangers (``options``: per backend, the kin and the
+    strangers whose ``_cheapest`` are the spares) that may beat ``top``, the best score so
+    far, scored in full in order of their bound (``scoring.kin_bound``; a spare stranger
+    reuses nothing of its own, so the server may park all of it): once a bound falls below
+    the best score found, none left can rank first. A backend whose most gain is below
+    ``top`` is passed over whole: no bound exceeds the gain."""
     bounded: list[tuple[float, BackendState, SlotState]] = []
     reach = kin_reach(fp)
-    for backend, near, spares in deferred:
+    for backend, near, strangers in deferred:
         ceiling = kin_ceiling(reach, backend, ram[backend.index], disk.get(backend.index))
+        if top is not None and params.eviction_weight >= 0 and ceiling.gain < top:
+            continue
         bounded += ((kin_bound(fp, backend, s, now, params, ceiling), backend, s) for s in near)
-        if spares:
+        if strangers is not None:
             bare = replace(ceiling, floor=0)
+            spares = _cheapest(strangers, now, params)
             bounded += ((kin_bound(fp, backend, s, now, params, bare), backend, s) for s in spares)
     bounded.sort(key=itemgetter(0), reverse=True)
     out: list[Candidate] = []
@@ -214,19 +218,24 @@ def _distinct(slots: Sequence[SlotState]) -> list[SlotState]:
     return list(seen.values())
 
 
-def _cheapest(
-    slots: Sequence[SlotState], backend: BackendState, now: float, params: RoutingParams
-) -> list[SlotState]:
-    """The first empty slot and the ``SPARES`` whose content costs least to lose."""
-    empty = min((s for s in slots if s.content is None), key=_lru, default=None)
+def _cheapest(strangers: Strangers, now: float, params: RoutingParams) -> list[SlotState]:
+    """The first empty slot and the ``SPARES`` whose content costs least to lose: under the
+    half-life prior those are among the first few of the backend's slots by loss
+    (``index.least_lost``; their losses then ranked exactly), else all are ranked."""
+    backend, index, skip = strangers
+    empty = next((s for s in index.empty if s.id not in skip), None)
 
     def cost(slot: SlotState) -> tuple[float, float, int]:
         assert slot.content is not None
         lost = max(slot.content.total, backend.kv_estimate(slot.content, slot.n_tokens))
         return (lost * recency(slot, now, params, backend), *_lru(slot))
 
-    held = sorted((s for s in slots if s.content is not None), key=cost)[:SPARES]
-    return held + ([empty] if empty is not None else [])
+    returns = params.returns is not None and (backend.exact or not backend.ram)
+    if not returns and index.latest <= now:
+        _, held = least_lost(index.by_loss(params.value_half_life_s, 1.0), skip, SPARES)
+    else:
+        held = [s for s in strangers.slots() if s.content is not None]
+    return sorted(held, key=cost)[:SPARES] + ([empty] if empty is not None else [])
 
 
 def _stranger_ranks(

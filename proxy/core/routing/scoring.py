@@ -43,7 +43,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -97,11 +97,21 @@ class RamView:
     served: tuple[tuple[int, int], ...] = ()  # (tokens it serves the prompt, its length)
     shared: tuple[int, ...] = ()  # segments each entry shares with the request
     scale: float = 1.0  # the backend's tokens per estimate when ``served`` was measured
+    loadable: tuple[int, ...] = ()  # the entries serving the prompt a token, in order
+
+    def pick(self, kept: int, content_tokens: int, skip: int = 0, ties: bool = False) -> int | None:
+        """``ram_cache.pick`` over the entries but the ``skip`` oldest: only the loadable
+        ones are read (the server never loads an entry serving nothing)."""
+        at = [i for i in self.loadable if i >= skip] if skip else self.loadable
+        found = ram_cache.pick(
+            [self.served[i] for i in at], kept, content_tokens, self.prompt_tokens, ties
+        )
+        return at[found] if found is not None else None
 
     @cached_property
     def best(self) -> int:
         """What the cache gives the request in a slot that holds nothing it shares."""
-        index = ram_cache.pick(self.served, 0, 0, self.prompt_tokens)
+        index = self.pick(0, 0)
         return self.served[index][0] if index is not None else 0
 
     def damage(self, index: int, now: float, params: RoutingParams, backend: BackendState) -> float:
@@ -180,32 +190,44 @@ def lost_tokens(content: Fingerprint, shared: int, reuse: int, length: int) -> i
     return max(content.total, length)
 
 
-def ram_view(fp: Fingerprint, backend: BackendState, before: RamView | None = None) -> RamView:
+def ram_view(
+    fp: Fingerprint,
+    backend: BackendState,
+    before: RamView | None = None,
+    heads: Mapping[tuple[int, int], Sequence[int]] | None = None,
+) -> RamView:
     """``before``: this request's last view of the backend, reused while its cache is the
     same list (``BackendState.ram_entries`` is replaced, never changed in place) and its token
     scale the same (a sealed entry's length is measured through it): a request that waits is
-    decided again on every release, and the cache rarely changed in between."""
-    if not backend.ram or not fp.total or not backend.ram_entries:
+    decided again on every release, and the cache rarely changed in between. ``heads``: the
+    entries by the head of their content (``index.BackendIndex.ram_heads``): an entry that
+    serves the prompt a token shares its head, so only those are compared."""
+    entries = backend.ram_entries
+    if not backend.ram or not fp.total or not entries:
         return RamView(fp.total)
     scale = backend.token_scale or 1.0
-    if before is not None and before.entries is backend.ram_entries and before.scale == scale:
+    if before is not None and before.entries is entries and before.scale == scale:
         return before
-    shared = ram_cache.shared_segments(fp, backend.ram_entries)
+    if heads is None:
+        at: Sequence[int] = range(len(entries))
+    else:
+        at = heads.get(fp.head, ()) if fp.head is not None else ()
     # most entries share under a quarter with the request (``shared`` 0): never loaded, so
     # their length is not worked out (``UNSHARED``); the length is the real KV's, as for a
     # slot's own content (``candidate``), whatever the model
-    if backend.exact:
-        served = tuple(
-            (_reuse(fp, e.content, True, n), kv_length(e.content, e.size, scale)) if n else UNSHARED
-            for e, n in zip(backend.ram_entries, shared, strict=True)
-        )
-    else:  # _reuse without the exact rule, inlined: this runs for every entry of the cache
-        tokens, cap = fp.tokens, fp.total - 1
-        served = tuple(
-            (min(tokens[n - 1], cap), kv_length(e.content, e.size, scale)) if n else UNSHARED
-            for e, n in zip(backend.ram_entries, shared, strict=True)
-        )
-    return RamView(fp.total, backend.ram_entries, served, shared, scale)
+    served, shared = [UNSHARED] * len(entries), [0] * len(entries)
+    loadable = []
+    tokens, cap, exact = fp.tokens, fp.total - 1, backend.exact
+    for i, n in zip(at, ram_cache.shared_segments(fp, [entries[i] for i in at]), strict=True):
+        if not n:
+            continue
+        entry = entries[i]
+        # (_reuse without the exact rule, inlined for the usual model)
+        reuse = _reuse(fp, entry.content, True, n) if exact else min(tokens[n - 1], cap)
+        served[i], shared[i] = (reuse, kv_length(entry.content, entry.size, scale)), n
+        if reuse > 0:
+            loadable.append(i)
+    return RamView(fp.total, entries, tuple(served), tuple(shared), scale, tuple(loadable))
 
 
 def candidate(
@@ -230,9 +252,8 @@ def candidate(
         if ram is not None and surely:
             saved = backend.ram_entry(content, now, slot.n_tokens)
             skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
-            found = ram_cache.pick(ram.served[skip:], live, length, fp.total, ties=True)
-            if found is not None:
-                i = found + skip
+            i = ram.pick(live, length, skip, ties=True)
+            if i is not None:
                 live, from_ram = ram.served[i][0], ram.entries[i]
                 destroyed = ram.damage(i, now, params, backend)
     restore = offer if offer is not None and offer.reuse - offer.cost > live else None
@@ -283,7 +304,7 @@ def kin_ceiling(
     own reuse ends before the prompt's anchor, a RAM entry loaded into it serves at most the
     best entry, a restore nets its gain; an exact model may keep none of it."""
     before, floor = reach
-    parked = max((served for served, _ in ram.served), default=0) if ram.served else 0
+    parked = max((ram.served[i][0] for i in ram.loadable), default=0)
     restored = offer.reuse - offer.cost if offer is not None else 0
     gain = max(before, parked, restored)
     return KinCeiling(gain, before, 0 if backend.exact else floor, offer is not None)

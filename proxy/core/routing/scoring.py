@@ -250,8 +250,10 @@ def candidate(
         consulted = backend.ram and ram_cache.consulted(live, length)
         surely = consulted and ram_cache.consulted(live, length, ram_cache.SURE_CONSULT)
         if ram is not None and surely:
-            saved = backend.ram_entry(content, now, slot.n_tokens)
-            skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
+            skip = 0  # saving the slot first pushes out the oldest entries only under a budget
+            if backend.ram_tokens is not None:
+                saved = backend.ram_entry(content, now, slot.n_tokens)
+                skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
             i = ram.pick(live, length, skip, ties=True)
             if i is not None:
                 live, from_ram = ram.served[i][0], ram.entries[i]

@@ -38,6 +38,19 @@ async def until(
         await asyncio.sleep(every)
 
 
+class Remote:
+    """A proxy process (or any server) at ``url`` read as the helpers read a test client:
+    ``get(path)`` returns the response, its body read (so it can be awaited again)."""
+
+    def __init__(self, session: Any, url: str) -> None:
+        self.session, self.url = session, url
+
+    async def get(self, path: str, **kwargs: Any) -> Any:
+        async with self.session.get(self.url + path, **kwargs) as resp:
+            await resp.read()
+            return resp
+
+
 async def scrape(client: Any, name: str, **labels: str) -> float:
     """``metric`` of a proxy's ``/metrics`` page, read through its test client."""
     return metric(await (await client.get("/metrics")).text(), name, **labels)

@@ -13,6 +13,7 @@ import pytest
 
 from testbed.probes import metric
 from testbed.stack import LlamaServer
+from tests.waiting import once_placed, until_down
 
 SYSTEM = (
     "You are the build agent of a small software team. Follow the rules below exactly. "
@@ -140,8 +141,7 @@ async def test_a_session_back_while_its_slot_is_being_parked_restores_it(
     client = await proxy(backends, disk=settings, routing={"hold_max_seconds": 0})
     first, _ = await post(client, turn(0, prefix_cache={"scope": "off"}))  # nothing saved yet
     stranger = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
-    taking = asyncio.create_task(post(client, stranger))
-    await asyncio.sleep(0.2)  # the stranger holds the slot and its park has begun
+    taking = await once_placed(post(client, stranger), client)  # its park begins with it
     reply = first["choices"][0]["message"]
     follow = [
         {"role": "assistant", "content": reply["content"]},
@@ -166,7 +166,7 @@ async def test_shared_directory_restores_on_another_backend_unless_its_layout_di
     saved_on = two if headers["X-Cache-Backend"].endswith(f":{two.port}") else other
     left = other if saved_on is two else two
     saved_on.stop()  # only the other backend is left
-    await asyncio.sleep(0.6)
+    await until_down(client, saved_on)
     _, headers = await post(client, turn(0, [{"role": "assistant", "content": "ok"}], **scoped))
     assert headers["X-Cache-Backend"].endswith(f":{left.port}")
     page = await (await client.get("/metrics")).text()

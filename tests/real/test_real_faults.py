@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import operator
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,9 +13,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from testbed.probes import metric
+from testbed.probes import metric, until_listed
 from testbed.stack import LlamaServer, ProxyProcess, Served, looping_client
 from tests.relay import Relay
+from tests.waiting import PLACED, Remote, scrape, until, until_metric
 
 ADMIN = {
     "LLAMA_CACHE_PROXY_ADMIN_TOKEN": "t",
@@ -132,7 +134,13 @@ async def test_proxy_restart_keeps_sessions_on_their_slots(
             prompts[s] = data["usage"]["prompt_tokens"]
         proxy.stop(kill=True)  # the proxy dies; Redis keeps slot records and affinities
         proxy.start()
-        await asyncio.sleep(0.5)
+        remote, labels = Remote(session, proxy.url), {f"127.0.0.1:{s.port}" for s in servers}
+
+        async def both_ready() -> bool:
+            resp = await remote.get("/readyz")
+            return resp.status == 200 and set((await resp.json())["backends"]) == labels
+
+        await until(both_ready, "the restarted proxy sees both backends ready", 60)
         for s in range(3):
             data, where = await turn(s)
             assert where == placed[s], (s, where, placed)  # warm restart: same slot
@@ -152,7 +160,7 @@ async def test_redis_stopped_and_restarted_under_steady_traffic(
         workers = [
             asyncio.create_task(looping_client(session, urls, w, stop, served)) for w in range(4)
         ]
-        await asyncio.sleep(1.0)
+        await until(lambda: len(served) >= 4, "traffic before the outage", 60)
         redis_server.stop()
         outage = time.monotonic()
         # a replica claims its part once its peers must have read its heartbeat lapse (up to
@@ -171,7 +179,7 @@ async def test_redis_stopped_and_restarted_under_steady_traffic(
                 break
             await asyncio.sleep(0.1)
         back = len(served)
-        await asyncio.sleep(1.0)
+        await until(lambda: len(served) >= back + 4, "traffic once Redis is back", 60)
         stop.set()
         await asyncio.gather(*workers)
     assert down == [0.0, 0.0]  # both replicas noticed and routed on local state
@@ -197,15 +205,18 @@ async def test_slots_pinned_during_a_redis_outage_are_respected_when_it_returns(
     a = ProxyProcess([server.url], redis_url=redis_server.url, env=rare).start()
     b = ProxyProcess([server.url], redis_url=redis_server.url).start()
     proxies.extend([a, b])
-    await asyncio.sleep(1.5)  # heartbeats: each replica has read the other
+    await until_listed([a.url, b.url])  # heartbeats: each replica has read the other
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         post, short = functools.partial(post_slot, session), SHORT
         redis_server.stop()
         await post(a, short)
         await post(b, short)  # both have noticed the outage
+        remotes = [Remote(session, p.url) for p in (a, b)]
+        placed = [await scrape(r, PLACED) for r in remotes]
         first = asyncio.create_task(post(a, {**long_count(), "max_tokens": 40}))
         second = asyncio.create_task(post(b, {**long_count(), "max_tokens": 300}))
-        await asyncio.sleep(0.5)
+        for remote, before in zip(remotes, placed, strict=True):  # both given their slots
+            await until_metric(remote, PLACED, functools.partial(operator.lt, before))
         redis_server.start()
         for _ in range(50):
             up = [await metric_of(session, p, "llama_cache_proxy_state_store_up") for p in (a, b)]
@@ -255,14 +266,16 @@ async def test_a_replica_cut_off_from_redis_alone_keeps_its_slot_to_itself(
     try:
         for proxy in (a, b):  # off the event loop, which runs the relay
             await asyncio.to_thread(proxy.start)
-        await asyncio.sleep(1.5)  # heartbeats: each replica has read the other
+        await until_listed([a.url, b.url])  # heartbeats: each replica has read the other
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             post, short = functools.partial(post_slot, session), SHORT
             relay.cut()
             await post(a, short)  # served on A's part once B must have fenced it
             assert await metric_of(session, a, "llama_cache_proxy_state_store_up") == 0
+            mine_a = Remote(session, a.url)
+            before = await scrape(mine_a, PLACED)
             first = asyncio.create_task(post(a, {**long_count(), "max_tokens": 300}))
-            await asyncio.sleep(1.0)
+            await until_metric(mine_a, PLACED, lambda n: n > before)  # A's slot is taken
             theirs = await asyncio.gather(*(post(b, short) for _ in range(2)))
             mine, ended = await first
         assert all(slot != mine and done < ended for slot, done in theirs), (mine, theirs)

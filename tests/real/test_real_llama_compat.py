@@ -10,8 +10,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.app import SCHEDULER
 from testbed.stack import LlamaServer
 from tests.conftest import chat
+from tests.waiting import until
 
 KEY = {"Authorization": "Bearer k"}
 
@@ -139,7 +141,8 @@ async def test_an_idle_server_sleeps_behind_the_proxy_and_wakes_with_no_cache(
     while not (await (await client.get("/props")).json())["is_sleeping"]:
         assert time.monotonic() < deadline, "the proxy's probes kept the server awake"
         await asyncio.sleep(0.1)
-    await asyncio.sleep(0.6)  # probes see it asleep
+    backend = client.server.app[SCHEDULER].fleet.backends[0]
+    await until(lambda: backend.asleep, "the proxy's probes see the server asleep")
     resp = await client.post("/completion", json=body)
     assert (await resp.json())["timings"]["cache_n"] == 0
     assert resp.headers["X-Cache-Predicted-Tokens"] == "0"

@@ -60,13 +60,28 @@ def test_dashboard_hit_rate_matches_the_workload(llama_servers: Any) -> None:
             warmed = metric(resp.read().decode(), "llama_cache_proxy_prompt_tokens_total")
         prometheus.until(f"sum(llama_cache_proxy_prompt_tokens_total) >= {warmed}")
         warmed_at = time.time()  # every sample from here on includes the whole warm-up
-        time.sleep(2.5)
+
+        def scraped_twice_since(moment: float) -> None:
+            """Until Prometheus holds two samples of every series taken after ``moment``."""
+            deadline = time.monotonic() + 30
+
+            def count() -> int:
+                window = f"{int(time.time() - moment)}s"  # (whole seconds: all after it)
+                expr = f"count_over_time(llama_cache_proxy_prompt_tokens_total[{window}])"
+                found = prometheus.query(expr) if window != "0s" else []
+                return min((int(float(r["value"][1])) for r in found), default=0)
+
+            while count() < 2:
+                assert time.monotonic() < deadline, "Prometheus stopped scraping the proxy"
+                time.sleep(0.2)
+
+        scraped_twice_since(warmed_at)  # the window opens on samples of the warm-up alone
         measured = [ask("Name a color."), ask("Name a color."), ask("Name a fruit.")]
         measured.append(ask("Name a color."))
         cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in measured)
         prompt = sum(r["usage"]["prompt_tokens"] for r in measured)
         implied = cached / prompt
-        time.sleep(3.0)  # at least two scrapes after the last request
+        scraped_twice_since(time.time())  # and closes on samples after the last request
         # the dashboard's range, cut to start after the warm-up's last sample (a sample taken
         # while the warm-up ran would count part of it as the workload's)
         window = f"{int(time.time() - warmed_at - 0.5)}s"

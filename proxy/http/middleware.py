@@ -12,12 +12,15 @@ it is a plain token (``SAFE_ID``), else replaced by a fresh id, and every value 
 plain printable ASCII without spaces or quotes (a path with ``%0a``) is logged as a JSON
 string, escapes included. ``outcome`` says how the response ended: ``complete``,
 ``upstream_error`` (the backend failed after the status line was sent, which stays 200)
-or ``client_gone``. With ``log_format: json`` every log line is one JSON object
-(``JsonLogFormatter``), the access line's fields as its keys.
+or ``client_gone``. The line is written on the event loop's next turn, after a non-streamed
+response has left (and before any later request is read): the reply does not wait for it.
+With ``log_format: json`` every log line is one JSON object (``JsonLogFormatter``), the access
+line's fields as its keys.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -205,7 +208,8 @@ def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middle
             metrics.duration.labels(endpoint).observe(elapsed)
             if status == 499:
                 record.outcome = Ending.CLIENT_GONE
-            _log(request, record, status, elapsed)
+            if log.isEnabledFor(logging.INFO):  # written once the response has left
+                asyncio.get_running_loop().call_soon(_log, request, record, status, elapsed)
 
     return middleware
 
@@ -233,8 +237,6 @@ async def _respond(
 
 
 def _log(request: web.Request, record: RequestRecord, status: int, elapsed: float) -> None:
-    if not log.isEnabledFor(logging.INFO):
-        return
     queue_ms = None if record.queue_s is None else round(record.queue_s * 1000, 1)
     fields = {
         "request_id": record.request_id,

@@ -749,7 +749,9 @@ def test_property_a_ram_view_read_by_heads_is_the_view_of_every_entry(
 ) -> None:
     """``scoring.ram_view`` compares the prompt only with the RAM entries of its head
     (``index.BackendIndex.ram_heads``): the entries that serve it a token, what they serve,
-    and what the server loads for any slot are the ones comparing every entry gives."""
+    and what the server loads for any slot are the ones comparing every entry gives; and
+    with the prefixes the slots hold (``BackendIndex.resident``) an entry's damage is the
+    one scanning the slots gives, until a slot changes."""
     from proxy.core.routing.index import FleetIndex
     from proxy.core.server.ram_cache import pick
 
@@ -761,6 +763,15 @@ def test_property_a_ram_view_read_by_heads_is_the_view_of_every_entry(
         assert by_heads.loadable == every.loadable
         for i in every.loadable:
             assert (by_heads.served[i], by_heads.shared[i]) == (every.served[i], every.shared[i])
+        grouped = FleetIndex().of(backend)
+        resident = ram_view(request, backend, None, grouped.ram_heads, grouped.resident)
+        for i in range(len(backend.ram_entries)):  # a copy of a slot's content loses nothing
+            damage = by_heads.damage(i, 100.0, PARAMS, backend)
+            assert resident.damage(i, 100.0, PARAMS, backend) == damage
+        if backend.ram_entries:  # a slot now holds the first entry: the kept prefixes are stale
+            backend.slots[0].pending, backend.slots[0].phase = None, SlotPhase.IDLE
+            backend.slots[0].content = backend.ram_entries[0].content
+            assert resident.damage(0, 100.0, PARAMS, backend) == 0.0
         for kept, length in ((0, 0), (0, 300), (100, 300), (200, 250)):
             for skip in range(len(backend.ram_entries) + 1):
                 found = pick(every.served[skip:], kept, length, request.total)

@@ -206,7 +206,10 @@ def route(
     for b in up:  # (read once per decision)
         i, grouped = b.index, index.of(b)
         indexes[i], free_of[i], load[i] = grouped, grouped.idle, len(b.slots) - len(grouped.idle)
-        ram[i] = ram_view(fp, b, memo.get(i), grouped.ram_heads) if b.ram_entries else empty
+        if b.ram_entries:
+            ram[i] = ram_view(fp, b, memo.get(i), grouped.ram_heads, grouped.resident)
+        else:
+            ram[i] = empty
     ready = [b for b in up if free_of[b.index]]
     key, keyed = None, None
     if affinity is not None and affinity[0] not in avoid:

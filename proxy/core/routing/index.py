@@ -147,6 +147,19 @@ class BackendIndex:
                 out.setdefault(key, []).append(i)
         return out
 
+    @cached_property
+    def resident(self) -> frozenset[tuple[int, int]]:
+        """(segments, last chain hash) of every prefix of what the backend's slots hold or
+        will hold, and (0, 0) when any does: a RAM entry is a copy of one of them
+        (``ram_cache.covers``) exactly when its own pair is here."""
+        out: set[tuple[int, int]] = set()
+        for slot in self.backend.slots:
+            content = slot.expected
+            if content is not None:
+                out.add((0, 0))
+                out.update(enumerate(content.hashes, 1))
+        return frozenset(out)
+
     def by_loss(
         self, half_life: float, discount: float
     ) -> list[tuple[float, float, int, SlotState]]:

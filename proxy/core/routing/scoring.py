@@ -98,6 +98,8 @@ class RamView:
     shared: tuple[int, ...] = ()  # segments each entry shares with the request
     scale: float = 1.0  # the backend's tokens per estimate when ``served`` was measured
     loadable: tuple[int, ...] = ()  # the entries serving the prompt a token, in order
+    # (backend version, ``index.BackendIndex.resident``): the prefixes its slots hold then
+    resident: tuple[int, frozenset[tuple[int, int]]] | None = None
 
     def pick(self, kept: int, content_tokens: int, skip: int = 0, ties: bool = False) -> int | None:
         """``ram_cache.pick`` over the entries but the ``skip`` oldest: only the loadable
@@ -120,9 +122,14 @@ class RamView:
         against what the backend's slots hold at this decision."""
         entry = self.entries[index]
         # a copy of what a slot holds loses nothing when it leaves the cache
-        resident = (s.expected for s in backend.slots if s.expected is not None)
-        if any(ram_cache.covers(r, entry.content) for r in resident):
-            return 0.0
+        if self.resident is not None and self.resident[0] == backend.version:
+            hashes = entry.content.hashes
+            if ((len(hashes), hashes[-1]) if hashes else (0, 0)) in self.resident[1]:
+                return 0.0
+        else:
+            resident = (s.expected for s in backend.slots if s.expected is not None)
+            if any(ram_cache.covers(r, entry.content) for r in resident):
+                return 0.0
         served, length = self.served[index]
         lost = lost_tokens(entry.content, self.shared[index], served, length)
         return lost * _recency(entry.at, now, params)
@@ -195,19 +202,25 @@ def ram_view(
     backend: BackendState,
     before: RamView | None = None,
     heads: Mapping[tuple[int, int], Sequence[int]] | None = None,
+    resident: frozenset[tuple[int, int]] | None = None,
 ) -> RamView:
     """``before``: this request's last view of the backend, reused while its cache is the
     same list (``BackendState.ram_entries`` is replaced, never changed in place) and its token
     scale the same (a sealed entry's length is measured through it): a request that waits is
     decided again on every release, and the cache rarely changed in between. ``heads``: the
     entries by the head of their content (``index.BackendIndex.ram_heads``): an entry that
-    serves the prompt a token shares its head, so only those are compared."""
+    serves the prompt a token shares its head, so only those are compared. ``resident``:
+    the prefixes the backend's slots hold (``index.BackendIndex.resident``), as of its
+    current version."""
     entries = backend.ram_entries
     if not backend.ram or not fp.total or not entries:
         return RamView(fp.total)
     scale = backend.token_scale or 1.0
+    known = None if resident is None else (backend.version, resident)
     if before is not None and before.entries is entries and before.scale == scale:
-        return before
+        if known is None or before.resident == known:  # (a tuple: the set by identity first)
+            return before
+        return replace(before, resident=known)  # (the slots changed since)
     if heads is None:
         at: Sequence[int] = range(len(entries))
     else:
@@ -227,7 +240,7 @@ def ram_view(
         served[i], shared[i] = (reuse, kv_length(entry.content, entry.size, scale)), n
         if reuse > 0:
             loadable.append(i)
-    return RamView(fp.total, entries, tuple(served), tuple(shared), scale, tuple(loadable))
+    return RamView(fp.total, entries, tuple(served), tuple(shared), scale, tuple(loadable), known)
 
 
 def candidate(

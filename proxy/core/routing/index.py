@@ -199,16 +199,22 @@ def least_lost(
     ``skip`` (slot ids), and the first ``count`` of those slots with every one within
     ``margin`` of the last of them: they include the ``count`` strangers that cost least to
     overwrite (``(inf, [])``: none left)."""
-    least, limit, out = math.inf, math.inf, list[SlotState]()
-    for log, _, slot_id, slot in order:
+    rest, out = iter(order), list[SlotState]()
+    for log, _, slot_id, slot in rest:  # the first ``count``
+        if slot_id not in skip:
+            out.append(slot)
+            if len(out) == 1:
+                least = log
+            if len(out) == count:
+                limit = margin(log)
+                break
+    else:
+        return (least if out else math.inf), out
+    for log, _, slot_id, slot in rest:  # and their ties
         if slot_id in skip:
             continue
-        if len(out) >= count and log > limit:
+        if log > limit:
             break
-        if not out:
-            least = log
-        if len(out) < count:
-            limit = margin(log)
         out.append(slot)
     return least, out
 

@@ -319,7 +319,7 @@ def kin_ceiling(
     own reuse ends before the prompt's anchor, a RAM entry loaded into it serves at most the
     best entry, a restore nets its gain; an exact model may keep none of it."""
     before, floor = reach
-    parked = max((ram.served[i][0] for i in ram.loadable), default=0)
+    parked = max(ram.served[i][0] for i in ram.loadable) if ram.loadable else 0
     restored = offer.reuse - offer.cost if offer is not None else 0
     gain = max(before, parked, restored)
     return KinCeiling(gain, before, 0 if backend.exact else floor, offer is not None)

@@ -38,12 +38,20 @@ BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 
 @contextmanager
-def _process(args: list[str], ready_url: str) -> Iterator[None]:
+def _process(
+    args: list[str], ready_url: str, source: str | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The process of ``args`` while it runs, once ``ready_url`` answers; ``source``: a
+    checkout whose proxy it runs (its directory first on the path)."""
     env = {**os.environ, **REPLICA_SECRET}  # replicas on one Redis forward to each other
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    if source is not None:
+        env["PYTHONPATH"] = source
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=source
+    )
     try:
         wait_http(ready_url, 30, proc)
-        yield
+        yield proc
     finally:
         proc.terminate()
         proc.wait(10)

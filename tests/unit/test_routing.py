@@ -750,7 +750,7 @@ def test_property_a_ram_view_read_by_heads_is_the_view_of_every_entry(
     """``scoring.ram_view`` compares the prompt only with the RAM entries of its head
     (``index.BackendIndex.ram_heads``): the entries that serve it a token, what they serve,
     and what the server loads for any slot are the ones comparing every entry gives; and
-    with the prefixes the slots hold (``BackendIndex.resident``) an entry's damage is the
+    with what the slots hold (``BackendIndex.holds``) an entry's damage is the
     one scanning the slots gives, until a slot changes."""
     from proxy.core.routing.index import FleetIndex
     from proxy.core.server.ram_cache import pick
@@ -764,7 +764,7 @@ def test_property_a_ram_view_read_by_heads_is_the_view_of_every_entry(
         for i in every.loadable:
             assert (by_heads.served[i], by_heads.shared[i]) == (every.served[i], every.shared[i])
         grouped = FleetIndex().of(backend)
-        resident = ram_view(request, backend, None, grouped.ram_heads, grouped.resident)
+        resident = ram_view(request, backend, None, grouped.ram_heads, grouped.holds)
         for i in range(len(backend.ram_entries)):  # a copy of a slot's content loses nothing
             damage = by_heads.damage(i, 100.0, PARAMS, backend)
             assert resident.damage(i, 100.0, PARAMS, backend) == damage

@@ -207,7 +207,7 @@ def route(
         i, grouped = b.index, index.of(b)
         indexes[i], free_of[i], load[i] = grouped, grouped.idle, len(b.slots) - len(grouped.idle)
         if b.ram_entries:
-            ram[i] = ram_view(fp, b, memo.get(i), grouped.ram_heads, grouped.resident)
+            ram[i] = ram_view(fp, b, memo.get(i), grouped.ram_heads, grouped.holds)
         else:
             ram[i] = empty
     ready = [b for b in up if free_of[b.index]]

@@ -71,6 +71,7 @@ class BackendIndex:
         self._reads = 0  # lookups by head so far (``sharing``)
         # (half-life, RAM discount) -> the idle slots holding content by log loss
         self._orders: dict[tuple[float, float], list[tuple[float, float, int, SlotState]]] = {}
+        self._held: dict[int, frozenset[int]] = {}  # chain length -> the slots' hashes there
 
     def sharing(self, key: Head) -> list[SlotState]:
         """The idle slots whose content has head ``key``, in slot order. The first lookup
@@ -147,18 +148,20 @@ class BackendIndex:
                 out.setdefault(key, []).append(i)
         return out
 
-    @cached_property
-    def resident(self) -> frozenset[tuple[int, int]]:
-        """(segments, last chain hash) of every prefix of what the backend's slots hold or
-        will hold, and (0, 0) when any does: a RAM entry is a copy of one of them
-        (``ram_cache.covers``) exactly when its own pair is here."""
-        out: set[tuple[int, int]] = set()
-        for slot in self.backend.slots:
-            content = slot.expected
-            if content is not None:
-                out.add((0, 0))
-                out.update(enumerate(content.hashes, 1))
-        return frozenset(out)
+    def holds(self, hashes: tuple[int, ...]) -> bool:
+        """Whether one of the backend's slots holds or will hold content of which the chain
+        ``hashes`` is a prefix (``ram_cache.covers``: a RAM entry that is a copy of it). Per
+        chain length, the slots' hashes at that length are collected on first use."""
+        n = len(hashes)
+        held = self._held.get(n)
+        if held is None:
+            contents = [s.expected for s in self.backend.slots if s.expected is not None]
+            if n:
+                held = frozenset(c.hashes[n - 1] for c in contents if len(c.hashes) >= n)
+            else:  # an empty chain is a prefix of any content
+                held = frozenset([0] if contents else [])
+            self._held[n] = held
+        return (hashes[-1] if n else 0) in held
 
     def by_loss(
         self, half_life: float, discount: float

@@ -98,8 +98,8 @@ class RamView:
     shared: tuple[int, ...] = ()  # segments each entry shares with the request
     scale: float = 1.0  # the backend's tokens per estimate when ``served`` was measured
     loadable: tuple[int, ...] = ()  # the entries serving the prompt a token, in order
-    # (backend version, ``index.BackendIndex.resident``): the prefixes its slots hold then
-    resident: tuple[int, frozenset[tuple[int, int]]] | None = None
+    # (backend version, ``index.BackendIndex.holds`` as of it): whether a slot holds a chain
+    holds: tuple[int, Callable[[tuple[int, ...]], bool]] | None = None
 
     def pick(self, kept: int, content_tokens: int, skip: int = 0, ties: bool = False) -> int | None:
         """``ram_cache.pick`` over the entries but the ``skip`` oldest: only the loadable
@@ -122,9 +122,8 @@ class RamView:
         against what the backend's slots hold at this decision."""
         entry = self.entries[index]
         # a copy of what a slot holds loses nothing when it leaves the cache
-        if self.resident is not None and self.resident[0] == backend.version:
-            hashes = entry.content.hashes
-            if ((len(hashes), hashes[-1]) if hashes else (0, 0)) in self.resident[1]:
+        if self.holds is not None and self.holds[0] == backend.version:
+            if self.holds[1](entry.content.hashes):
                 return 0.0
         else:
             resident = (s.expected for s in backend.slots if s.expected is not None)
@@ -202,25 +201,25 @@ def ram_view(
     backend: BackendState,
     before: RamView | None = None,
     heads: Mapping[tuple[int, int], Sequence[int]] | None = None,
-    resident: frozenset[tuple[int, int]] | None = None,
+    holds: Callable[[tuple[int, ...]], bool] | None = None,
 ) -> RamView:
     """``before``: this request's last view of the backend, reused while its cache is the
     same list (``BackendState.ram_entries`` is replaced, never changed in place) and its token
     scale the same (a sealed entry's length is measured through it): a request that waits is
     decided again on every release, and the cache rarely changed in between. ``heads``: the
     entries by the head of their content (``index.BackendIndex.ram_heads``): an entry that
-    serves the prompt a token shares its head, so only those are compared. ``resident``:
-    the prefixes the backend's slots hold (``index.BackendIndex.resident``), as of its
+    serves the prompt a token shares its head, so only those are compared. ``holds``:
+    whether the backend's slots hold a chain (``index.BackendIndex.holds``), as of its
     current version."""
     entries = backend.ram_entries
     if not backend.ram or not fp.total or not entries:
         return RamView(fp.total)
     scale = backend.token_scale or 1.0
-    known = None if resident is None else (backend.version, resident)
+    known = None if holds is None else (backend.version, holds)
     if before is not None and before.entries is entries and before.scale == scale:
-        if known is None or before.resident == known:  # (a tuple: the set by identity first)
+        if known is None or before.holds == known:
             return before
-        return replace(before, resident=known)  # (the slots changed since)
+        return replace(before, holds=known)  # (the slots changed since)
     if heads is None:
         at: Sequence[int] = range(len(entries))
     else:

@@ -20,7 +20,6 @@ import asyncio
 import os
 import statistics
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -28,10 +27,9 @@ from typing import Any
 import aiohttp
 
 from bench.overhead import _process
+from bench.peer_overhead import _worker, body
 from bench.results_io import machine_line, print_markdown, save
 from testbed.stack import fake_command, free_port
-
-BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -44,15 +42,9 @@ def _cpu_seconds(pid: int) -> float | None:
 
 
 async def _round(session: aiohttp.ClientSession, url: str, count: int) -> float:
-    """p50 seconds of ``count`` requests, one at a time."""
-    out = []
-    for _ in range(count):
-        started = time.perf_counter()
-        async with session.post(url + "/v1/chat/completions", json=BODY) as resp:
-            await resp.read()
-            if resp.status != 200:
-                raise SystemExit(f"{url}: status {resp.status}")
-        out.append(time.perf_counter() - started)
+    """p50 seconds of ``count`` tiny chat requests, one at a time."""
+    out: list[float] = []
+    await _worker(session, url, body("tiny", 0), count, out)
     return statistics.median(out)
 
 

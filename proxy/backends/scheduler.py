@@ -50,6 +50,7 @@ class Scheduler:
         # in arrival order (a dict keeps it): each waiter's decision and the prompt it brings
         self._waiters: dict[asyncio.Future[Placement], Waiter] = {}
         self._ready: list[asyncio.Future[None]] = []  # requests that use no slot, waiting
+        self._wake_due = 0.0  # when the earliest ``wake_at`` timer pending fires
 
     def waiting(self) -> int:
         """Requests waiting for a slot."""
@@ -185,6 +186,18 @@ class Scheduler:
                 return
             if not future.done():
                 self._grant(decide, content, future)
+
+    def wake_at(self, when: float, now: float) -> None:
+        """Wake waiters at ``when`` (a hold's end), unless a wake no later is pending. The
+        timer may fire up to a millisecond early (uvloop counts whole milliseconds), so a
+        decision still held then asks again, and gets a new timer."""
+        if not now < self._wake_due <= when:
+            self._wake_due = when
+            asyncio.get_running_loop().call_later(max(0.0, when - now), self._timer)
+
+    def _timer(self) -> None:
+        self._wake_due = 0.0
+        self.wake()
 
     def _open(self, freed: Collection[SlotRef] | None) -> bool:
         """Whether a waiter could be placed now: a freed slot is still idle (None: any)."""

@@ -52,6 +52,10 @@ from proxy.state.base import LEFT
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# s: the shortest wait for a claim's start. uvloop counts whole milliseconds, so its timers fire
+# up to one early: a claim woken just before its start waits on (refused, a slot of this
+# replica's own part would stay REMOTE until the store came back)
+CLAIM_POLL = 0.001
 __all__ = ["FENCE_MARGIN", "HEARTBEAT_TTL", "SharedState"]
 
 
@@ -145,8 +149,8 @@ class SharedState:
         this replica's heartbeat lapse and fence its part, so that waits for it."""
         ref, counts = self._ref(placement.backend, placement.pin or 0), self._counts()
         claim = self.peers.may_claim(ref, placement.backend, counts, self._clock())
-        if claim is None:
-            await asyncio.sleep(self.peers.claim_from() - self._clock())
+        while claim is None:  # not yet (a timer may fire up to a millisecond early)
+            await asyncio.sleep(max(self.peers.claim_from() - self._clock(), CLAIM_POLL))
             if self.up:  # back meanwhile: lease it as usual
                 return await self.take(placement)
             claim = self.peers.may_claim(ref, placement.backend, counts, self._clock())

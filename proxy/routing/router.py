@@ -10,7 +10,6 @@ State-store failures never fail a request (``SharedState`` degrades to local sta
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -106,7 +105,6 @@ class Router:
         self._churn, self._backend_tokens = churn, backend_tokens
         # how soon sessions come back, and so how long a slot they left is held for them
         self.returns = ReturnTracker(settings.routing.hold_max_seconds, shared=shared.enabled)
-        self._wake_due = 0.0
 
     def tenant(self, request: web.Request) -> str | None:
         """The request's tenant under cache isolation (None when isolation is off)."""
@@ -250,9 +248,7 @@ class Router:
         if not plan.held:
             plan.held = True
             self._metrics.slot_hold_waits.inc()
-        if not now < self._wake_due <= until:
-            self._wake_due = until
-            asyncio.get_running_loop().call_later(max(0.0, until - now), self._scheduler.wake)
+        self._scheduler.wake_at(until, now)
 
     def released(self, plan: Plan, content: Fingerprint) -> None:
         """A response ended: the slot now holds ``content`` until its session is back."""

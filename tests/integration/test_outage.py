@@ -3,6 +3,7 @@ comes back, one replica reconnecting before the other; clocks are injected."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -252,3 +253,26 @@ async def test_a_lease_held_as_the_store_went_down_keeps_its_slot_until_it_expir
     await a.give_back(Placement(0, (theirs,), theirs))
     now[0] += 30.0 - STALE_MARGIN  # lease_ttl_seconds
     assert not await a.take(Placement(0, (theirs,), theirs))
+
+
+async def test_a_claim_woken_before_its_start_waits_on_and_takes_its_part() -> None:
+    """uvloop's timers count whole milliseconds, so the wait for the start of claims can
+    end just before it. The claim is then not yet decided, not refused: a refusal marks the
+    slot REMOTE, and a replica that refused its own part this way served nothing until the
+    store came back."""
+    store, now = Breakable(), [100.0]
+    a, b = replica(store, now), replica(store, now)
+    for r in (a, b, a):
+        await r.heartbeat()
+    store.down = True
+    await a.refresh()  # noticed
+    ours = next(s for s in range(2) if a.peers.owns(0, s, [2]))
+    now[0] = a.peers.claim_from() - 0.002  # every wait ends with the clock still short of it
+
+    async def start() -> None:
+        await asyncio.sleep(0.05)
+        now[0] = a.peers.claim_from()
+
+    catch_up = asyncio.create_task(start())
+    assert await a.take(Placement(0, (ours,), ours))
+    await catch_up

@@ -104,3 +104,27 @@ async def test_a_release_asks_waiters_only_until_the_freed_slot_is_taken() -> No
         task.cancel()
     await asyncio.gather(*queued, return_exceptions=True)
     scheduler.release(first, clean=True)
+
+
+async def test_a_hold_whose_timer_fires_early_is_woken_again_at_its_end() -> None:
+    """A waiter holds for slot 0 until ``end``. The timer fires early (uvloop counts whole
+    milliseconds; here the injected clock lags), the hold still stands, and the decision asks
+    for its wake again: it gets a new timer, not the one already spent, and takes the slot."""
+    fleet = Fleet(["b0"])
+    fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 0, -1),)), now=0.0)
+    now = [10.0]
+    scheduler = Scheduler(fleet, QueueSettings(), ProxyMetrics(CollectorRegistry()), lambda: now[0])
+    end = 10.002
+
+    def decide() -> Placement | NoPlacement:
+        if now[0] < end:
+            scheduler.wake_at(end, now[0])
+            return NoPlacement.BUSY
+        return Placement(0, (0,), 0)
+
+    waiter = asyncio.create_task(scheduler.acquire(decide))
+    await until(lambda: scheduler.waiting() == 1, "the request holds")
+    await asyncio.sleep(0.01)  # the first timer has fired, the clock short of the end
+    now[0] = end
+    placed = await asyncio.wait_for(waiter, 5)
+    assert placed == Placement(0, (0,), 0)

@@ -158,7 +158,9 @@ class ProxyMetrics:
             ["outcome"],
         )
         self.replicas_live = gauge(
-            "replicas_live", "Live replicas (this one included) in the last heartbeat read"
+            "replicas_live",
+            "Live replicas (this one included) in the last heartbeat read that have read this"
+            " one's heartbeat too (until they have, an outage leaves it no slot of its own)",
         )
         self.replicas_rejected = gauge(
             "replica_entries_rejected",

@@ -44,11 +44,17 @@ class Roster:
         expires = round(self._wall() + self._offset + ttl, 3)
         return sign_entry(self._secret, self.owner + suffix, expires), expires
 
-    def read(self, beat: Beat, written: str) -> tuple[list[str], set[str]]:
-        """The live replica ids of a heartbeat's read that wrote ``written``, and those that
-        left (listed with ``LEFT``)."""
+    def read(
+        self, beat: Beat, written: str, ttl: float
+    ) -> tuple[list[str], set[str], dict[str, float]]:
+        """The live replica ids of a heartbeat's read that wrote ``written``, those that
+        left (listed with ``LEFT``), and when each live one last read the list (its entry's
+        lapse less ``ttl``: an entry is written and the list read in one step; a signed
+        expiry may lapse earlier, which only makes that read look older)."""
         self.written, self._offset = written, beat.now - self._wall()
-        found = beat.ids() if self._secret is None else self._verified(beat)
+        pairs = beat.entries if self._secret is None else self._verified(beat)
+        found = [replica for replica, _ in pairs]
+        read_at = {replica: lapse - ttl for replica, lapse in pairs}
         left = {r.removesuffix(LEFT) for r in found if r.endswith(LEFT)}
         live = sorted({r for r in found if not r.endswith(LEFT)})
         clashing = clashes(live)
@@ -60,11 +66,12 @@ class Roster:
                 url,
             )
         self._clashes = clashing
-        return live, left
+        return live, left, {r: read_at[r] for r in live}
 
-    def _verified(self, beat: Beat) -> list[str]:
+    def _verified(self, beat: Beat) -> list[tuple[str, float]]:
         assert self._secret is not None
-        found, rejected = [], set()
+        found: list[tuple[str, float]] = []
+        rejected = set()
         for entry, score in beat.entries:
             try:
                 replica = verify_entry(self._secret, entry, score)
@@ -74,7 +81,7 @@ class Roster:
             if replica is None:
                 rejected.add(entry)
             else:
-                found.append(replica)
+                found.append((replica, score))
         self._metrics.replicas_rejected.set(len(rejected))
         if rejected and not rejected <= self._rejected:
             shown = ", ".join(repr(e[:120]) for e in sorted(rejected)[:5])

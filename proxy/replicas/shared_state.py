@@ -273,16 +273,16 @@ class SharedState:
         )
         if found is None:
             return
-        live, left = self.roster.read(found, entry)
+        live, left, read_at = self.roster.read(found, entry, HEARTBEAT_TTL)
         hold = self.peers.hold
-        for fence in self.peers.beat(live, left, self._clock()):
+        for fence in self.peers.beat(live, left, self._clock(), read_at, found.now):
             log.warning(
                 "replica %s lapsed: its part kept off until back, %.0f s at most",
                 fence.replica,
                 hold,
             )
         self._metrics.replicas_fenced.set(len(self.peers.reported))
-        self._metrics.replicas_live.set(len(live))
+        self._metrics.replicas_live.set(len(live) - len(self.peers.unknown_to))
 
     async def leave(self) -> None:
         """At shutdown: stop counting as live, so peers do not fence this replica's part."""
@@ -299,6 +299,7 @@ class SharedState:
             self._metrics.store_up.set(1)
             log.warning("state store back: resyncing the local slot table")
             self.peers.rejoined, self.peers.stale = self._clock(), {}
+            self.peers.joined = None  # (a restarted store lists this replica anew)
             await self._lease_local()
             for backend in self._fleet.backends:
                 for slot in backend.slots:

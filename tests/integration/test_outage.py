@@ -276,3 +276,40 @@ async def test_a_claim_woken_before_its_start_waits_on_and_takes_its_part() -> N
     catch_up = asyncio.create_task(start())
     assert await a.take(Placement(0, (ours,), ours))
     await catch_up
+
+
+async def test_a_replica_its_peer_has_not_read_yet_pins_nothing_in_an_outage() -> None:
+    """A reads the list before B's first heartbeat: A knows no peer and keeps every slot
+    when the store goes down, and B, which knows A, would have pinned its half too: the same
+    slot pinned twice. B sees that A's last read came before its own first entry, and pins
+    nothing until a later read shows A's next heartbeat; then the two split the slots."""
+    store, now = Breakable(), [100.0]
+    a, b = replica(store, now), replica(store, now)
+    await a.heartbeat()  # the list: A alone
+    now[0] += 0.1
+    await b.heartbeat()  # A and B; A has not read B
+    assert a.peers.live == [a.owner]
+    assert sorted(b.peers.live) == sorted([a.owner, b.owner])
+    store.down = True
+    for r in (a, b):
+        await r.refresh()  # noticed
+    now[0] += HEARTBEAT_TTL + FENCE_MARGIN
+    assert [await a.take(Placement(0, (s,), s)) for s in range(2)] == [True, True]
+    assert [await b.take(Placement(0, (s,), s)) for s in range(2)] == [False, False]
+    for s in range(2):
+        await a.give_back(Placement(0, (s,), s))  # A's requests end
+
+    store.down = False
+    for r in (a, b):
+        await r._recover()
+    for r in (a, b, a, b):  # each reads the other's heartbeat written after its own first
+        now[0] += 0.5
+        await r.heartbeat()
+    assert not a.peers.unknown_to
+    assert not b.peers.unknown_to
+    store.down = True
+    for r in (a, b):
+        await r.refresh()
+    now[0] += HEARTBEAT_TTL + FENCE_MARGIN
+    mine = [[await r.take(Placement(0, (s,), s)) for s in range(2)] for r in (a, b)]
+    assert sorted(mine) == [[False, True], [True, False]]  # a split

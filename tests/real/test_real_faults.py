@@ -153,6 +153,9 @@ async def test_redis_stopped_and_restarted_under_steady_traffic(
     server = llama_servers(slots=2)
     pair = [ProxyProcess([server.url], redis_url=redis_server.url).start() for _ in range(2)]
     proxies.extend(pair)
+    # each has read the other's heartbeat, and seen it read its own: a replica a peer may
+    # not know yet pins nothing in an outage (tests/integration/test_outage.py)
+    await until_listed([p.url for p in pair])
     served: list[Served] = []
     stop = asyncio.Event()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:

@@ -34,7 +34,7 @@ def test_an_entry_with_an_undecodable_signature_is_refused_not_an_error() -> Non
     """``hmac.compare_digest`` raised TypeError on the non-ASCII text, out of the read."""
     mine, metrics = _roster()
     peer = sign_entry(KEY, "peer", 1000.0)
-    live, _ = mine.read(Beat(10.0, [(UNDECODABLE, 20.0), (peer, 20.0)]), "me")
+    live, _, _ = mine.read(Beat(10.0, [(UNDECODABLE, 20.0), (peer, 20.0)]), "me", 1.0)
     assert live == ["peer"]
     assert metrics.replicas_rejected._value.get() == 1
 
@@ -52,7 +52,7 @@ def test_an_entry_whose_check_raises_is_refused_and_the_rest_are_read(
     monkeypatch.setattr(roster, "verify_entry", failing)
     mine, metrics = _roster()
     peer = sign_entry(KEY, "peer", 1000.0)
-    live, _ = mine.read(Beat(10.0, [("bad", 20.0), (peer, 20.0)]), "me")
+    live, _, _ = mine.read(Beat(10.0, [("bad", 20.0), (peer, 20.0)]), "me", 1.0)
     assert live == ["peer"]
     assert metrics.replicas_rejected._value.get() == 1
     assert "cannot check replica entry 'bad'" in caplog.text

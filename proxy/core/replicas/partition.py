@@ -33,6 +33,15 @@ them, until they expire). A replica whose own store goes down later keeps off fe
 too. A partial outage longer than ``hold`` (or a crashed replica's part after it) is shared
 again, seen busy only through ``/slots``; replicas whose last lists differ split differently.
 
+A replica whose peers may not know it yet pins nothing on local claims. A heartbeat writes
+an entry and reads the list in one step, so a peer's entry tells when it last read the list
+(its lapse less ``HEARTBEAT_TTL``, on the store's clock); a peer whose last read came before
+this replica's first entry (since it started, or since the store came back) split the fleet
+without it, maybe keeping every slot (``Peers.unknown_to``). Until a later read shows that
+peer's next heartbeat, an outage leaves this replica only the slots its leases still hold:
+within about a second of a start or of the store's return, the two would otherwise pin the
+same slots.
+
 A fence acts at once but is *reported* (logged; counted by the gauge behind the
 ``ReplicaLapsed`` alert) only once it has stood ``HEARTBEAT_TTL``: a restarted store lists no
 heartbeats, so the first replica back would otherwise report every peer that reconnects a
@@ -131,6 +140,8 @@ class Peers:
     fences: dict[str, Fence] = field(default_factory=dict)
     stale: dict[Ref, float] = field(default_factory=dict)  # leases left in the store: until
     reported: set[str] = field(default_factory=set)  # fenced replicas reported as lapsed
+    joined: float | None = None  # the store's clock at this replica's first heartbeat there
+    unknown_to: frozenset[str] = frozenset()  # listed peers whose last read predates it
 
     def went_down(self, held: Iterable[Ref], now: float) -> None:
         """The store went away with these slots leased: the leases stand in it (peers keep
@@ -145,16 +156,32 @@ class Peers:
         fenced it; None: not yet (until ``claim_from``)."""
         if now < self.stale.get(ref, float("-inf")):
             return True
+        if self.unknown_to:  # a peer split the fleet without this replica
+            return False
         if now < self.claim_from():
             return None
         return self.owns(index, ref[1], slot_counts)
 
-    def beat(self, live: list[str], left: Collection[str], now: float) -> list[Fence]:
+    def beat(
+        self,
+        live: list[str],
+        left: Collection[str],
+        now: float,
+        read_at: Mapping[str, float] | None = None,
+        store_now: float | None = None,
+    ) -> list[Fence]:
         """A heartbeat read ``live`` (and ``left``: replicas that shut down); returns the
         fences to report from now: those that have stood ``HEARTBEAT_TTL``. The list that
         split the fleet in an outage is kept for a heartbeat period after the store comes
-        back (``settling``)."""
+        back (``settling``). ``read_at``: when each listed replica last read the list, and
+        ``store_now``: when this read was, both on the store's clock (``unknown_to``)."""
         self.beat_at = now
+        if store_now is not None:
+            joined = self.joined = store_now if self.joined is None else self.joined
+            seen = read_at or {}
+            self.unknown_to = frozenset(
+                r for r in live if r != self.me and seen.get(r, float("-inf")) < joined
+            )
         self.fences = fences(self.live, live, left, self.fences, self.me, now, self.hold)
         if not self.settling(now):
             self.live = live

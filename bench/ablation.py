@@ -111,8 +111,6 @@ ABLATIONS = [
     A("baseline", "nothing: the rules as they are"),
     A("holds", "holds off (returns.held: never)", [_swap(R, "held", NO)]),
     A("wait", "no wait (worth_waiting: None)", [_swap(R, WW, _const(None))]),
-    A("short-queue", "short queues off (short_wait_tokens 0)", routing={"short_wait_tokens": 0}),
-    A("pays", "short-queue time guard off (pays: always)", [_swap(W, "pays", _const(True))]),
     A("saturation", "saturation off (crowded: never)", [_swap(R, "crowded", NO)]),
     A("pressure", "queue pressure off (pressed: never)", [_swap(R, "Fleetview", *_UNPRESSED)]),
     A("spare-parked", "spare_parked off", [_swap(R, "spare_parked", _const(None))]),
@@ -124,6 +122,16 @@ ABLATIONS = [
     A("recency", "recency off (half life 1e9 s)", routing={"value_half_life_seconds": 1e9}),
     A("wait-128", "wait bar lowered (wait_min_tokens 128)", routing={"wait_min_tokens": 128}),
     A("wait-4096", "wait bar raised (wait_min_tokens 4096)", routing={"wait_min_tokens": 4096}),
+    A(
+        "wait-share",
+        "wait bar a share alone (wait_min_tokens 1e9)",
+        routing={"wait_min_tokens": 10**9},
+    ),
+    A(
+        "wait-tokens",
+        "wait bar in tokens alone (wait_min_fraction 1)",
+        routing={"wait_min_fraction": 1.0},
+    ),
 ]
 
 

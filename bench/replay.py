@@ -217,8 +217,6 @@ async def run_policy(
                 "pin_slots": policy != "ours-unpinned",
             }
             routing.update(ROUTING)
-            if policy == "ours-unqueued":  # no short queues for busy slots (before f01a3db)
-                routing.update(short_wait_tokens=0)
             if policy == "ours-patient":
                 routing.update(wait_min_tokens=128, max_slot_wait_seconds=30)
             disk = {"prefix_cache": "off"}

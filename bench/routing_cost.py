@@ -12,12 +12,13 @@ hash compare per entry).
 memoized per 2048-character chunk: "seen" is the earlier turn's text fingerprinted before).
 
 A second table: the decision alone at fleet scale, 64 backends x 8 slots, every slot holding
-a ~1,500-token session under one of eight system prompts, 256 requests waiting (their per-slot
-depths), for a share of busy slots from none to all; each request is, in turn, a returning
-session's next turn (its slot's system prompt and conversation) or a new session of one of the
-eight kinds, and the table gives the median of all and of each. A third: the same with no
-slot busy and each backend's RAM-cache model holding N sessions under the eight system prompts
-(llama-server's host-RAM cache is on by default).
+a ~1,500-token session under one of eight system prompts, for a share of busy slots from none
+to all (the decision reads nothing of the requests waiting: their number does not enter it);
+each request is, in turn, a returning session's next turn (its slot's system prompt and
+conversation) or a new session of one of the eight kinds, and the table gives the median of
+all and of each. A third: the same with no slot busy and each backend's RAM-cache model
+holding N sessions under the eight system prompts (llama-server's host-RAM cache is on by
+default).
 
     python -m bench routing_cost      (results: bench/results/routing_cost/)
 """
@@ -33,7 +34,6 @@ from proxy.core.prompt.fingerprint import Fingerprint, fingerprint_chat
 from proxy.core.prompt.raw_blocks import fingerprint_text
 from proxy.core.routing.decision import RoutingParams, route
 from proxy.core.routing.index import FleetIndex
-from proxy.core.routing.waiting import Depths
 from proxy.core.server.fleet import RAM_ENTRY_LIMIT as LIMIT
 from proxy.core.server.fleet import BackendPhase, Fleet, Probe, SlotPhase, SlotProbe
 from proxy.core.server.ram_cache import RamEntry
@@ -116,7 +116,7 @@ def measure(
 
 
 def at_scale(
-    busy_share: float, backends: int = 64, slots: int = 8, waiting: int = 256, parked: int = 0
+    busy_share: float, backends: int = 64, slots: int = 8, parked: int = 0
 ) -> tuple[float, float, float]:
     """Median ms of one routing decision over a ``backends`` x ``slots`` fleet (tables 2 and
     3): of every request, of the returning sessions' and of the new sessions'. ``parked``:
@@ -146,9 +146,6 @@ def at_scale(
             )
             for k in range(parked)
         ]
-    depths = Depths()
-    for _ in range(waiting):
-        depths.move(None, (rng.randrange(backends), rng.randrange(slots)))
     samples: dict[bool, list[float]] = {True: [], False: []}
     index = FleetIndex()  # kept across decisions, as the router keeps it
     for i in range(200):
@@ -163,8 +160,6 @@ def at_scale(
             fleet.backends,
             RoutingParams(),
             now=200.0,
-            queued=waiting,
-            depths=depths.others(None),
             index=index,
         )
         samples[returning].append(time.perf_counter() - started)
@@ -202,7 +197,7 @@ def main() -> None:
          for r in prompts],
     )  # fmt: skip
     print()
-    print("routing decision alone, 64 backends x 8 slots, 256 requests waiting (median of 200)")
+    print("routing decision alone, 64 backends x 8 slots (median of 200)")
     scale = []
     for share in (0.0, 0.5, 0.9, 1.0):
         every, returning, new = at_scale(share)

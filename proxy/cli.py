@@ -55,8 +55,6 @@ def _parser() -> argparse.ArgumentParser:
         "--api-key", metavar="KEYS", help="clients' keys, comma-separated, as llama-server's"
     )
     serve.add_argument("--tokenizer", choices=["tiktoken", "backend"])
-    serve.add_argument("--slot-cache-key-similarity", type=float, metavar="F")
-    serve.add_argument("--slot-cache-key-min-prefix", type=int, metavar="TOKENS")
     serve.add_argument(
         "--disk-prefix-cache", metavar="SCOPE", help="off | full | auto | auto:N | N (default auto)"
     )
@@ -78,11 +76,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Settings:
-    routing = {
-        "tokenizer": args.tokenizer,
-        "slot_cache_key_similarity": args.slot_cache_key_similarity,
-        "slot_cache_key_min_prefix": args.slot_cache_key_min_prefix,
-    }
+    routing = {"tokenizer": args.tokenizer}
     disk = {
         "prefix_cache": args.disk_prefix_cache,
         "min_tokens": args.kv_cache_min_tokens,

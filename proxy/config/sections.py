@@ -134,12 +134,6 @@ class RoutingSettings(_Frozen):
     min_prefix_tokens: int = Field(default=16, ge=0)
     wait_min_tokens: int = Field(default=1024, ge=0, description="saving worth waiting for")
     wait_min_fraction: float = Field(default=0.5, ge=0, le=1, description="...or this share")
-    short_wait_tokens: int = Field(
-        default=4, ge=0, description="a smaller saving worth a wait in a short queue; 0: off"
-    )
-    short_wait_depth: int = Field(
-        default=4, ge=0, description="...while fewer requests than this wait for that slot"
-    )
     max_slot_wait_seconds: float = Field(default=5.0, ge=0, description="wait for a busy slot")
     hold_max_seconds: float = Field(default=2.0, ge=0, description="slot held for a session")
     value_half_life_seconds: float = Field(default=600.0, gt=0)
@@ -156,8 +150,6 @@ class RoutingSettings(_Frozen):
         "header:NAME; OpenClaw sends session_id and x-session-affinity, Claude Code "
         "x-claude-code-session-id)",
     )
-    slot_cache_key_similarity: float = Field(default=0.5, ge=0, le=1)
-    slot_cache_key_min_prefix: int = Field(default=64, ge=0)
     affinity_ttl_seconds: float = Field(default=3600.0, gt=0)
     lease_ttl_seconds: float = Field(
         default=30.0, ge=1, description="a dead replica's slot leases expire after this"
@@ -169,11 +161,7 @@ class RoutingSettings(_Frozen):
             min_prefix_tokens=self.min_prefix_tokens,
             wait_min_tokens=self.wait_min_tokens,
             wait_min_fraction=self.wait_min_fraction,
-            short_wait_tokens=self.short_wait_tokens,
-            short_wait_depth=self.short_wait_depth,
             value_half_life_s=self.value_half_life_seconds,
-            key_similarity=self.slot_cache_key_similarity,
-            key_min_prefix=self.slot_cache_key_min_prefix,
         )
 
 

@@ -164,7 +164,7 @@ class ProxyHandlers:
             if plan is None:
                 placement = await self._scheduler.acquire(decide)
             else:
-                placement = await self._router.acquire(self._scheduler, plan, decide)
+                placement = await self._scheduler.acquire(decide, plan.fp, plan.wait_until)
             if await self._shared.take(placement):
                 return placement
             # another replica's: marked so before the release wakes a waiter that would take it

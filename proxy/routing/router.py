@@ -38,7 +38,6 @@ from proxy.core.routing.decision import Decision, KeyOutcome, Reason, route
 from proxy.core.routing.index import FleetIndex
 from proxy.core.routing.returns import SCAN, ReturnTracker
 from proxy.core.routing.scoring import RamView
-from proxy.core.routing.waiting import Depths
 from proxy.core.server.fleet import Fleet, NoPlacement, Placement
 from proxy.disk.plan import DiskPlan
 from proxy.disk.tier import DiskTier
@@ -69,7 +68,6 @@ class Plan:
     after: Fingerprint | None = None  # what the slot holds after the reply (content_after)
     views: dict[int, RamView] = field(default_factory=dict)  # route's memo while it waits
     segments: list[Segment] | None = None  # a chat prompt's
-    queued_for: tuple[int, int] | None = None  # the busy slot it waits for, while it does
 
 
 Decide = Callable[[], Placement | NoPlacement]
@@ -97,7 +95,6 @@ class Router:
         self._shared = shared
         self._counter, self._offload = counter, offload
         self._metrics, self._clock = metrics, clock
-        self._depths = Depths()  # per busy slot, the plans waiting for it
         self._index = FleetIndex()  # the fleet's slots grouped for routing, kept while unchanged
         self.params = settings.routing.params()
         self._labels = {b.label: b.index for b in fleet.backends}
@@ -182,22 +179,8 @@ class Router:
             hold=hold,
             views=plan.views,
             remote=remote,
-            depths=self._depths.others(plan.queued_for),
             index=self._index,
         )
-
-    async def acquire(self, scheduler: Scheduler, plan: Plan, decide: Decide) -> Placement:
-        """A placement for ``plan`` from the scheduler; its decisions (``decider``) keep the
-        per-slot count of waiting plans, which it leaves however the wait ends."""
-        try:
-            return await scheduler.acquire(decide, plan.fp, plan.wait_until)
-        finally:
-            self._queue(plan, None)
-
-    def _queue(self, plan: Plan, slot: tuple[int, int] | None) -> None:
-        """Count ``plan`` as waiting for ``slot`` (None: for no slot) instead of its last."""
-        self._depths.move(plan.queued_for, slot)
-        plan.queued_for = slot
 
     async def prepare(self, plan: Plan, body: dict[str, Any], scope: Scope | None) -> None:
         """The request is routed here: count its arrival, plan its disk-tier work."""
@@ -229,10 +212,8 @@ class Router:
             now = self._clock()
             decision = self._route(plan, now, now < plan.wait_until, avoid, plan.disk)
             if isinstance(decision, NoPlacement):
-                self._queue(plan, None)
                 return decision
             plan.decision = decision
-            self._queue(plan, decision.wait_for if decision.placement is None else None)
             if decision.placement is None:
                 plan.waits += 1
                 if decision.until is not None:

@@ -145,7 +145,6 @@ async def _compare(server: LlamaServer, proxy: Any) -> list[str]:
         backends,
         disk=disk(server, park_min_tokens=200),
         health={"interval_seconds": 0.2},
-        routing={"slot_cache_key_similarity": 0.5, "slot_cache_key_min_prefix": 32},
     )
     recorder.log.clear()  # the proxy's start-up probes of a server holding the references
     await _direct(relay, STRANGER)  # the slot holds nothing of the sessions: a real miss

@@ -86,9 +86,7 @@ async def test_cache_key_reuse_unsafe_and_busy_cases(
     llama_servers: Any, proxy: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = llama_servers(slots=2)
-    client = await proxy(
-        [server.url], routing={"slot_cache_key_similarity": 0.5, "slot_cache_key_min_prefix": 32}
-    )
+    client = await proxy([server.url])
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(0)}]
     body = {"messages": history, "max_tokens": 8, "temperature": 0, "prompt_cache_key": "k"}
     first = await client.post("/v1/chat/completions", json=body)
@@ -144,7 +142,6 @@ async def test_a_cache_key_yields_to_the_slot_holding_more_of_the_prompt(
     server = llama_servers(slots=2, extra=("--cache-ram", "0"))  # nothing parked in RAM
     client = await proxy(
         [{"url": server.url, "ram_cache": False}],
-        routing={"slot_cache_key_similarity": 0.25, "slot_cache_key_min_prefix": 32},
         disk={"prefix_cache": "off", "park": "off"},
     )
 
@@ -424,15 +421,13 @@ async def test_token_id_prompts_route_to_the_slot_holding_their_prefix(
     assert (await client.post("/completion", json=mixed)).status == 200
 
 
-async def test_a_short_queue_is_not_joined_when_its_wait_outlasts_the_prefill_it_saves(
+async def test_a_saving_under_the_bar_does_not_wait_for_its_busy_slot(
     llama_servers: Any, proxy: Any
 ) -> None:
     """One slot holds an unrelated prompt, the other streams a 32-token reply to a ~120-token
-    prompt. A prompt extending that one to ~450 tokens shares a quarter of it: under the usual
-    bar of half, a saving only a short queue would wait for. Prefilling those ~100 tokens takes
-    a fraction of a second here; the busy slot is held longer (the backend's measured hold,
-    from the first request's 32 decoded tokens), so the request starts at once on the other
-    slot, cold (the server parks the unrelated prompt in its RAM cache)."""
+    prompt. A prompt extending that one to ~450 tokens shares a quarter of it: under the bar
+    of half the prompt, not worth a wait. The request starts at once on the other slot, cold
+    (the server parks the unrelated prompt in its RAM cache)."""
     server = llama_servers(slots=2)
     client = await proxy([server.url])
 

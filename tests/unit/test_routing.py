@@ -30,7 +30,6 @@ from proxy.core.server.fleet import (
 from proxy.core.server.ram_cache import RamEntry
 
 PARAMS = RoutingParams(min_prefix_tokens=16, wait_min_tokens=100)
-USUAL_BAR = replace(PARAMS, short_wait_tokens=0)  # no short queues: the usual bar alone
 
 
 def fp(*segments: int, size: int = 100) -> Fingerprint:
@@ -138,57 +137,11 @@ def test_most_of_a_short_prompt_is_worth_waiting_for() -> None:
     f = fleet(2)  # wait_min_tokens 100, wait_min_fraction 0.5
     hold(f, 0, 0, fp(1, 2, size=30))
     f.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 2, size=30))
-    short = decided(route(fp(1, 2, 3, size=30), f.backends, USUAL_BAR, now=100.0))
+    short = decided(route(fp(1, 2, 3, size=30), f.backends, PARAMS, now=100.0))
     assert (short.reason, short.wait_for, short.predicted) == (Reason.WAIT, (0, 0), 60)
     longer = fp(1, 2, 3, 4, 5, 6, 7, 8, size=30)
-    alone = decided(route(longer, f.backends, USUAL_BAR, now=100.0))
+    alone = decided(route(longer, f.backends, PARAMS, now=100.0))
     assert (alone.reason, alone.placement) == (Reason.COLD, Placement(0, (1,), 1))
-
-
-def test_a_smaller_saving_is_worth_a_wait_while_the_slots_queue_is_short() -> None:
-    """Under the usual bar (60 of a 240-token prompt), a saving of ``short_wait_tokens`` is
-    worth a wait while fewer than ``short_wait_depth`` other requests wait for that slot, as
-    behind one slot of the server's own queue; a longer queue is not joined."""
-    f = fleet(2)
-    f.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 2, size=30))
-    longer = fp(1, 2, 3, 4, 5, 6, 7, 8, size=30)
-    params = replace(PARAMS, short_wait_tokens=4, short_wait_depth=2)
-    for depth, joins in ((0, True), (1, True), (2, False), (5, False)):
-        d = decided(route(longer, f.backends, params, now=100.0, depths={(0, 0): depth}))
-        assert (d.reason is Reason.WAIT) == joins, depth
-        assert d.wait_for == (0, 0) if joins else d.placement == Placement(0, (1,), 1)
-    other = {(0, 1): 3}  # waiters for another slot do not count
-    assert decided(route(longer, f.backends, params, now=100.0, depths=other)).wait_for == (0, 0)
-    few = replace(params, short_wait_tokens=61)  # a saving under the short bar: no wait
-    assert decided(route(longer, f.backends, few, now=100.0)).reason is Reason.COLD
-    f.backends[0].slots[0].phase = SlotPhase.EXTERNAL  # an outside request's: content unknown
-    assert decided(route(longer, f.backends, params, now=100.0)).reason is Reason.COLD
-
-
-def test_a_short_queue_is_joined_only_when_its_wait_is_shorter_than_the_prefill_it_saves() -> None:
-    """A short queue's saving (here 60 tokens: the slot holds 60 of the prompt's 240) is
-    worth its wait only while prefilling those tokens takes longer than the requests ahead
-    and the one in flight hold the slot (``service_s``, measured); or when more requests wait
-    than slots are idle, so the idle slot is not wasted; or before any service was measured."""
-    f = fleet(2)
-    f.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 2, size=30))
-    longer = fp(1, 2, 3, 4, 5, 6, 7, 8, size=30)
-    params = replace(PARAMS, short_wait_tokens=4, short_wait_depth=4)
-    backend = f.backends[0]
-    backend.prefill_tps = 1000.0  # 60 tokens: 60 ms
-    for service, depth, joins in (
-        (0.02, 0, True),  # 20 ms
-        (0.02, 1, True),  # 40 ms
-        (0.02, 2, False),  # 60 ms: no faster
-        (0.1, 0, False),
-    ):
-        backend.service_s = service
-        d = decided(route(longer, f.backends, params, now=100.0, depths={(0, 0): depth}))
-        assert (d.reason is Reason.WAIT) == joins, (service, depth)
-    waiting = decided(route(longer, f.backends, params, now=100.0, queued=2))  # 1 slot idle
-    assert waiting.wait_for == (0, 0)
-    backend.service_s = None
-    assert decided(route(longer, f.backends, params, now=100.0)).wait_for == (0, 0)
 
 
 def test_a_newcomer_starts_on_an_empty_slot_rather_than_wait_for_one_it_would_not_take() -> None:
@@ -248,22 +201,22 @@ def test_queued_requests_make_a_full_backends_ram_copy_worth_any_real_saving() -
     hold(f, 0, 0, fp(1, size=40))
     f.claim(Placement(0, (0,), 0), now=100.0, content=fp(9))  # parks fp(1) in b0's RAM
     prompt = fp(1, 2, 3, 4, 5, 6, 7, 8, size=40)
-    alone = decided(route(prompt, f.backends, USUAL_BAR, now=100.0, queued=1))
+    alone = decided(route(prompt, f.backends, PARAMS, now=100.0, queued=1))
     assert (alone.reason, alone.placement) == (Reason.COLD, Placement(1, (0,), 0))
-    pressed = decided(route(prompt, f.backends, USUAL_BAR, now=100.0, queued=2))
+    pressed = decided(route(prompt, f.backends, PARAMS, now=100.0, queued=2))
     assert (pressed.reason, pressed.wait_for, pressed.predicted) == (Reason.WAIT, (0, -1), 40)
     # half the usual bar (half of min(wait_min_tokens, half the prompt)) is worth a wait
     # for a full backend: it frees *some* slot sooner than one given slot finishes
     short = fp(1, 2, 3, size=40)  # 120 tokens: the bar is 60, half of it 30
-    ram = decided(route(short, f.backends, USUAL_BAR, now=100.0, queued=1))
+    ram = decided(route(short, f.backends, PARAMS, now=100.0, queued=1))
     assert (ram.reason, ram.wait_for, ram.predicted) == (Reason.WAIT, (0, -1), 40)
     hold(f, 1, 0, fp(1, size=40))  # the same saving in a busy slot: the usual bar
     f.claim(Placement(1, (0,), 0), now=100.0, content=fp(1, size=40))
     f.release(Placement(0, (0,), 0), now=100.0, clean=True, content=fp(9))
     f.backends[0].ram_entries = []  # b0 is idle again; no RAM copy anywhere
-    busy = decided(route(short, f.backends, USUAL_BAR, now=100.0, queued=1))
+    busy = decided(route(short, f.backends, PARAMS, now=100.0, queued=1))
     assert (busy.reason, busy.placement) == (Reason.COLD, Placement(0, (0,), 0))
-    busy = decided(route(prompt, f.backends, USUAL_BAR, now=100.0, queued=5))
+    busy = decided(route(prompt, f.backends, PARAMS, now=100.0, queued=5))
     assert (busy.reason, busy.placement) == (Reason.COLD, Placement(0, (0,), 0))
 
 
@@ -429,8 +382,10 @@ def test_exact_backends_only_count_a_strict_extension() -> None:
     assert predicted_reuse(fp(1, 2, 3), slot, exact=False) == 299  # one token re-evaluated
 
 
-def test_cache_key_reuses_only_a_real_overlap_and_skips_a_busy_slot() -> None:
-    params = RoutingParams(key_similarity=0.5, key_min_prefix=32, min_prefix_tokens=16)
+def test_cache_key_decides_a_tie_reuses_only_a_hit_and_skips_a_busy_slot() -> None:
+    """Two slots hold the same content: the key picks its own. A prompt its slot serves less
+    than a hit of (nothing, or under ``min_prefix_tokens``) routes by prefix ("unsafe")."""
+    params = RoutingParams(min_prefix_tokens=16)
     f = fleet(2)
     hold(f, 0, 1, fp(1, 2, 3))
     hold(f, 0, 0, fp(1, 2, 3))
@@ -443,6 +398,9 @@ def test_cache_key_reuses_only_a_real_overlap_and_skips_a_busy_slot() -> None:
     unrelated = decided(route(fp(77, 78), f.backends, params, now=100.0, affinity=(0, 1)))
     assert unrelated.key_outcome == "unsafe"
     assert unrelated.reason is not Reason.AFFINITY
+    high = replace(params, min_prefix_tokens=301)  # the 300 tokens it serves are not a hit
+    under = decided(route(fp(1, 2, 3, 4), f.backends, high, now=100.0, affinity=(0, 1)))
+    assert (under.key_outcome, under.reason) == ("unsafe", Reason.COLD)
     f.claim(Placement(0, (1,), 1), now=100.0)
     busy = decided(
         route(fp(1, 2, 3, 4), f.backends, params, now=100.0, affinity=(0, 1), allow_wait=False)
@@ -451,13 +409,34 @@ def test_cache_key_reuses_only_a_real_overlap_and_skips_a_busy_slot() -> None:
     assert busy.placement == Placement(0, (0,), 0)
 
 
+def test_a_keyed_slot_is_the_best_idle_choice_and_a_busy_slot_saving_more_is_waited_for() -> None:
+    """The key's slot serves the system prompt (100 tokens); the session's history (300)
+    is in a busy slot. The key names the best idle choice, not the decision: the saving of
+    the busy slot is worth the wait, as it is without a key."""
+    f = fleet(2)
+    f.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 2, 3))
+    hold(f, 0, 1, fp(1))
+    request = fp(1, 2, 3, 4)
+    keyed = decided(route(request, f.backends, PARAMS, now=100.0, affinity=(0, 1)))
+    plain = decided(route(request, f.backends, PARAMS, now=100.0))
+    assert (keyed.reason, keyed.wait_for) == (plain.reason, plain.wait_for) == (Reason.WAIT, (0, 0))
+    later = decided(
+        route(request, f.backends, PARAMS, now=101.0, affinity=(0, 1), allow_wait=False)
+    )
+    assert (later.reason, later.key_outcome, later.placement) == (
+        Reason.AFFINITY,
+        "reuse",
+        Placement(0, (1,), 1),
+    )
+
+
 def test_cache_key_yields_to_a_slot_that_holds_more_of_the_prompt() -> None:
     """An agent session alternating two prompt threads (the agent's and its user simulator's,
     as in taubench) holds one slot per thread; its key maps to the slot it used last. A turn
     of the other thread overlaps that slot enough to be safe, but pinning it there would
     overwrite the first thread while the second one's own slot sits idle (replay, taubench
     8 sessions with session keys: 0.853 before, 0.859 as without keys)."""
-    params = RoutingParams(key_similarity=0.25, key_min_prefix=32, min_prefix_tokens=16)
+    params = RoutingParams(min_prefix_tokens=16)
     f = fleet(2)
     hold(f, 0, 0, fp(1, 2, 3, 4))  # the agent's thread, where the key points
     hold(f, 0, 1, fp(1, 5))  # the user simulator's thread
@@ -660,14 +639,17 @@ def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | 
     counts = draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
     f = fleet(*counts, exact=tuple(draw(st.booleans()) for _ in counts))
     preamble = draw(st.booleans())
+    user = draw(st.integers(1, 5))  # segment ids from this one up are user messages
 
-    def chain(ids: list[int], anchor: int) -> Fingerprint:
+    def chain(ids: list[int]) -> Fingerprint:
+        """The anchor (the first user message) follows from the content, as it does for a
+        real prompt: two slots holding one chain never differ in it."""
         c = fp(0, *ids) if preamble else fp(*ids)
         tokens = tuple(t - 100 for t in c.tokens) if preamble else c.tokens
-        return Fingerprint(c.hashes, tokens, min(anchor, len(c.hashes)))
+        anchor = next((i for i, s in enumerate(ids) if s >= user), len(ids)) + preamble
+        return Fingerprint(c.hashes, tokens, anchor)
 
-    ids = st.lists(st.integers(1, 4), min_size=1, max_size=5)
-    chains = st.tuples(ids, st.integers(0, 3)).map(lambda drawn: chain(*drawn))
+    chains = st.lists(st.integers(1, 4), min_size=1, max_size=5).map(chain)
     for backend in f.backends:
         backend.ram = draw(st.booleans())
         parked = st.builds(RamEntry, chains, st.floats(0, 100))
@@ -686,19 +668,17 @@ def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | 
     wide_scenes(),
     st.booleans(),
     st.sampled_from([0.0, 50.0]),
-    st.dictionaries(st.tuples(st.integers(0, 2), st.integers(0, 5)), st.integers(1, 6)),
     st.sampled_from([0.1, 0.0]),
 )
 def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
     scene: tuple[Fleet, Fingerprint, tuple[int, int] | None],
     allow_wait: bool,
     hold: float,
-    depths: dict[tuple[int, int], int],
     discount: float,
 ) -> None:
     """``core.routing.options`` scores the idle slots sharing a token with the prompt (those of
     another conversation only while their bound may beat the best so far) and the best of the
-    others, and ``core.routing.waiting`` weighs one busy slot per distinct content and bar:
+    others, and ``core.routing.waiting`` weighs one busy slot per distinct content:
     the decision is the one weighing every slot gives."""
     import proxy.core.routing.decision as routing
     import proxy.core.routing.waiting as waiting
@@ -715,7 +695,6 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
             affinity=hint,
             allow_wait=allow_wait,
             hold=hold,
-            depths=depths,
         )
 
     pruned = decide()
@@ -730,7 +709,7 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
         None,
         None,
     )
-    waiting._distinct_busy = lambda b, sharing, fp, depths, params: list(sharing)  # type: ignore[assignment]
+    waiting._distinct_busy = lambda sharing: list(sharing)  # type: ignore[assignment]
     busy_of = BackendIndex.waiting  # every busy slot, sharing the prompt's head or not
     BackendIndex.waiting = lambda self, key: list(self.busy)  # type: ignore[method-assign]
     continues = waiting.continues  # (no busy slot of another conversation skipped either)
@@ -887,22 +866,6 @@ def test_a_kin_slots_bound_on_an_exact_backend_counts_no_reuse_of_its_own() -> N
     assert kin_bound(request, backend, backend.slots[0], 100.0, PARAMS, ceiling) >= found.score
 
 
-def test_depths_as_one_waiting_request_sees_them_leave_it_out() -> None:
-    from proxy.core.routing.waiting import Depths
-
-    depths = Depths()
-    depths.move(None, (0, 1))
-    depths.move(None, (0, 1))
-    depths.move(None, (1, 0))
-    mine = depths.others((1, 0))  # the request waiting for (1, 0) sees only the others
-    assert (mine.get((0, 1)), mine.get((1, 0)), mine.get((2, 2), 7)) == (2, 0, 7)
-    assert ((0, 1) in mine, (1, 0) in mine, "x" in mine) == (True, False, False)
-    assert dict(mine) == {(0, 1): 2}
-    assert len(mine) == 1
-    depths.move((0, 1), None)
-    assert depths.others(None).get((0, 1)) == 1
-
-
 @settings(max_examples=200)
 @given(wide_scenes(), st.data())
 def test_property_an_index_kept_across_changes_decides_as_one_built_anew(
@@ -1057,13 +1020,11 @@ def test_property_the_spare_strangers_found_by_loss_are_the_cheapest_of_all(
     ),
     st.lists(st.integers(2, 4), min_size=1, max_size=4),
     st.integers(1, 3),
-    st.dictionaries(st.tuples(st.integers(0, 1), st.integers(0, 3)), st.integers(1, 6)),
 )
 def test_property_waiting_skips_only_busy_slots_that_cannot_save_more(
     held: list[tuple[list[int], SlotPhase, int, int]],
     asked: list[int],
     anchor: int,
-    depths: dict[tuple[int, int], int],
 ) -> None:
     """A busy slot of another conversation (it shares the prompt's head, not its anchor)
     saves at most the prompt before its anchor, so ``waiting.worth_waiting`` does not work it
@@ -1080,7 +1041,7 @@ def test_property_waiting_skips_only_busy_slots_that_cannot_save_more(
     request = replace(fp(1, *asked), anchor=min(anchor, len(asked) + 1))
 
     def decide() -> Decision | NoPlacement:
-        return route(request, f.backends, USUAL_BAR, now=100.0, queued=9, depths=depths)
+        return route(request, f.backends, PARAMS, now=100.0, queued=9)
 
     skipping = decide()
     continues = waiting.continues

@@ -14,11 +14,14 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    changed since (``core.routing.index``): by the head of what they hold, by recency, and
    by what overwriting them loses.
 2. *cache_key affinity* (done outside the server): a keyed request whose mapped
-   slot is idle reuses it only when the overlap is real — predicted reuse / prompt tokens
-   >= ``key_similarity`` and reuse >= ``key_min_prefix`` tokens ("reuse"), and no other idle
-   slot scores higher ("outmatched": an agent session alternating two prompt threads, its
-   key mapped to the other thread's slot, which this request would overwrite). A busy mapped
-   slot is skipped ("busy"); a too-small overlap ("unsafe") routes normally.
+   slot is idle reuses it when the slot serves a prefix hit (``hit_floor``, the bar of step 3)
+   ("reuse") and no other idle slot scores higher ("outmatched": an agent session
+   alternating two prompt threads, its key mapped to the other thread's slot, which this
+   request would overwrite). The key decides ties and the label, never against the score,
+   and the slot it names is the best idle choice of step 3: a busy slot saving far more is
+   still waited for (step 4).
+   A busy mapped slot is skipped ("busy"); one serving less than a hit ("unsafe": the key
+   now names an unrelated prompt) routes normally.
 3. Best idle candidate by (score, -backend load, -age): "prefix" when it reuses at least
    ``min_prefix_tokens`` (or, for a shorter prompt, all of it: a short prompt repeated
    verbatim, such as an agent retrying one 14-token request 30 times, is a hit rather than a
@@ -29,8 +32,7 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    (SGLang's absolute and relative thresholds) changed no replay row when dropped.
 4. *Waiting* (``core.routing.waiting``): rather than place, wait for a busy slot, or for a full
    backend whose RAM cache holds the prefix, when that saves enough more than the best idle
-   choice, or a little more in a short queue (``depths``: requests already waiting per
-   slot) ("wait"); the caller re-decides whenever a slot frees and bounds the wait.
+   choice ("wait"); the caller re-decides whenever a slot frees and bounds the wait.
 
 5. *Holds* (``core.routing.returns``): an idle slot its session left less than ``hold`` seconds
    ago (learned from how fast sessions come back) is not taken by another session when the
@@ -40,19 +42,16 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
 *Parameters*, each with its unit and default (what dropping each rule does to the replays:
 ``bench.ablation``, recorded in ``bench/HISTORY.md``):
 
-- ``min_prefix_tokens`` (tokens, 16): less reuse reports as a cold start; under saturation
-  or queue pressure, the least saving worth a wait.
+- ``min_prefix_tokens`` (tokens, 16): less reuse reports as a cold start (and a cache_key's
+  slot serving less is not the session's); under saturation, the least saving worth a wait.
 - ``wait_min_tokens`` (tokens, 1024) / ``wait_min_fraction`` (share of the prompt, 0.5): a
   saving worth waiting for a busy slot (half of it for a full backend's RAM copy).
-- ``short_wait_tokens`` (tokens, 4) / ``short_wait_depth`` (requests, 4): short queues.
 - ``max_slot_wait_seconds`` (s, 5): the bound on any wait.
 - ``hold_max_seconds`` (s, 2): the longest hold of a slot for its session
   (``core.routing.returns``).
 - ``value_half_life_seconds`` (s, 600): for how long what a slot holds counts against
   overwriting it (the prior; where overwritten content is lost, the measured return odds
   replace it: ``core.routing.return_odds``).
-- ``slot_cache_key_similarity`` (share, 0.5) / ``slot_cache_key_min_prefix`` (tokens, 64):
-  when a cache_key's mapped slot is really the session's.
 - Constants: ``waiting.SATURATED`` (slots per idle one, 16), ``waiting.SHORT_WHOLE`` (tokens,
   4), ``waiting.SPARE_PARKED`` (tokens, 256), ``RoutingParams.ram_discount`` (share of the
   damage when the server parks the content in RAM, 0.1), ``RoutingParams.eviction_weight``
@@ -112,7 +111,7 @@ class KeyOutcome(StrEnum):
 
     REUSE = "reuse"  # its mapped slot, idle and really the session's
     BUSY = "busy"  # its mapped slot was busy
-    UNSAFE = "unsafe"  # too small an overlap: routed by prefix
+    UNSAFE = "unsafe"  # its mapped slot serves less than a hit: routed by prefix
     OUTMATCHED = "outmatched"  # another idle slot scored higher: routed by prefix
 
 
@@ -166,8 +165,7 @@ def _affinity(
         return None, KeyOutcome.BUSY
     ram, load = ram_view(fp, backend), backend.busy_count()
     found = candidate(fp, backend, slot, now, params, ram, load, disk.get(index))
-    similar = fp.total > 0 and found.reuse / fp.total >= params.key_similarity
-    if similar and found.reuse >= params.key_min_prefix:
+    if found.reuse >= hit_floor(fp, params):
         return found, KeyOutcome.REUSE
     return None, KeyOutcome.UNSAFE
 
@@ -186,15 +184,14 @@ def route(
     hold: float = 0.0,
     views: dict[int, RamView] | None = None,
     remote: frozenset[int] = frozenset(),
-    depths: Mapping[tuple[int, int], int] | None = None,
     index: FleetIndex | None = None,
 ) -> Decision | NoPlacement:
     """The decision for ``fp``; ``disk``: per backend, the best snapshot it could restore;
-    ``queued``: requests waiting for a slot (this one included, if it waits); ``hold``: seconds
-    a freed slot is held for its session; ``views``: the request's RAM views, memo updated;
-    ``remote``: backends another replica schedules (ties go to the others); ``depths``: per
-    busy slot, the other requests waiting for it; ``index``: the fleet's slots grouped for
-    routing, kept across decisions (``core.routing.index``; without it, built anew)."""
+    ``queued``: requests waiting for a slot (this one included, if it waits); ``hold``:
+    seconds a freed slot is held for its session; ``views``: the request's RAM
+    views, memo updated; ``remote``: backends another replica schedules (ties go to the
+    others); ``index``: the fleet's slots grouped for routing, kept across decisions
+    (``core.routing.index``; without it, built anew)."""
     disk, index = disk or {}, index or FleetIndex()
     usable = [b for b in backends if b.index not in avoid]
     up = [b for b in usable if b.phase is BackendPhase.READY]
@@ -250,28 +247,28 @@ def route(
         idle += kin(fp, deferred, top, now, params, ram, load, disk)
     if not any(c.score > 0 for c in idle):  # else no stranger (at most 0) can rank first
         idle += best_strangers(fp, left, now, params, load)
-    if keyed is not None:
-        if all(c.score <= keyed.score for c in idle):
-            return _place(keyed, Reason.AFFINITY, key)
-        key = KeyOutcome.OUTMATCHED  # another idle slot scores higher: route by prefix
-    if spared and len(spared) == idle_count:
-        free = [(b, s) for b in ready for s in free_of[b.index]]
-        until = min(held_until(b, s, hold) for b, s in free)
-        return Decision(None, Reason.WAIT, 0, (free[0][0].index, free[0][1].id), key, until=until)
     best = max(idle, key=_ranking(remote), default=None)
+    if keyed is not None and (best is None or keyed.score >= best.score):
+        best = keyed  # the key decides a tie; waiting for a busy slot may still save more
+    else:
+        if keyed is not None:
+            key = KeyOutcome.OUTMATCHED  # another idle slot scores higher: route by prefix
+        if spared and len(spared) == idle_count:
+            free = [(b, s) for b in ready for s in free_of[b.index]]
+            until = min(held_until(b, s, hold) for b, s in free)
+            wait_for = (free[0][0].index, free[0][1].id)
+            return Decision(None, Reason.WAIT, 0, wait_for, key, until=until)
     pressed = idle_count < queued  # idle slots go to waiters anyway
     fleet = Fleetview(up, free_of, crowded(idle_count, up), pressed, indexes)
-    waiting = (
-        worth_waiting(fp, fleet, best, params, ram, spared, now, {} if depths is None else depths)
-        if allow_wait
-        else None
-    )
+    waiting = worth_waiting(fp, fleet, best, params, ram, spared, now) if allow_wait else None
     if waiting is None and allow_wait and best is not None:
         waiting = spare_parked(fleet, best)
     if waiting is not None:
         return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
     if best is None:
         return why_not(backends, avoid)
+    if best is keyed:
+        return _place(best, Reason.AFFINITY, key)
     # every idle slot may hold another conversation: the least bad may still hold the prefix
     reason = Reason.PREFIX if best.reuse >= hit_floor(fp, params) else Reason.COLD
     return _place(best, reason, key)

@@ -62,14 +62,10 @@ class RoutingParams:
     min_prefix_tokens: int = 16
     wait_min_tokens: int = 1024
     wait_min_fraction: float = 0.5  # ... or this share of the prompt, if smaller
-    short_wait_tokens: int = 4  # a smaller saving worth a wait in a short queue (0: off)
-    short_wait_depth: int = 4  # ... while fewer requests than this wait for the slot
     # damage counts as the tokens it costs, the unit of reuse (not a setting: 1 is the
     # objective's own scale; 0 lost hit rate on every replay row, bench.ablation)
     eviction_weight: float = 1.0
     value_half_life_s: float = 600.0
-    key_similarity: float = 0.5
-    key_min_prefix: int = 64
     ram_discount: float = 0.1  # eviction damage when the evicted content stays in host RAM
     # the measured odds that a slot's content is used again (``core.routing.return_odds``); None
     # before any session came back: the half-life prior

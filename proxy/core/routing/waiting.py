@@ -20,19 +20,6 @@ frees, bounds the wait, and then decides again without waiting.
   one's slot — which, free, holds another conversation they do not take — to start cold
   after it anyway (``bench.burst``). The replay traces' fleets are full of content: there
   the rule does not fire.
-- *Short queues*: a busy slot saving only ``short_wait_tokens`` (4) more than the best idle
-  choice is worth a wait too, while fewer than ``short_wait_depth`` (4) other requests wait
-  for it (``depths``) and the request would take it once free over that idle choice (not
-  a slot busy with a request from outside the proxy: what it will hold is unknown). The
-  server's own queue does this for the routers that leave slots to it: waiters take a
-  freed slot one after another, so the short prompts that share a few head tokens with a
-  busy session (taubench's identical 7-token openers, its prompts opening with a shared
-  7-18-token head) reuse them; the depth bounds how long the last one waits (each waits
-  one request's time per waiter ahead; without the bound the waiters pile onto one slot).
-  A short queue is joined only when prefilling the tokens
-  it saves takes longer than its wait (``pays``: the requests ahead and the one in flight
-  each hold the slot the backend's measured ``service_s``), or when more requests wait
-  than slots are idle (``pressed``: the idle slot is not wasted).
 - *Saturation*: when at most one slot in ``SATURATED`` is idle, an idle slot elsewhere
   saves the fleet no time — the next request takes it — so any saving of
   ``min_prefix_tokens`` is worth the wait. Small fleets are never saturated while a slot
@@ -42,6 +29,7 @@ frees, bounds the wait, and then decides again without waiting.
   overwrite more of it than the request gains (score below ``-SPARE_PARKED``): any non-empty
   slot it keeps less than half of would load that entry, so it waits until the entry's own
   session takes it back or the bound passes.
+
 - *Queue pressure*: when more requests wait in the proxy than slots are idle, an idle slot
   this request passes up goes to another waiter at once, so waiting for a full backend whose
   RAM cache holds its prefix costs the fleet nothing either: any saving of
@@ -49,13 +37,15 @@ frees, bounds the wait, and then decides again without waiting.
   busy slot: a full backend frees *some* slot far sooner than one given slot finishes its
   request.
 
-The measurements behind each rule, and what dropping each does, are in ``bench/HISTORY.md``
-(``bench.ablation``).
+There are no short queues (a small saving waited for while few requests wait for its slot,
+as the server's own queue gives the routers that leave slots to it): dropped, the replay
+rows stayed within their spread and their waits' latency went. The measurements behind each
+rule, and what dropping each does, are in ``bench/HISTORY.md`` (``bench.ablation``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.core.prompt.fingerprint import Fingerprint
@@ -69,7 +59,7 @@ from proxy.core.routing.scoring import (
     once_done,
     predicted_reuse,
 )
-from proxy.core.server.fleet import BackendState, SlotPhase, SlotState
+from proxy.core.server.fleet import BackendState, SlotState
 
 SATURATED = 16  # a fleet with at most one idle slot in this many is saturated
 SHORT_WHOLE = 4  # a prompt under min_prefix_tokens is a hit when all of it (>= this) is cached
@@ -130,33 +120,18 @@ def worth_waiting(
     ram: Mapping[int, RamView],
     spared: frozenset[tuple[int, int]],
     now: float,
-    depths: Mapping[tuple[int, int], int],
 ) -> tuple[tuple[int, int], int] | None:
     """A busy slot, or a full backend whose RAM cache holds the request's prefix, that would
     save at least ``wait_min_tokens``, or ``wait_min_fraction`` of the prompt, more than the
     best idle choice (half that for a full backend; ``min_prefix_tokens`` when the fleet is
     saturated, and for a full backend when ``pressed``: more requests wait than slots are
-    idle); or a busy slot saving ``short_wait_tokens`` more that fewer than
-    ``short_wait_depth`` other requests wait for (``depths``)."""
-    base, saturated, pressed = (
-        (best.reuse if best is not None else 0),
-        fleet.saturated,
-        fleet.pressed,
-    )
+    idle)."""
+    base, saturated = (best.reuse if best is not None else 0), fleet.saturated
     floor = base + (hit_floor(fp, params) if saturated else significant(fp, params))
-    short = min(floor, base + (params.short_wait_tokens or floor))  # 0: off
-
-    def bar(backend: BackendState, slot: SlotState, reuse: int) -> float:  # a busy slot's
-        # an outside request's slot (EXTERNAL) will hold what it does not know: no short queue
-        ahead = depths.get((backend.index, slot.id), 0)
-        if ahead >= params.short_wait_depth or slot.phase is SlotPhase.EXTERNAL:
-            return floor
-        return short if pressed or pays(backend, reuse - base, ahead) else floor
-
     hit: float = hit_floor(fp, params)
-    floor_ram = base + (hit if pressed or saturated else max(hit, significant(fp, params) / 2))
+    lowered = saturated or fleet.pressed
+    floor_ram = base + (hit if lowered else max(hit, significant(fp, params) / 2))
     empty = not saturated and _only_taken(best)
-    rival = best.score if best is not None else 0.0  # a short queue's slot must beat it
     found: tuple[tuple[int, int], int] | None = None
     before: int | None = None  # the most a busy slot of another conversation saves (lazily)
     key = fp.head
@@ -165,7 +140,7 @@ def worth_waiting(
             continue  # every slot idle and free to take: nothing to wait for
         grouped = fleet.index[backend.index]
         sharing = grouped.waiting(key) if key is not None and grouped.busy else ()
-        for s in _distinct_busy(backend, sharing, fp, depths, params) if sharing else ():
+        for s in _distinct_busy(sharing) if sharing else ():
             if found is not None and not continues(fp, s.expected):
                 before = kin_reach(fp)[0] if before is None else before
                 if found[1] >= before:
@@ -173,12 +148,8 @@ def worth_waiting(
             reuse = predicted_reuse(fp, s, backend.exact)
             if (
                 (found is None or reuse > found[1])
-                and reuse >= bar(backend, s, reuse)
+                and reuse >= floor
                 and (not empty or _taken(fp, backend, once_done(s, now), now, params, ram))
-                and (
-                    reuse >= floor
-                    or _taken(fp, backend, once_done(s, now), now, params, ram, rival)
-                )
             ):
                 found = ((backend.index, s.id), reuse)
         free = fleet.free[backend.index]
@@ -199,41 +170,16 @@ def _only_taken(best: Candidate | None) -> bool:
     return best is not None and best.slot.content is None
 
 
-def pays(backend: BackendState, saved: int, ahead: int) -> bool:
-    """Whether prefilling ``saved`` tokens takes longer than waiting for a busy slot with
-    ``ahead`` requests queued for it: each holds the slot ``service_s`` (the backend's
-    measured mean; the one in flight counted whole: its time left is not known). Before any
-    request on the backend completed, it is assumed to."""
-    if backend.service_s is None:
-        return True
-    return saved / max(backend.prefill_tps, 1.0) > (ahead + 1) * backend.service_s
-
-
-def _distinct_busy(
-    backend: BackendState,
-    sharing: Sequence[SlotState],
-    fp: Fingerprint,
-    depths: Mapping[tuple[int, int], int],
-    params: RoutingParams,
-) -> list[SlotState]:
+def _distinct_busy(sharing: Sequence[SlotState]) -> list[SlotState]:
     """Of the busy slots sharing a token with the prompt (``sharing``: ``index.waiting``; one
-    sharing none saves nothing), the first of those that will hold the same content with the
-    same bar (``depths`` below ``short_wait_depth`` or not, busy with an outside request or
-    not): the others would pass or fail as it does and save no more, and the first found
-    wins."""
-    seen: set[tuple[int, int, int, bool, bool]] = set()
+    sharing none saves nothing), the first of those that will hold the same content: the
+    others would pass or fail as it does and save no more, and the first found wins."""
+    seen: set[tuple[int, int, int]] = set()
     out: list[SlotState] = []
     for slot in sharing:
         content = slot.expected
         assert content is not None
-        queued = depths.get((backend.index, slot.id), 0) < params.short_wait_depth
-        key = (
-            content.hashes[-1],
-            content.total,
-            slot.n_tokens,
-            queued,
-            slot.phase is SlotPhase.EXTERNAL,
-        )
+        key = (content.hashes[-1], content.total, slot.n_tokens)
         if key not in seen:
             seen.add(key)
             out.append(slot)
@@ -277,61 +223,7 @@ def _taken(
     now: float,
     params: RoutingParams,
     ram: Mapping[int, RamView],
-    rival: float = 0.0,
 ) -> bool:
     """Whether the request would take ``slot`` (idle, or a busy one as it will be once done)
-    over a choice scoring ``rival``: over an empty slot, a positive score; in a short queue,
-    over the best idle choice."""
-    return candidate(fp, backend, slot, now, params, ram[backend.index]).score > rival
-
-
-Slot = tuple[int, int]  # (backend index, slot id)
-
-
-class Depths:
-    """Per busy slot, how many requests wait for it: kept as each request's decision
-    changes (``move``), so reading a depth costs the same however many requests wait."""
-
-    def __init__(self) -> None:
-        self._counts: dict[Slot, int] = {}
-
-    def move(self, old: Slot | None, new: Slot | None) -> None:
-        """A request waited for ``old`` and now waits for ``new`` (None: no slot)."""
-        if old is not None:
-            left = self._counts[old] - 1
-            if left:
-                self._counts[old] = left
-            else:
-                del self._counts[old]
-        if new is not None:
-            self._counts[new] = self._counts.get(new, 0) + 1
-
-    def others(self, own: Slot | None) -> Mapping[Slot, int]:
-        """The depths as a request waiting for ``own`` sees them: without itself."""
-        return _Others(self._counts, own)
-
-
-class _Others(Mapping[Slot, int]):
-    def __init__(self, counts: dict[Slot, int], own: Slot | None) -> None:
-        self._counts, self._own = counts, own
-
-    def __getitem__(self, slot: Slot) -> int:
-        count = self._counts[slot] - (slot == self._own)
-        if count <= 0:
-            raise KeyError(slot)
-        return count
-
-    def get(self, slot: Slot, default: int = 0) -> int:  # type: ignore[override]
-        # (one signature of the overloaded ``Mapping.get``, without the KeyError it catches:
-        # read for every busy slot of every decision)
-        count = self._counts.get(slot, 0) - (slot == self._own)
-        return count if count > 0 else default
-
-    def __contains__(self, slot: object) -> bool:
-        return isinstance(slot, tuple) and self.get(slot, 0) > 0
-
-    def __iter__(self) -> Iterator[Slot]:
-        return (slot for slot in self._counts if slot in self)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
+    over an empty slot: a positive score."""
+    return candidate(fp, backend, slot, now, params, ram[backend.index]).score > 0

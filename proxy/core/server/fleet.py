@@ -35,7 +35,6 @@ from proxy.core.server.slots import (
     SlotPhase,
     SlotProbe,
     SlotState,
-    measured,
 )
 
 __all__ = [
@@ -133,8 +132,6 @@ class Fleet:
                 continue
             parked_at, slot.last_used = slot.last_used, now
             slot.phase = SlotPhase.IDLE if clean else SlotPhase.DRAINING
-            if clean and slot_id == placement.pin:
-                backend.service_s = measured(backend.service_s, now - parked_at)
             if not clean or slot_id != placement.pin:
                 slot.content = None
                 continue

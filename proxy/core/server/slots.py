@@ -119,7 +119,6 @@ class BackendState:
     unread: bool = False  # work was sent to it since ``/slots`` was last read
     asleep: bool = False  # --sleep-idle-seconds: sleeping, its context destroyed
     prefill_tps: float = 1000.0  # prompt tokens computed per second (timings.prompt_ms, EMA)
-    service_s: float | None = None  # seconds a request holds its slot, claim to release (EMA)
     token_scale: float | None = None  # its tokens per fingerprint estimate (EMA)
     slots: list[SlotState] = field(default_factory=list)  # replaced, not mutated
     ram_entries: list[RamEntry] = field(default_factory=list)  # oldest first; replaced, not mutated

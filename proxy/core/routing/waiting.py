@@ -1,4 +1,4 @@
-"""When a request should wait for a busy slot rather than take an idle one (step 5 of
+"""When a request should wait for a busy slot rather than take an idle one (step 4 of
 ``core.routing.decision``). ``worth_waiting`` returns the slot (or ``(backend, -1)``: any slot of a
 full backend) and the tokens it would serve, or None; the caller re-decides whenever a slot
 frees, bounds the wait, and then decides again without waiting.
@@ -29,7 +29,6 @@ frees, bounds the wait, and then decides again without waiting.
   overwrite more of it than the request gains (score below ``-SPARE_PARKED``): any non-empty
   slot it keeps less than half of would load that entry, so it waits until the entry's own
   session takes it back or the bound passes.
-
 - *Queue pressure*: when more requests wait in the proxy than slots are idle, an idle slot
   this request passes up goes to another waiter at once, so waiting for a full backend whose
   RAM cache holds its prefix costs the fleet nothing either: any saving of

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 from hypothesis import given, settings
@@ -646,7 +647,7 @@ def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | 
         real prompt: two slots holding one chain never differ in it."""
         c = fp(0, *ids) if preamble else fp(*ids)
         tokens = tuple(t - 100 for t in c.tokens) if preamble else c.tokens
-        anchor = next((i for i, s in enumerate(ids) if s >= user), len(ids)) + preamble
+        anchor = next((i + 1 for i, s in enumerate(ids) if s >= user), len(ids)) + preamble
         return Fingerprint(c.hashes, tokens, anchor)
 
     chains = st.lists(st.integers(1, 4), min_size=1, max_size=5).map(chain)
@@ -761,22 +762,20 @@ def test_property_a_ram_view_read_by_heads_is_the_view_of_every_entry(
 @st.composite
 def kin_scenes(draw: st.DrawFn) -> tuple[BackendState, Fingerprint]:
     """One backend whose slots and RAM entries hold chains opening with the request's first
-    segment (most of them kin of the request), of varied segment sizes, with checkpoints."""
+    segment (most of them kin of the request), of varied segment sizes, with checkpoints.
+    A segment's size, and which segments are user messages (the anchor is the first), follow
+    from its id, as they follow from a real prompt's content."""
+    size_of = {k: draw(st.sampled_from([50, 100, 300])) for k in range(1, 5)}
+    user = draw(st.integers(2, 5))  # segment ids from this one up are user messages
 
-    def chain(size: int) -> st.SearchStrategy[Fingerprint]:
-        ids = st.lists(st.integers(2, 4), max_size=4).map(lambda rest: fp(1, *rest, size=size))
-        return st.builds(
-            lambda c, anchor, users: replace(
-                c,
-                anchor=min(anchor, len(c.hashes)),
-                users=tuple(u for u in users if u < len(c.hashes)),
-            ),
-            ids,
-            st.integers(0, 3),
-            st.lists(st.integers(1, 4), max_size=2).map(lambda u: tuple(sorted(set(u)))),
-        )
+    def chain(rest: list[int]) -> Fingerprint:
+        ids = (1, *rest)
+        tokens = tuple(itertools.accumulate(size_of[k] for k in ids))
+        users = tuple(i for i, k in enumerate(ids) if k >= user)
+        anchor = users[0] + 1 if users else len(ids)  # up to and including that message
+        return Fingerprint(fp(*ids).hashes, tokens, anchor, users=users)
 
-    sized = st.sampled_from([50, 100, 300]).flatmap(chain)
+    sized = st.lists(st.integers(2, 4), max_size=4).map(chain)
     f = fleet(draw(st.integers(1, 4)), exact=(draw(st.booleans()),))
     backend = f.backends[0]
     backend.ram = draw(st.booleans())

@@ -38,7 +38,9 @@ async def test_timing_probe_across_tenants(llama_servers: Any, proxy: Any, mode:
         [server],
         isolation={"mode": mode},
         disk={"prefix_cache": "off"},
-        timeouts={"read_seconds": 120},
+        # a probe that times out while the CPU prefills would mark the backend down, and its
+        # return would forget every slot's tenant: this test is about the timing probe
+        timeouts={"read_seconds": 120, "probe_seconds": 30},
     )
     cold, _ = await timed(client, "tenant-a")
     warm, warm_cached = await timed(client, "tenant-a")  # within a tenant: cached

@@ -156,15 +156,18 @@ def _affinity(
     now: float,
     params: RoutingParams,
     disk: Mapping[int, Offer],
+    ram: Mapping[int, RamView],
+    load: Mapping[int, int],
 ) -> tuple[Candidate | None, KeyOutcome]:
+    """The hinted slot as a candidate, with the decision's RAM views and loads (every ready
+    backend has both), or why not."""
     index, slot_id = hint
     if index >= len(backends) or slot_id >= len(backends[index].slots):
         return None, KeyOutcome.UNSAFE
     backend, slot = backends[index], backends[index].slots[slot_id]
     if backend.phase is not BackendPhase.READY or slot.phase is not SlotPhase.IDLE:
         return None, KeyOutcome.BUSY
-    ram, load = ram_view(fp, backend), backend.busy_count()
-    found = candidate(fp, backend, slot, now, params, ram, load, disk.get(index))
+    found = candidate(fp, backend, slot, now, params, ram[index], load[index], disk.get(index))
     if found.reuse >= hit_floor(fp, params):
         return found, KeyOutcome.REUSE
     return None, KeyOutcome.UNSAFE
@@ -210,7 +213,7 @@ def route(
     ready = [b for b in up if free_of[b.index]]
     key, keyed = None, None
     if affinity is not None and affinity[0] not in avoid:
-        keyed, key = _affinity(fp, backends, affinity, now, params, disk)
+        keyed, key = _affinity(fp, backends, affinity, now, params, disk, ram, load)
     if views is not None:
         views.update(ram)
     idle_count = sum(len(free_of[b.index]) for b in ready)

@@ -85,7 +85,9 @@ class Prober:
             log.info("backend=%s sleeping: its slot and RAM caches are gone", backend.label)
         elif invalidated and before is not BackendPhase.UNKNOWN:
             self._metrics.backend_restarts.labels(backend.label).inc()
-            log.warning("backend=%s slot state invalidated (restart or return)", backend.label)
+            log.warning("backend=%s restarted: its slot state is invalidated", backend.label)
+        elif before is BackendPhase.DOWN and backend.phase is BackendPhase.READY:
+            log.info("backend=%s back, not restarted: its slot state kept", backend.label)
         if before is not backend.phase:
             log.info("backend=%s phase=%s", backend.label, backend.phase.value)
         self._export(index)

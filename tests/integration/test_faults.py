@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.app import SCHEDULER
 from testbed.probes import metric, server_timing
 from tests.conftest import chat
 from tests.waiting import ADMIN, admin_view, until, until_down, until_metric
@@ -278,23 +279,61 @@ async def test_unknown_paths_and_slot_actions_are_not_forwarded(
     assert _is_openai_error(await resp.json())
 
 
-async def test_backend_restart_invalidates_slot_state(fakes: Any, proxy: Any) -> None:
+async def _served_then_gone(fakes: Any, proxy: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """A proxy whose backend (a fake of two slots) served one turn of a conversation, its
+    task ids read by a probe, then went away: (client, fake, the next turn)."""
     fake = await fakes(n_slots=2)
-    client = await proxy([fake])
-    await client.post("/completion", json={"prompt": "a b c"})
-    port = fake.port
+    client = await proxy([fake], health={"interval_seconds": 0.05})
+    first = chat("a conversation long enough to be worth its slot " * 8, max_tokens=4)
+    resp = await client.post("/v1/chat/completions", json=first)
+    assert resp.status == 200
+    reply = (await resp.json())["choices"][0]["message"]["content"]
+    backend = client.server.app[SCHEDULER].fleet.backends[0]
+    await until(lambda: backend.max_task_id >= 0, "a probe reads the task ids")
     await fake.stop()
     await until_down(client, fake)
-    assert (await client.post("/completion", json={"prompt": "a"})).status == 503
-    await fake.start(port)
+    turn = {
+        **first,
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "and then?"},
+        ],
+    }
+    return client, fake, turn
 
+
+async def _ready(client: Any) -> None:
     async def ready() -> bool:
         return (await client.get("/readyz")).status == 200
 
     await until(ready, "the proxy holds the backend ready again")
-    assert (await client.post("/completion", json={"prompt": "a"})).status == 200
+
+
+async def test_backend_restart_invalidates_slot_state(fakes: Any, proxy: Any) -> None:
+    client, fake, turn = await _served_then_gone(fakes, proxy)
+    assert (await client.post("/completion", json={"prompt": "a"})).status == 503
+    await fakes(port=fake.port, n_slots=2)  # a new process: its task ids start again
+    await _ready(client)
+    resp = await client.post("/v1/chat/completions", json=turn)
+    assert resp.status == 200
+    assert resp.headers["X-Cache-Predicted-Tokens"] == "0"
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_backend_restarts_total") == 1
+
+
+async def test_a_backend_back_from_an_outage_keeps_its_slot_state(fakes: Any, proxy: Any) -> None:
+    """Unreachable for a while (a network cut, a stopped process), then back as it was: the
+    same task ids, the same KV. The conversation's next turn finds its slot."""
+    client, fake, turn = await _served_then_gone(fakes, proxy)
+    await fake.start(fake.port)  # the same server, its slots as they were
+    await _ready(client)
+    resp = await client.post("/v1/chat/completions", json=turn)
+    assert resp.status == 200
+    assert int(resp.headers["X-Cache-Predicted-Tokens"]) > 0
+    assert (await resp.json())["timings"]["cache_n"] > 0
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_backend_restarts_total") == 0
 
 
 async def test_backend_that_accepts_and_never_answers_is_marked_down(

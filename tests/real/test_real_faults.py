@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import operator
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,10 +14,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.app import SCHEDULER
 from testbed.probes import metric, until_listed
 from testbed.stack import LlamaServer, ProxyProcess, Served, looping_client
+from tests.conftest import chat
 from tests.relay import Relay
-from tests.waiting import PLACED, Remote, scrape, until, until_metric
+from tests.waiting import PLACED, Remote, scrape, until, until_down, until_metric
 
 ADMIN = {
     "LLAMA_CACHE_PROXY_ADMIN_TOKEN": "t",
@@ -284,3 +287,47 @@ async def test_a_replica_cut_off_from_redis_alone_keeps_its_slot_to_itself(
         assert all(slot != mine and done < ended for slot, done in theirs), (mine, theirs)
     finally:
         await relay.close()
+
+
+async def test_a_frozen_backend_comes_back_with_its_slot_state(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """A llama-server stopped (SIGSTOP: a hung host, a cut network) long enough for its
+    probes to time out is marked down; resumed, it is the same process with the same KV, and
+    the conversation's next turn is predicted and served from its slot."""
+    server = llama_servers(slots=2)
+    client = await proxy(
+        [server], health={"interval_seconds": 0.1}, timeouts={"probe_seconds": 0.5}
+    )
+    first = chat("Tell me about the history of the harbour town. " * 12, max_tokens=8)
+    first["temperature"] = 0
+    resp = await client.post("/v1/chat/completions", json=first)
+    assert resp.status == 200, await resp.text()
+    answer = await resp.json()
+    backend = client.server.app[SCHEDULER].fleet.backends[0]
+    await until(lambda: backend.max_task_id >= 0, "a probe reads the task ids")
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        await until_down(client, server)
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+
+    async def ready() -> bool:
+        return (await client.get("/readyz")).status == 200
+
+    await until(ready, "the proxy holds the backend ready again", 30)
+    turn = {
+        **first,
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And then?"},
+        ],
+    }
+    resp = await client.post("/v1/chat/completions", json=turn)
+    assert resp.status == 200, await resp.text()
+    assert int(resp.headers["X-Cache-Predicted-Tokens"]) > 0
+    cached = (await resp.json())["timings"]["cache_n"]
+    assert cached >= 0.9 * answer["usage"]["prompt_tokens"]
+    assert await scrape(client, "llama_cache_proxy_backend_restarts_total") == 0

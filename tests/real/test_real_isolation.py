@@ -38,8 +38,8 @@ async def test_timing_probe_across_tenants(llama_servers: Any, proxy: Any, mode:
         [server],
         isolation={"mode": mode},
         disk={"prefix_cache": "off"},
-        # a probe that times out while the CPU prefills would mark the backend down, and its
-        # return would forget every slot's tenant: this test is about the timing probe
+        # a probe starved while the CPU prefills would hold the backend down until the next
+        # one: this test times requests
         timeouts={"read_seconds": 120, "probe_seconds": 30},
     )
     cold, _ = await timed(client, "tenant-a")

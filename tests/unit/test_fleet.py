@@ -15,6 +15,7 @@ from proxy.core.server.fleet import (
     SlotProbe,
 )
 from proxy.core.server.placement import Need, pick_backend, place
+from proxy.core.server.ram_cache import RamEntry
 
 
 def ready_fleet(*slot_counts: int) -> Fleet:
@@ -23,6 +24,10 @@ def ready_fleet(*slot_counts: int) -> Fleet:
         slots = tuple(SlotProbe(i, False, 0, -1) for i in range(count))
         fleet.apply_probe(index, Probe(BackendPhase.READY, slots), now=0.0)
     return fleet
+
+
+def ready_probe(count: int) -> tuple[SlotProbe, ...]:
+    return tuple(SlotProbe(i, False, 0, -1) for i in range(count))
 
 
 def test_least_busy_backend_then_least_recently_used_slot() -> None:
@@ -133,8 +138,84 @@ def test_return_from_down_invalidates_and_keeps_our_claims() -> None:
     assert [s.phase for s in fleet.backends[0].slots] == [SlotPhase.IDLE, SlotPhase.BUSY]
 
 
-def ready_probe(count: int) -> tuple[SlotProbe, ...]:
-    return tuple(SlotProbe(i, False, 0, -1) for i in range(count))
+CONTENT = fingerprint_chat({"messages": [{"role": "user", "content": "held " * 90}]}, len)
+
+
+def served_fleet() -> Fleet:
+    """One backend of two slots that ran tasks 7 and 8, each slot holding a tenant's
+    content, with one RAM cache entry: what a return keeps or a restart forgets."""
+    fleet = ready_fleet(2)
+    seen = (SlotProbe(0, False, 90, 7), SlotProbe(1, False, 90, 8))
+    fleet.apply_probe(0, Probe(BackendPhase.READY, seen), now=1.0)
+    backend = fleet.backends[0]
+    for slot in backend.slots:
+        slot.content, slot.n_tokens, slot.owner = CONTENT, 90, "tenant"
+    backend.ram_entries = [RamEntry(CONTENT, at=0.5)]
+    fleet.mark_down(0)
+    return fleet
+
+
+def test_a_return_without_sign_of_a_restart_keeps_what_the_slots_hold() -> None:
+    """A probe timed out or a connection failed, and the server is back with the task ids
+    it had: the same process, with the same KV."""
+    fleet = served_fleet()
+    epoch = fleet.backends[0].epoch
+    seen = (SlotProbe(0, False, 90, 7), SlotProbe(1, False, 90, 8))
+    assert not fleet.apply_probe(0, Probe(BackendPhase.READY, seen), now=2.0)
+    backend = fleet.backends[0]
+    assert backend.phase is BackendPhase.READY
+    assert backend.epoch == epoch
+    assert [(s.content, s.owner) for s in backend.slots] == [(CONTENT, "tenant")] * 2
+    assert len(backend.ram_entries) == 1
+
+
+def test_a_slot_that_ran_a_task_unseen_while_away_is_forgotten() -> None:
+    fleet = served_fleet()
+    seen = (SlotProbe(0, False, 90, 7), SlotProbe(1, False, 120, 11))  # someone used slot 1
+    assert not fleet.apply_probe(0, Probe(BackendPhase.READY, seen), now=2.0)
+    backend = fleet.backends[0]
+    assert (backend.slots[0].content, backend.slots[0].owner) == (CONTENT, "tenant")
+    assert (backend.slots[1].content, backend.slots[1].owner) == (None, None)
+
+
+@pytest.mark.parametrize(
+    "probe",
+    [
+        pytest.param(Probe(BackendPhase.READY, ready_probe(2)), id="no-task-ids"),
+        pytest.param(
+            Probe(BackendPhase.READY, (SlotProbe(0, False, 0, 2), SlotProbe(1, False, 0, -1))),
+            id="task-ids-went-down",
+        ),
+        pytest.param(Probe(BackendPhase.READY, ready_probe(3)), id="slot-count-changed"),
+        pytest.param(Probe(BackendPhase.READY, ready_probe(2), read=False), id="slots-unread"),
+    ],
+)
+def test_a_return_with_sign_of_a_restart_or_none_to_read_forgets_it_all(probe: Probe) -> None:
+    fleet = served_fleet()
+    epoch = fleet.backends[0].epoch
+    assert fleet.apply_probe(0, probe, now=2.0)
+    backend = fleet.backends[0]
+    assert backend.epoch == epoch + 1
+    assert backend.ram_entries == []
+    assert all(s.content is None and s.owner is None for s in backend.slots)
+
+
+def test_a_return_counts_as_a_restart_when_no_task_id_was_ever_seen() -> None:
+    """Content only restored into its slots (a restore runs no task on a slot): a fresh
+    server would look the same."""
+    fleet = ready_fleet(1)
+    fleet.backends[0].slots[0].content = CONTENT
+    fleet.mark_down(0)
+    assert fleet.apply_probe(0, Probe(BackendPhase.READY, ready_probe(1)), now=2.0)
+    assert fleet.backends[0].slots[0].content is None
+
+
+def test_a_backend_that_loaded_its_model_again_restarted() -> None:
+    fleet = served_fleet()
+    fleet.apply_probe(0, Probe(BackendPhase.LOADING), now=2.0)
+    seen = (SlotProbe(0, False, 90, 7), SlotProbe(1, False, 90, 8))
+    assert fleet.apply_probe(0, Probe(BackendPhase.READY, seen), now=3.0)
+    assert all(s.content is None for s in fleet.backends[0].slots)
 
 
 @st.composite

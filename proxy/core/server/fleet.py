@@ -3,9 +3,17 @@ other replicas' leases and records.
 
 The state itself (backend and slot phases, the one safety rule) is in ``core.server.slots``.
 
-Restart detection from probes: no boot id, so a restart is inferred when a backend returns to
-READY from another phase, its slot count changes, or the highest ``id_task`` it reports goes
-down (task ids grow for a process's life). ``now`` comes from the caller: no clock read here.
+Restart detection from probes: llama-server has no boot id, so a restart is inferred from
+evidence: the backend was never READY or was LOADING (a start loads the model), its slot count
+changed, or the highest ``id_task`` its ``/slots`` reports went down (task ids grow for a
+process's life, and a fresh server's slots report none). A backend that was DOWN (a probe
+timed out, a connection failed) and comes back with none of that evidence kept its KV: its
+slot contents, tenants and RAM cache stay known, and only a slot on which a task ran unseen
+meanwhile (its ``id_task`` above every one seen before) is forgotten. Without that evidence
+to read (``/slots`` disabled or locked, or no task id ever seen) a return counts as a restart.
+A restarted server that ran more tasks than the old one had before its first read passes as
+a return; then a slot's shorter KV trims its content as at any read. ``now`` comes from the
+caller: no clock read here.
 
 ``/slots`` is a task to llama-server: reading it wakes a sleeping server and restarts its idle
 timer (``--sleep-idle-seconds``), so a probe reads it only while there is a reason
@@ -216,7 +224,8 @@ class Fleet:
         if probe.phase is not BackendPhase.READY:
             backend.phase = probe.phase
             return False
-        restarted = backend.phase is not BackendPhase.READY or self._restarted(backend, probe)
+        restarted, seen_up_to = self._restarted(backend, probe), backend.max_task_id
+        returned = backend.phase is BackendPhase.DOWN and not restarted
         backend.phase = BackendPhase.READY
         if restarted:
             backend.epoch += 1
@@ -229,7 +238,10 @@ class Fleet:
         if not probe.read:
             return restarted or slept
         for seen in probe.slots:
-            self._fold_slot(backend.slots[seen.id], seen, now)
+            slot = backend.slots[seen.id]
+            if returned and seen.task_id > seen_up_to and slot.phase is not SlotPhase.BUSY:
+                slot.content, slot.owner = None, None  # written unseen while it was away
+            self._fold_slot(slot, seen, now)
             backend.max_task_id = max(backend.max_task_id, seen.task_id)
         backend.unread = any(s.phase is SlotPhase.BUSY for s in backend.slots)
         return restarted
@@ -250,10 +262,17 @@ class Fleet:
 
     @staticmethod
     def _restarted(backend: BackendState, probe: Probe) -> bool:
+        """Whether a READY probe shows a server other than the one last seen (module
+        docstring): evidence of a restart, or a return from DOWN with none to read."""
+        if backend.phase in (BackendPhase.UNKNOWN, BackendPhase.LOADING):
+            return True
         if len(probe.slots) != len(backend.slots):
             return True
+        returned = backend.phase is BackendPhase.DOWN
+        if not probe.read:
+            return returned
         highest = max((s.task_id for s in probe.slots), default=-1)
-        return probe.read and highest < backend.max_task_id
+        return highest < backend.max_task_id or (returned and backend.max_task_id < 0)
 
     @staticmethod
     def _reset_slots(backend: BackendState, count: int) -> None:

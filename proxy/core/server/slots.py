@@ -3,7 +3,7 @@ changes it).
 
 State per backend: a phase (UNKNOWN until probed, READY, LOADING while llama-server loads
 its model, DOWN when unreachable), an ``epoch`` that increases whenever the backend's slot
-contents can no longer be trusted (it came back, restarted, or changed its slot count), and
+contents can no longer be trusted (it restarted, or came back with no way to tell), and
 its slots. Each slot is in one phase:
 
 - IDLE: nothing of ours or anyone's runs on it; it may be pinned.

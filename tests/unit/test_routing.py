@@ -759,6 +759,17 @@ def test_property_a_ram_view_read_by_heads_is_the_view_of_every_entry(
                 assert by_heads.pick(kept, length, skip) == every.pick(kept, length, skip) == whole
 
 
+def chain(rest: list[int], size_of: dict[int, int], user: int) -> Fingerprint:
+    """The chain of segment ids ``1, *rest``, each segment's size and whether it is a user
+    message (ids from ``user`` up; the anchor runs up to and including the first) following
+    from its id, as they follow from a real prompt's content."""
+    ids = (1, *rest)
+    tokens = tuple(itertools.accumulate(size_of[k] for k in ids))
+    users = tuple(i for i, k in enumerate(ids) if k >= user)
+    anchor = users[0] + 1 if users else len(ids)
+    return Fingerprint(fp(*ids).hashes, tokens, anchor, users=users)
+
+
 @st.composite
 def kin_scenes(draw: st.DrawFn) -> tuple[BackendState, Fingerprint]:
     """One backend whose slots and RAM entries hold chains opening with the request's first
@@ -767,15 +778,7 @@ def kin_scenes(draw: st.DrawFn) -> tuple[BackendState, Fingerprint]:
     from its id, as they follow from a real prompt's content."""
     size_of = {k: draw(st.sampled_from([50, 100, 300])) for k in range(1, 5)}
     user = draw(st.integers(2, 5))  # segment ids from this one up are user messages
-
-    def chain(rest: list[int]) -> Fingerprint:
-        ids = (1, *rest)
-        tokens = tuple(itertools.accumulate(size_of[k] for k in ids))
-        users = tuple(i for i, k in enumerate(ids) if k >= user)
-        anchor = users[0] + 1 if users else len(ids)  # up to and including that message
-        return Fingerprint(fp(*ids).hashes, tokens, anchor, users=users)
-
-    sized = st.lists(st.integers(2, 4), max_size=4).map(chain)
+    sized = st.lists(st.integers(2, 4), max_size=4).map(lambda rest: chain(rest, size_of, user))
     f = fleet(draw(st.integers(1, 4)), exact=(draw(st.booleans()),))
     backend = f.backends[0]
     backend.ram = draw(st.booleans())
@@ -1011,19 +1014,19 @@ def test_property_the_spare_strangers_found_by_loss_are_the_cheapest_of_all(
         st.tuples(
             st.lists(st.integers(2, 4), max_size=4),
             st.sampled_from([*SlotPhase, SlotPhase.BUSY, SlotPhase.BUSY]),
-            st.sampled_from([1, 2, 3]),
-            st.sampled_from([50, 100]),
         ),
         min_size=8,
         max_size=8,
     ),
     st.lists(st.integers(2, 4), min_size=1, max_size=4),
-    st.integers(1, 3),
+    st.fixed_dictionaries({k: st.sampled_from([50, 100]) for k in range(1, 5)}),
+    st.integers(2, 5),
 )
 def test_property_waiting_skips_only_busy_slots_that_cannot_save_more(
-    held: list[tuple[list[int], SlotPhase, int, int]],
+    held: list[tuple[list[int], SlotPhase]],
     asked: list[int],
-    anchor: int,
+    size_of: dict[int, int],
+    user: int,
 ) -> None:
     """A busy slot of another conversation (it shares the prompt's head, not its anchor)
     saves at most the prompt before its anchor, so ``waiting.worth_waiting`` does not work it
@@ -1031,13 +1034,11 @@ def test_property_waiting_skips_only_busy_slots_that_cannot_save_more(
     import proxy.core.routing.waiting as waiting
 
     f = fleet(4, 4)
-    for (ids, phase, at, size), slot in zip(
-        held, [s for b in f.backends for s in b.slots], strict=False
-    ):
-        content = replace(fp(1, *ids, size=size), anchor=at)
+    for (ids, phase), slot in zip(held, [s for b in f.backends for s in b.slots], strict=True):
+        content = chain(ids, size_of, user)
         slot.content, slot.phase, slot.last_used = content, phase, 50.0
         slot.pending = content if phase is SlotPhase.BUSY else None
-    request = replace(fp(1, *asked), anchor=min(anchor, len(asked) + 1))
+    request = chain(asked, size_of, user)
 
     def decide() -> Decision | NoPlacement:
         return route(request, f.backends, PARAMS, now=100.0, queued=9)

@@ -12,7 +12,8 @@ that changed none decides as the baseline, and its runs show the spread too. (A 
 predicate inside ``worth_waiting`` counts the calls where it would have held, not whether
 the decision changed.)
 
-    python -m bench.ablation [--repeat N] [--baseline N] [--only WORKLOAD ...] [--ablations ID ...]
+    python -m bench.ablation [--repeat N] [--baseline N] [--only WORKLOAD ...] [--ablations ID ...] \
+        [--backends 4] [--slots 4] [--chat] [--no-ram-cache | --ram-tokens N]
 
 Prints a Markdown table (hit rate, its delta against the baseline mean, mean request latency)
 and saves every run under ``bench/results/ablation/`` (with the commit and the command line,
@@ -132,13 +133,19 @@ ABLATIONS = [
         "wait bar in tokens alone (wait_min_fraction 1)",
         routing={"wait_min_fraction": 1.0},
     ),
+    A("hold-5", "holds up to the wait bound (hold_max_seconds 5)", routing={"hold_max_seconds": 5}),
+    A(
+        "wait-2",
+        "waits up to the hold bound (max_slot_wait_seconds 2)",
+        routing={"max_slot_wait_seconds": 2},
+    ),
 ]
 
 
 async def run_rows(args: argparse.Namespace, chosen: list[Ablation]) -> list[dict[str, Any]]:
     rows, started = [], time.perf_counter()
     for workload, shape in replay.scenarios(True, only=args.only):
-        backends, slots = shape or (4, 4)
+        backends, slots = shape or (args.backends, args.slots)
         runs: dict[str, list[dict[str, Any]]] = {a.id: [] for a in chosen}
         for round_ in range(max(args.repeat, args.baseline)):  # every variant once per round
             for a in chosen:
@@ -200,20 +207,31 @@ def main() -> None:
     parser.add_argument("--ablations", nargs="*", help="ablation ids (default: all)")
     parser.add_argument("--out", default="ablation", help="results stem under bench/results")
     parser.add_argument("--from-json", action="store_true", help="re-print the saved results")
+    parser.add_argument("--backends", type=int, default=4, help="fleet of rows without a shape")
+    parser.add_argument("--slots", type=int, default=4, help="slots of each of those backends")
+    parser.add_argument("--chat", action="store_true", help="prompts as chat messages")
+    parser.add_argument("--no-ram-cache", action="store_true", help="fakes without a RAM cache")
+    parser.add_argument("--ram-tokens", type=int, help="bound each fake's RAM cache (and tell)")
     args = parser.parse_args()
     if args.from_json:
         print_table(load(args.out))
         return
     args.baseline = args.baseline or max(2, args.repeat)
     chosen = [a for a in ABLATIONS if a.id == "baseline" or a.id in (args.ablations or [a.id])]
-    # the replay's defaults, as its main() sets them without options
-    replay.CHAT, replay.RAM_CACHE, replay.RAM_TOKENS, replay.IDLE_SAVES = False, True, None, True
+    # the replay's defaults, as its main() sets them without options (but these)
+    replay.CHAT, replay.RAM_CACHE, replay.IDLE_SAVES = args.chat, not args.no_ram_cache, True
+    replay.RAM_TOKENS = args.ram_tokens
     replay.REPLICAS, replay.SHARD, replay.STREAM, replay.PROCESS = 1, False, False, False
     replay.PREFILL_S_PER_TOKEN, replay.DECODE_S_PER_TOKEN = 2e-5, 0.005
     replay.ROUTING.clear()
     rows = asyncio.run(run_rows(args, chosen))
     result = {
         "timing": {"prefill_s_per_token": 2e-5, "decode_s_per_token": 0.005},
+        "fleet": {
+            "chat": args.chat,
+            "ram_cache": not args.no_ram_cache,
+            "ram_tokens": args.ram_tokens,
+        },
         "ablations": [
             {"id": a.id, "what": a.what, "routing": a.routing, "params": a.params} for a in chosen
         ],

@@ -12,8 +12,8 @@ that changed none decides as the baseline, and its runs show the spread too. (A 
 predicate inside ``worth_waiting`` counts the calls where it would have held, not whether
 the decision changed.)
 
-    python -m bench.ablation [--repeat N] [--baseline N] [--only WORKLOAD ...] [--ablations ID ...] \
-        [--backends 4] [--slots 4] [--chat] [--no-ram-cache | --ram-tokens N]
+    python -m bench.ablation [--repeat N] [--baseline N] [--only WORKLOAD ...] \
+        [--ablations ID ...] [--backends 4] [--slots 4] [--chat] [--no-ram-cache | --ram-tokens N]
 
 Prints a Markdown table (hit rate, its delta against the baseline mean, mean request latency)
 and saves every run under ``bench/results/ablation/`` (with the commit and the command line,

@@ -75,7 +75,7 @@ async def main_async(repeat: int, traces: list[str]) -> list[dict[str, Any]]:
     for workload in map(lmcache, traces):
         for round_ in range(repeat):
             for keyed in (True, False):
-                row = {"workload": workload.name, "keyed": keyed, "round": round_}
+                row: dict[str, Any] = {"workload": workload.name, "keyed": keyed, "round": round_}
                 row.update(await _run(workload, keyed))
                 print(json.dumps(row), flush=True)
                 rows.append(row)

@@ -105,10 +105,11 @@ def peak_rss_mib(pid: int) -> float:
     return 0.0
 
 
-def pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: int) -> float:
+    """The ``q``-th percentile of ``values`` (seconds), in milliseconds."""
     if not values:
         return 0.0
-    return statistics.quantiles(values, n=100)[q - 1] * 1000 if len(values) > 1 else values[0]
+    return (statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]) * 1000
 
 
 async def measure(

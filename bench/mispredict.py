@@ -112,7 +112,7 @@ async def run(
                 + views.get(int(headers.get("X-Bench-Plan", 0)), "  (no decision recorded)")
             )
 
-    Router.decider, Router.headers = traced_decider, traced_headers  # type: ignore[method-assign]
+    Router.decider, Router.headers = traced_decider, traced_headers  # type: ignore[method-assign,assignment]
     replay.OBSERVE = observe
     try:
         for i in range(runs):

@@ -6,16 +6,16 @@ prompts one after another, all sessions at once. The hit rate is read from the b
 own counters (cached / prompt tokens), so every router is measured the same way.
 
 Policies: ``ideal`` (infinite cache: the longest prefix any earlier prompt had, computed
-offline), ``round-robin`` (backends in turn, llama-server picks the slot), ``ours``
-(this proxy, disk tier off), ``ours-lru`` (this proxy without prefix routing),
-``ours-disk`` (this proxy with the disk tier on its default ``auto``, the fakes saving to
-one shared directory; ``ours-disk-nopark`` without parking), and the peer routers in ``bench/peers.py`` when installed, each
-with its cache-aware policy (``sglang-router``) and its session policy
+offline), ``round-robin`` (backends in turn, llama-server picks the slot), ``ours`` (this
+proxy, disk tier off), ``ours-lru`` (this proxy without prefix routing), ``ours-disk`` (this
+proxy with the disk tier on its default ``auto``, the fakes saving to one shared directory;
+``ours-disk-nopark`` without parking), and the peer routers in ``bench/peers.py`` when
+installed, each with its cache-aware policy (``sglang-router``) and its session policy
 (``sglang-router:manual``: those requests carry the session id in the router's header).
-``ours-NAME`` (with ``--checkout NAME=DIR``: the proxy of the checkout DIR, out of process,
-to compare commits in one run). ``--chat`` sends each prompt as chat messages
-(``workloads.chat_body``) instead of a raw completion prompt: the disk tier's scoped
-snapshots need message boundaries.
+``ours-NAME`` (with ``--checkout NAME=DIR``: the proxy of the checkout DIR, out of process, to
+compare commits in one run). ``--chat`` sends each prompt as chat messages
+(``workloads.chat_body``) instead of a raw completion prompt: the disk tier's scoped snapshots
+need message boundaries.
 
     python -m bench.replay [--backends 4] [--slots 4] [--peers] [--repeat N]
 

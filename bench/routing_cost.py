@@ -147,7 +147,7 @@ def at_scale(
             for k in range(parked)
         ]
     samples: dict[bool, list[float]] = {True: [], False: []}
-    index = FleetIndex()  # kept across decisions, as the router keeps it
+    kept = FleetIndex()  # kept across decisions, as the router keeps it
     for i in range(200):
         returning = bool(i % 2)
         session = f"s{rng.randrange(backends)}/{rng.randrange(slots)}" if returning else f"new{i}"
@@ -160,7 +160,7 @@ def at_scale(
             fleet.backends,
             RoutingParams(),
             now=200.0,
-            index=index,
+            index=kept,
         )
         samples[returning].append(time.perf_counter() - started)
     every = samples[True] + samples[False]

@@ -79,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from testbed import fake_memory
 from testbed.fake_memory import Memory, SlotMemory
@@ -295,7 +296,7 @@ class FakeLlamaServer:
 
     # -- API key, and routes that run no completion ----------------------------------------
     @web.middleware
-    async def _key_check(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _key_check(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """As llama-server: Authorization (Bearer optional), else X-Api-Key."""
         given = request.headers.get("Authorization", "") or request.headers.get("X-Api-Key", "")
         if self.api_key is None or request.path in ("/health", "/v1/health"):
@@ -682,7 +683,7 @@ class FakeLlamaServer:
                     return [slot, *others]
                 await self._changed.wait()
 
-    async def _free(self, slots: list[FakeSlot], task: int) -> None:
+    async def _free(self, slots: list[FakeSlot], task: int | None) -> None:
         async with self._changed:
             if not slots[0].busy or slots[0].task_id != task:
                 # already freed (a stream frees before its last bytes, as the real one), and
@@ -819,6 +820,7 @@ class FakeLlamaServer:
         drop_after: int | None,
     ) -> web.StreamResponse:
         slot, task = slots[0], slots[0].task_id
+        assert task is not None  # a taken slot runs a task
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         self._answering.add(task)  # a client that leaves now is noticed at the next write

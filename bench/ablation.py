@@ -133,12 +133,6 @@ ABLATIONS = [
         "wait bar in tokens alone (wait_min_fraction 1)",
         routing={"wait_min_fraction": 1.0},
     ),
-    A("hold-5", "holds up to the wait bound (hold_max_seconds 5)", routing={"hold_max_seconds": 5}),
-    A(
-        "wait-2",
-        "waits up to the hold bound (max_slot_wait_seconds 2)",
-        routing={"max_slot_wait_seconds": 2},
-    ),
 ]
 
 

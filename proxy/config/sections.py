@@ -134,8 +134,12 @@ class RoutingSettings(_Frozen):
     min_prefix_tokens: int = Field(default=16, ge=0)
     wait_min_tokens: int = Field(default=1024, ge=0, description="saving worth waiting for")
     wait_min_fraction: float = Field(default=0.5, ge=0, le=1, description="...or this share")
-    max_slot_wait_seconds: float = Field(default=5.0, ge=0, description="wait for a busy slot")
-    hold_max_seconds: float = Field(default=2.0, ge=0, description="slot held for a session")
+    max_slot_wait_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        description="the longest a request is kept from a slot: waiting for a busy one, or "
+        "held off one kept for its session's next turn; 0: neither",
+    )
     value_half_life_seconds: float = Field(default=600.0, gt=0)
     cache_key_sources: tuple[str, ...] = Field(
         default=(

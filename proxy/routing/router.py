@@ -101,7 +101,8 @@ class Router:
         self._scheduler = scheduler
         self._churn, self._backend_tokens = churn, backend_tokens
         # how soon sessions come back, and so how long a slot they left is held for them
-        self.returns = ReturnTracker(settings.routing.hold_max_seconds, shared=shared.enabled)
+        routing = settings.routing  # a hold is a wait: one bound for both
+        self.returns = ReturnTracker(routing.max_slot_wait_seconds, shared=shared.enabled)
 
     def tenant(self, request: web.Request) -> str | None:
         """The request's tenant under cache isolation (None when isolation is off)."""

@@ -184,8 +184,7 @@ async def test_a_session_back_while_its_slot_is_being_parked_waits_and_restores_
     fake = await fakes(n_slots=1, save_dir=tmp_path, ram_cache=False)
     fake.save_s = 0.3
     backends = [{"url": fake.url, "ram_cache": False}]
-    routing = {"hold_max_seconds": 0}  # the stranger takes the slot at once
-    client = await proxy(backends, disk=disk(tmp_path, park_min_tokens=200), routing=routing)
+    client = await proxy(backends, disk=disk(tmp_path, park_min_tokens=200))
     a1 = turn(0, 1)
     reply = await (await client.post("/v1/chat/completions", json=a1)).json()
     stranger = {"messages": [{"role": "user", "content": "unrelated " * 50}], "max_tokens": 4}

@@ -59,7 +59,7 @@ async def test_a_session_gets_its_slot_back_before_a_waiting_stranger(
 async def test_without_holds_the_stranger_takes_the_slot(fakes: Any, proxy: Any) -> None:
     backend = await lone_backend(fakes)
     client = await proxy(
-        [{"url": backend.url, "ram_cache": False}], routing={"hold_max_seconds": 0}
+        [{"url": backend.url, "ram_cache": False}], routing={"max_slot_wait_seconds": 0}
     )
     size, reused, _ = await two_sessions(client)
     assert reused < 0.5 * size  # B overwrote A's history: only the system prompt is shared

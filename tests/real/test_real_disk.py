@@ -138,7 +138,7 @@ async def test_a_session_back_while_its_slot_is_being_parked_restores_it(
     server = llama_servers(slots=1, extra=("--cache-ram", "0"))
     backends = [{"url": server.url, "ram_cache": False}]
     settings = disk(server, park_min_tokens=200)
-    client = await proxy(backends, disk=settings, routing={"hold_max_seconds": 0})
+    client = await proxy(backends, disk=settings)
     first, _ = await post(client, turn(0, prefix_cache={"scope": "off"}))  # nothing saved yet
     stranger = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
     taking = await once_placed(post(client, stranger), client)  # its park begins with it

@@ -341,7 +341,7 @@ async def test_the_ram_cache_model_follows_idle_slot_saves(
     server = llama_servers(slots=2, extra=flags)
     backend = {"url": server.url, "ram_cache_tokens": 91, "cache_idle_slots": idle_saves}
     client = await proxy(
-        [backend], routing={"hold_max_seconds": 0}, disk={"prefix_cache": "off", "park": "off"}
+        [backend], routing={"max_slot_wait_seconds": 0}, disk={"prefix_cache": "off", "park": "off"}
     )
 
     def text(word: str) -> str:
@@ -373,7 +373,9 @@ async def test_a_raw_prompts_ram_copy_counts_its_reply(
     load either way."""
     server = llama_servers(slots=1)
     client = await proxy(
-        [server.url], routing={"hold_max_seconds": 0}, disk={"prefix_cache": "off", "park": "off"}
+        [server.url],
+        routing={"max_slot_wait_seconds": 0},
+        disk={"prefix_cache": "off", "park": "off"},
     )
     first = "Tell me about the orchards and the tall trees in spring."
     other = "A different conversation about rivers, bridges and the boats upon them. " * 3
@@ -396,7 +398,7 @@ async def test_token_id_prompts_route_to_the_slot_holding_their_prefix(
     holding it and is predicted as the server then reuses it; a list mixing text and ids is
     served as text."""
     server = llama_servers(slots=2)
-    client = await proxy([server.url], routing={"hold_max_seconds": 0})
+    client = await proxy([server.url], routing={"max_slot_wait_seconds": 0})
     ids: dict[str, list[int]] = {}
     async with aiohttp.ClientSession() as direct:
         for topic in ("orchards", "rivers"):

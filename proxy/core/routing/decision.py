@@ -46,9 +46,9 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
   slot serving less is not the session's); under saturation, the least saving worth a wait.
 - ``wait_min_tokens`` (tokens, 1024) / ``wait_min_fraction`` (share of the prompt, 0.5): a
   saving worth waiting for a busy slot (half of it for a full backend's RAM copy).
-- ``max_slot_wait_seconds`` (s, 5): the bound on any wait.
-- ``hold_max_seconds`` (s, 2): the longest hold of a slot for its session
-  (``core.routing.returns``).
+- ``max_slot_wait_seconds`` (s, 5): the bound on any wait: for a busy slot, and behind a
+  slot held for its session (``core.routing.returns``; a hold is a wait for whoever would
+  take the slot). 0: neither.
 - ``value_half_life_seconds`` (s, 600): for how long what a slot holds counts against
   overwriting it (the prior; where overwritten content is lost, the measured return odds
   replace it: ``core.routing.return_odds``).

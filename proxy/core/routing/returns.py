@@ -25,9 +25,10 @@ cost of a wait for whoever would have taken it: worth it only if sessions do com
   (``missed``). Without this every replica would count its sessions' returns to the other
   replicas as misses, and hold nothing.
 - ``hold(now)``: over the last ``WINDOW`` outcomes, when returns are at least half of them,
-  twice the 90th percentile of the return gaps, at most ``max_hold``; otherwise 0 (sessions
-  come back too slowly for a hold to pay). Before any outcome, ``max_hold``: misses correct
-  it within ``max_hold`` seconds.
+  twice the 90th percentile of the return gaps, at most ``max_hold`` (the shell passes
+  ``max_slot_wait_seconds``: a hold is a wait for whoever would take the slot); otherwise 0
+  (sessions come back too slowly for a hold to pay). Before any outcome, ``max_hold``:
+  misses correct it within ``max_hold`` seconds.
 
 *Holding* (``held``): an idle slot is held from requests of other conversations (a chat
 request that does not share the content's first user message; a raw prompt that keeps less

@@ -160,7 +160,10 @@ class LlamaServerClient:
         """Open the client's own connection pool (inside the running event loop)."""
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-            self._session = aiohttp.ClientSession(connector=connector)
+            # no cookie jar: a cookie a backend (or a gateway before it) sets is its client's,
+            # relayed in the response; a jar would send it with every later client's request
+            jar = aiohttp.DummyCookieJar()
+            self._session = aiohttp.ClientSession(connector=connector, cookie_jar=jar)
 
     async def close(self) -> None:
         if self._owned and self._session is not None:

@@ -19,7 +19,7 @@ from testbed.stack import RedisServer, free_port
 REPLICA_SECRET = "test replicas' shared secret"
 
 
-def make_settings(urls: list[str], **over: Any) -> Settings:
+def make_settings(urls: list[str | dict[str, Any]], **over: Any) -> Settings:
     """Backends' reuse rule is configured (``prefix``) unless a test sets it: the probe of an
     ``auto`` backend would add its own requests to what the fakes record."""
     data: dict[str, Any] = {

@@ -18,6 +18,7 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 # Tests that exercise what the proxy refuses on purpose (docs/endpoints.md), with the reason.
 REFUSED: dict[str, str] = {
@@ -50,7 +51,9 @@ def refusal(test: str) -> str | None:
     return None
 
 
-def summarize(direct: dict[str, tuple[str, str]], proxied: dict[str, tuple[str, str]]) -> dict:
+def summarize(
+    direct: dict[str, tuple[str, str]], proxied: dict[str, tuple[str, str]]
+) -> dict[str, Any]:
     passing = sorted(t for t, (o, _) in direct.items() if o == "passed" and t in proxied)
     lost = [t for t in passing if proxied[t][0] != "passed"]
     refused = [t for t in lost if refusal(t)]
@@ -71,7 +74,7 @@ def summarize(direct: dict[str, tuple[str, str]], proxied: dict[str, tuple[str, 
     }
 
 
-def report(summary: dict, proxied: dict[str, tuple[str, str]]) -> str:
+def report(summary: dict[str, Any], proxied: dict[str, tuple[str, str]]) -> str:
     passing = len(summary["passing"]) or 1
     lines = [
         "| tests | count |",
@@ -94,7 +97,7 @@ def report(summary: dict, proxied: dict[str, tuple[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def failure_list(summary: dict, proxied: dict[str, tuple[str, str]]) -> str:
+def failure_list(summary: dict[str, Any], proxied: dict[str, tuple[str, str]]) -> str:
     rows = [f"- `{t}`: {proxied[t][1]}" for t in summary["failing"]]
     rows += [f"- `{t}` (refused on purpose: {refusal(t)})" for t in summary["refused"]]
     return "\n".join(rows or ["(none)"]) + "\n"

@@ -162,7 +162,8 @@ def _wrap_server(utils: Any, config: pytest.Config) -> None:
     def start(self: Any, *args: Any, **kwargs: Any) -> None:
         _use_local_model(self, model)
         if not via_proxy:
-            return original_start(self, *args, **kwargs)
+            original_start(self, *args, **kwargs)
+            return
         front = self.server_port
         self.server_port = _free_port()
         try:

@@ -12,7 +12,7 @@ from anthropic import AsyncAnthropic
 from proxy.core.request.anthropic_request import to_chat
 from testbed.fake_llama import render_chat, reply_words, tokenize
 
-SYSTEM = [
+SYSTEM: Any = [
     {
         "type": "text",
         "text": "x-anthropic-billing-header: cc_version=2.1; cc_entrypoint=cli; cch=a5145;",
@@ -23,15 +23,15 @@ SYSTEM = [
         "cache_control": {"type": "ephemeral"},
     },
 ]
-TOOLS = [
+TOOLS: Any = [
     {
         "name": "Read",
         "description": "Read a file.",
         "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
     }
 ]
-FIRST = [{"role": "user", "content": [{"type": "text", "text": "Open the README."}]}]
-SECOND = [
+FIRST: Any = [{"role": "user", "content": [{"type": "text", "text": "Open the README."}]}]
+SECOND: Any = [
     *FIRST,
     {
         "role": "assistant",
@@ -61,8 +61,8 @@ def expected(messages: list[dict[str, Any]], count: int = 8) -> str:
 
 async def test_a_claude_code_turn_is_a_pinned_chat_completion(proxy: Any, fakes: Any) -> None:
     client, fake = await sdk(proxy, fakes)
-    args = {"model": "m", "max_tokens": 8, "system": SYSTEM, "tools": TOOLS}
-    first = await client.messages.create(messages=FIRST, **args)  # type: ignore[arg-type]
+    args: dict[str, Any] = {"model": "m", "max_tokens": 8, "system": SYSTEM, "tools": TOOLS}
+    first = await client.messages.create(messages=FIRST, **args)
     assert first.content[0].type == "text"
     assert first.content[0].text == expected(FIRST)
     assert first.stop_reason == "max_tokens"
@@ -70,7 +70,7 @@ async def test_a_claude_code_turn_is_a_pinned_chat_completion(proxy: Any, fakes:
     assert path == "/v1/chat/completions"
     assert (sent["id_slot"], sent["cache_prompt"]) == (first_slot(fake), True)
     assert "cch=fffff;" in sent["messages"][0]["content"]
-    second = await client.messages.create(messages=SECOND, **args)  # type: ignore[arg-type]
+    second = await client.messages.create(messages=SECOND, **args)
     assert second.usage.cache_read_input_tokens is not None
     assert second.usage.cache_read_input_tokens > 100  # the first turn's KV, reused
     assert second.usage.input_tokens > 0
@@ -94,7 +94,7 @@ async def test_a_streamed_turn_reads_as_anthropic_events(proxy: Any, fakes: Any)
         max_tokens=8,
         system=SYSTEM,
         tools=TOOLS,
-        messages=FIRST,  # type: ignore[arg-type]
+        messages=FIRST,
     ) as stream:
         async for event in stream:
             names.append(event.type)
@@ -114,7 +114,7 @@ async def test_a_streamed_turn_reads_as_anthropic_events(proxy: Any, fakes: Any)
         max_tokens=8,
         system=SYSTEM,
         tools=TOOLS,
-        messages=FIRST,  # type: ignore[arg-type]
+        messages=FIRST,
     )
     assert again.usage.cache_read_input_tokens == message.usage.input_tokens - 1
     await client.close()
@@ -130,15 +130,13 @@ async def test_no_messages_is_answered_as_the_server_answers_it(proxy: Any, fake
 
 async def test_errors_take_anthropics_shape(proxy: Any, fakes: Any) -> None:
     client, _ = await sdk(proxy, fakes)
+    wrong: Any = [{"role": "user", "content": [3]}]  # a content block that is a number
     with pytest.raises(anthropic.BadRequestError) as bad:
-        await client.messages.create(
-            model="m",
-            max_tokens=8,
-            messages=[{"role": "user", "content": [3]}],  # type: ignore[list-item]
-        )
-    assert bad.value.body == {
+        await client.messages.create(model="m", max_tokens=8, messages=wrong)
+    body: Any = bad.value.body
+    assert body == {
         "type": "error",
-        "error": {"type": "invalid_request_error", "message": bad.value.body["error"]["message"]},
+        "error": {"type": "invalid_request_error", "message": body["error"]["message"]},
     }
-    assert "messages.content" in bad.value.body["error"]["message"]
+    assert "messages.content" in body["error"]["message"]
     await client.close()

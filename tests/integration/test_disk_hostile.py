@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-import proxy.disk.index
 from proxy.app import create_app
 from proxy.core.disk.snapshots import valid_name
 from proxy.disk.index import inside
@@ -40,7 +39,7 @@ def guarded_remove(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path
         if Path(path).resolve().is_relative_to(tmp_path.resolve()):
             real(path)
 
-    monkeypatch.setattr(proxy.disk.index.os, "remove", remove)
+    monkeypatch.setattr("proxy.disk.index.os.remove", remove)
     return tried
 
 
@@ -196,7 +195,7 @@ async def test_saves_of_one_client_at_once_count_against_each_other(
     async def ask(session: int) -> int:
         body = turn(session, 1)
         resp = await client.post("/v1/chat/completions", json=body, headers=bearer("a"))
-        return resp.status
+        return int(resp.status)
 
     assert await asyncio.gather(*(ask(s) for s in range(4))) == [200] * 4
     saves = [a for a in fake.slot_actions if a[0] == "save"]

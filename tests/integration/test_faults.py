@@ -305,7 +305,7 @@ async def _served_then_gone(fakes: Any, proxy: Any) -> tuple[Any, Any, dict[str,
 
 async def _ready(client: Any) -> None:
     async def ready() -> bool:
-        return (await client.get("/readyz")).status == 200
+        return bool((await client.get("/readyz")).status == 200)
 
     await until(ready, "the proxy holds the backend ready again")
 

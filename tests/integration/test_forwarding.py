@@ -212,7 +212,7 @@ async def test_a_burst_of_new_sessions_is_spread_over_every_replicas_backends(
         return resp.headers
 
     found = await asyncio.gather(*(send(s) for s in range(4)))
-    per_backend = defaultdict(int)
+    per_backend: defaultdict[str, int] = defaultdict(int)
     for headers in found:
         per_backend[headers["X-Cache-Backend"]] += 1
         assert "wait" not in headers["X-Cache-Route"], headers["X-Cache-Route"]

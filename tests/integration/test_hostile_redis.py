@@ -78,9 +78,10 @@ async def test_poisoned_replica_entries_never_redirect_traffic(
     await until_listed([str(c.make_url("")).rstrip("/") for c in pair])
     redis = aioredis.Redis.from_url(redis_server.url)
     far = time.time() + 10**6
-    genuine = (await redis.zrange(keys.REPLICAS, 0, 0))[0].decode()
+    first: Any = (await redis.zrange(keys.REPLICAS, 0, 0))[0]
+    genuine = first.decode()
     secret = REPLICA_SECRET.encode()
-    poison: dict[bytes | str, float] = {
+    poison: dict[Any, float] = {
         f"x@http://127.0.0.1:{port}": far,
         f"y@http://127.0.0.1:{port}|{far:.3f}|" + "0" * 64: far,
         sign_entry(b"another secret", f"z@http://127.0.0.1:{port}", far): far,

@@ -31,7 +31,7 @@ async def test_health_answers_as_llama_server_loading_then_ok(
     fake.loading = False
 
     async def ok() -> bool:
-        return (await client.get(path)).status == 200
+        return bool((await client.get(path)).status == 200)
 
     await until(ok, "the proxy's health turns ok")
     resp = await client.get(path)

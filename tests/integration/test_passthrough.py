@@ -186,7 +186,7 @@ async def test_client_closing_after_done_still_records_the_turn(
     resp.close()
     labels = {"endpoint": "/v1/chat/completions", "status": "200"}
     recorded = "llama_cache_proxy_requests_total"
-    await until_metric(client, recorded, lambda n: n >= 1, **labels)  # the turn's end
+    await until_metric(client, recorded, lambda n: n >= 1, 10.0, **labels)  # the turn's end
     page = await (await client.get("/metrics")).text()
     assert metric(page, recorded, **labels) == 1
     assert "unexpected error" not in caplog.text

@@ -104,7 +104,8 @@ async def test_a_refused_lease_does_not_hand_its_slot_to_a_waiter_as_another_rep
     the other replica's as the claim is given back, before any waiter is woken."""
     from proxy.state.redis import RedisStateStore
 
-    original, refused = RedisStateStore.acquire_lease, []
+    original = RedisStateStore.acquire_lease
+    refused: list[Any] = []
     asked, b_waits = asyncio.Event(), asyncio.Event()
 
     async def refuse_first(self: Any, *args: Any) -> bool:

@@ -108,7 +108,7 @@ async def test_openclaw_carrier_turns_stay_on_their_slot(fakes: Any, proxy: Any)
 async def test_cache_key_reuse_unsafe_and_busy_cases(fakes: Any, proxy: Any) -> None:
     fake = await fakes(n_slots=2, gen_s_per_token=0.01)
     client = await proxy([fake])
-    base = {
+    base: dict[str, Any] = {
         "messages": [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "topic A " * 20},

@@ -101,7 +101,7 @@ class Score:
 
 
 def score(turns: list[Turn]) -> Score:
-    last = {}
+    last: dict[Any, Any] = {}
     cached = ideal = total = ok = 0
     returning = [x for x in turns if x.turn > 0]
     for x in turns:

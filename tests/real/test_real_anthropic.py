@@ -67,7 +67,7 @@ async def test_answers_match_llama_servers_own_messages_endpoint(
         status, via_raw = await post(str(client.make_url("/v1/messages")), streamed)
         assert status == 200, via_raw
         assert events(via_raw) == events((await post(server.url + "/v1/messages", streamed))[1])
-    counted = await anthropic.messages.count_tokens(model="m", messages=FIRST)  # type: ignore[arg-type]
+    counted = await anthropic.messages.count_tokens(model="m", messages=FIRST)
     status, direct = await post(
         server.url + "/v1/messages/count_tokens", {"model": "m", "messages": FIRST}
     )
@@ -84,7 +84,7 @@ async def test_a_second_turn_reuses_the_first_turns_kv(llama_servers: Any, proxy
         extra_body=SAMPLING,
         system=SYSTEM,
         tools=TOOLS,
-        messages=FIRST,  # type: ignore[arg-type]
+        messages=FIRST,
     )
     assert first.usage.input_tokens > 100
     async with anthropic.messages.stream(
@@ -92,7 +92,7 @@ async def test_a_second_turn_reuses_the_first_turns_kv(llama_servers: Any, proxy
         extra_body=SAMPLING,
         system=SYSTEM,
         tools=TOOLS,
-        messages=TOOL_TURN,  # type: ignore[arg-type]
+        messages=TOOL_TURN,
     ) as stream:
         second = await stream.get_final_message()
     cached = second.usage.cache_read_input_tokens

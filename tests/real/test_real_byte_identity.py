@@ -78,7 +78,8 @@ class Recorder:
     change a slot (completions, warm-ups, slot actions), to replay them directly."""
 
     def __init__(self, server: LlamaServer) -> None:
-        self.server, self.log = server, []  # (path with query, body) or None: a restart
+        self.server = server
+        self.log: list[Any] = []  # (path with query, body) or None: a restart
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> str:

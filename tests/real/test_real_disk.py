@@ -160,7 +160,7 @@ async def test_shared_directory_restores_on_another_backend_unless_its_layout_di
     two = llama_servers(slots=2)
     other = llama_servers(slots=other_slots, save_dir=two.save_dir)  # one shared directory
     client = await proxy([two, other], disk=disk(two, prefix_cache="full"))
-    scoped = {"prefix_cache": {"scope": "2000"}}  # narrows full
+    scoped: dict[str, Any] = {"prefix_cache": {"scope": "2000"}}  # narrows full
     _, headers = await post(client, turn(0, **scoped))
     assert list(two.save_dir.glob("llp-*.bin"))
     saved_on = two if headers["X-Cache-Backend"].endswith(f":{two.port}") else other

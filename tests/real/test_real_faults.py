@@ -314,7 +314,7 @@ async def test_a_frozen_backend_comes_back_with_its_slot_state(
         server.proc.send_signal(signal.SIGCONT)
 
     async def ready() -> bool:
-        return (await client.get("/readyz")).status == 200
+        return bool((await client.get("/readyz")).status == 200)
 
     await until(ready, "the proxy holds the backend ready again", 30)
     turn = {

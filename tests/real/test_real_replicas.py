@@ -5,6 +5,7 @@ record of busy-slot pins can be read back)."""
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -100,7 +101,7 @@ async def test_replicas_that_lose_redis_split_a_real_servers_slots(
     redis_server.stop()
     for client in pair:  # each has seen the outage and drained what it may not pin
         await until_metric(client, "llama_cache_proxy_state_store_up", lambda n: n == 0)
-        await until(lambda c=client: settled(c, server), "the replica drains after the outage")
+        await until(partial(settled, client, server), "the replica drains after the outage")
     bodies = [
         {"messages": [{"role": "user", "content": f"Say hello number {i}."}], "max_tokens": 16}
         for i in range(8)

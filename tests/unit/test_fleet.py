@@ -30,6 +30,11 @@ def ready_probe(count: int) -> tuple[SlotProbe, ...]:
     return tuple(SlotProbe(i, False, 0, -1) for i in range(count))
 
 
+def phase_of(fleet: Fleet, backend: int = 0, slot: int = 0) -> SlotPhase:
+    """A slot's phase, read anew (each call may follow a change of it)."""
+    return fleet.backends[backend].slots[slot].phase
+
+
 def test_least_busy_backend_then_least_recently_used_slot() -> None:
     fleet = ready_fleet(2, 2)
     fleet.claim(Placement(0, (0,), 0), now=1.0)
@@ -341,9 +346,9 @@ def test_a_slot_someone_else_just_used_counts_as_just_used() -> None:
     slot = fleet.backends[0].slots[0]
     slot.last_used = 2.0
     fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, True, 50, 3),)), now=5.0)
-    assert slot.phase is SlotPhase.EXTERNAL
+    assert phase_of(fleet) is SlotPhase.EXTERNAL
     fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 80, 3),)), now=9.0)
-    assert slot.phase is SlotPhase.IDLE
+    assert phase_of(fleet) is SlotPhase.IDLE
     assert slot.last_used == 9.0
 
 
@@ -353,11 +358,11 @@ def test_a_slot_seen_busy_before_its_lease_is_freed_by_the_lease() -> None:
     probe seconds later (seen as 2 s stalls after a Redis outage)."""
     fleet = ready_fleet(2)
     fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, True, 50, 3),)), now=5.0)
-    assert fleet.backends[0].slots[0].phase is SlotPhase.EXTERNAL
+    assert phase_of(fleet) is SlotPhase.EXTERNAL
     fleet.fold_shared(0, {0}, {}, now=6.0, wall=1000.0)
-    assert fleet.backends[0].slots[0].phase is SlotPhase.REMOTE
+    assert phase_of(fleet) is SlotPhase.REMOTE
     fleet.fold_shared(0, set(), {}, now=6.5, wall=1000.5)
-    assert fleet.backends[0].slots[0].phase is SlotPhase.IDLE
+    assert phase_of(fleet) is SlotPhase.IDLE
 
 
 def test_a_slot_whose_lease_just_ended_counts_as_just_used() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy.core.replicas import auth
 from proxy.core.replicas.auth import sign_entry
 from proxy.core.server.fleet import Fleet
 from proxy.metrics import ProxyMetrics
@@ -42,7 +43,7 @@ def test_an_entry_with_an_undecodable_signature_is_refused_not_an_error() -> Non
 def test_an_entry_whose_check_raises_is_refused_and_the_rest_are_read(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    real = roster.verify_entry
+    real = auth.verify_entry  # what the roster calls
 
     def failing(secret: bytes, entry: str, score: float) -> str | None:
         if entry == "bad":

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
+from typing import Any
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -699,27 +701,38 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
         )
 
     pruned = decide()
-    options, distinct_busy = routing.options, waiting._distinct_busy
-    routing.options = lambda fp, b, index, spared, now, params, ram, load, offer: (  # type: ignore[assignment]
-        [
-            candidate(fp, b, s, now, params, ram, load, offer)
-            for s in b.slots
-            if s.phase is SlotPhase.IDLE and s.id not in spared
-        ],
-        [],
-        None,
-        None,
-    )
-    waiting._distinct_busy = lambda sharing: list(sharing)  # type: ignore[assignment]
-    busy_of = BackendIndex.waiting  # every busy slot, sharing the prompt's head or not
-    BackendIndex.waiting = lambda self, key: list(self.busy)  # type: ignore[method-assign]
-    continues = waiting.continues  # (no busy slot of another conversation skipped either)
-    waiting.continues = lambda fp, content: True  # type: ignore[assignment]
-    try:
+
+    def every_idle_slot(
+        fp: Any,
+        b: Any,
+        index: Any,
+        spared: Any,
+        now: Any,
+        params: Any,
+        ram: Any,
+        load: Any,
+        offer: Any,
+    ) -> tuple[list[Any], list[Any], None, None]:
+        return (
+            [
+                candidate(fp, b, s, now, params, ram, load, offer)
+                for s in b.slots
+                if s.phase is SlotPhase.IDLE and s.id not in spared
+            ],
+            [],
+            None,
+            None,
+        )
+
+    with (
+        mock.patch.object(routing, "options", every_idle_slot),
+        mock.patch.object(waiting, "_distinct_busy", lambda sharing: list(sharing)),
+        # every busy slot, sharing the prompt's head or not
+        mock.patch.object(BackendIndex, "waiting", lambda self, key: list(self.busy)),
+        # (no busy slot of another conversation skipped either)
+        mock.patch.object(waiting, "continues", return_value=True),
+    ):
         assert pruned == decide()
-    finally:
-        routing.options, waiting._distinct_busy = options, distinct_busy
-        waiting.continues, BackendIndex.waiting = continues, busy_of  # type: ignore[method-assign]
 
 
 @settings(max_examples=300)
@@ -885,7 +898,8 @@ def test_property_an_index_kept_across_changes_decides_as_one_built_anew(
     for _ in range(data.draw(st.integers(1, 6))):
         for index in (kept, None):  # the kept one first: it is built, then reused
             now = data.draw(st.sampled_from([100.0, 160.0]))
-            args = {"now": now, "affinity": hint, "hold": data.draw(st.sampled_from([0.0, 50.0]))}
+            hold = data.draw(st.sampled_from([0.0, 50.0]))
+            args: dict[str, Any] = {"now": now, "affinity": hint, "hold": hold}
             assert route(request, f.backends, PARAMS, index=kept, **args) == route(
                 request, f.backends, PARAMS, index=index, **args
             )
@@ -1044,12 +1058,8 @@ def test_property_waiting_skips_only_busy_slots_that_cannot_save_more(
         return route(request, f.backends, PARAMS, now=100.0, queued=9)
 
     skipping = decide()
-    continues = waiting.continues
-    waiting.continues = lambda fp, content: True  # type: ignore[assignment]
-    try:
+    with mock.patch.object(waiting, "continues", return_value=True):
         assert skipping == decide()
-    finally:
-        waiting.continues = continues
 
 
 @settings(max_examples=300)

@@ -14,7 +14,12 @@ def test_chunk_blocks_are_encoded_once_and_the_memo_is_bounded(monkeypatch: Any)
     counter = TokenCounter()
     calls: list[str] = []
     encode = counter.encode
-    monkeypatch.setattr(counter, "encode", lambda text: calls.append(text) or encode(text))
+
+    def counted(text: str) -> list[int]:
+        calls.append(text)
+        return encode(text)
+
+    monkeypatch.setattr(counter, "encode", counted)
     text = "the quick brown fox jumps over the lazy dog. " * 200  # 9000 characters: 5 chunks
     fp = fingerprint_text(text, lambda at, part: counter.blocks(at, part, 16))
     assert len(calls) == 5

@@ -152,9 +152,21 @@ class Settings(_Frozen):
         return int(self.listen.rpartition(":")[2])
 
 
+# settings that were removed, and what took their place: an old config names what to change
+RETIRED = {
+    "routing.hold_max_seconds": "holds are bounded by routing.max_slot_wait_seconds",
+    "routing.short_wait_tokens": "short queues are gone; waits are weighed by the decision",
+    "routing.short_wait_depth": "short queues are gone; waits are weighed by the decision",
+    "routing.slot_cache_key_similarity": "a cache_key's slot wins ties; nothing to set",
+    "routing.slot_cache_key_min_prefix": "a cache_key's slot must serve min_prefix_tokens",
+}
+
+
 def _describe(error: ValidationError) -> str:
     first = error.errors()[0]
     field = ".".join(str(part) for part in first["loc"]) or "settings"
+    if first["type"] == "extra_forbidden" and field in RETIRED:
+        return f"config: {field}: removed ({RETIRED[field]})"
     return f"config: {field}: {first['msg']}"
 
 

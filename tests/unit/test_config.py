@@ -102,6 +102,16 @@ def test_bad_config_is_one_line_naming_the_field(
     assert message.startswith(f"config: {field}:")
 
 
+def test_a_removed_setting_names_what_took_its_place() -> None:
+    env = {"LLAMA_CACHE_PROXY_ROUTING__HOLD_MAX_SECONDS": "2"}
+    with pytest.raises(ConfigError) as info:
+        load_settings(cli={"backends": ["http://a:1"]}, environ=env)
+    assert str(info.value) == (
+        "config: routing.hold_max_seconds: removed "
+        "(holds are bounded by routing.max_slot_wait_seconds)"
+    )
+
+
 def test_cli_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--backend", "nope"]) == 2
     err = capsys.readouterr().err.strip()

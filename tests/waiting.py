@@ -97,6 +97,15 @@ async def until_down(client: Any, server: Any) -> None:
     await until(down, f"the proxy sees {label} go")
 
 
+async def until_ready(client: Any, within: float = 10.0) -> None:
+    """Until the proxy behind ``client`` holds a backend ready (``/readyz`` answers 200)."""
+
+    async def ready() -> bool:
+        return bool((await client.get("/readyz")).status == 200)
+
+    await until(ready, "the proxy holds a backend ready", within)
+
+
 async def admin_view(client: Any, server: Any) -> dict[str, Any]:
     """The backend ``server`` as the proxy behind ``client`` sees it: its phase and its slots
     (``/admin/slots``; the proxy was started with ``admin_token=ADMIN``)."""

@@ -13,7 +13,7 @@ import pytest
 from proxy.app import SCHEDULER
 from testbed.probes import metric, server_timing
 from tests.conftest import chat
-from tests.waiting import ADMIN, admin_view, until, until_down, until_metric
+from tests.waiting import ADMIN, admin_view, until, until_down, until_metric, until_ready
 
 
 def _is_openai_error(body: dict[str, Any]) -> bool:
@@ -303,18 +303,11 @@ async def _served_then_gone(fakes: Any, proxy: Any) -> tuple[Any, Any, dict[str,
     return client, fake, turn
 
 
-async def _ready(client: Any) -> None:
-    async def ready() -> bool:
-        return bool((await client.get("/readyz")).status == 200)
-
-    await until(ready, "the proxy holds the backend ready again")
-
-
 async def test_backend_restart_invalidates_slot_state(fakes: Any, proxy: Any) -> None:
     client, fake, turn = await _served_then_gone(fakes, proxy)
     assert (await client.post("/completion", json={"prompt": "a"})).status == 503
     await fakes(port=fake.port, n_slots=2)  # a new process: its task ids start again
-    await _ready(client)
+    await until_ready(client)
     resp = await client.post("/v1/chat/completions", json=turn)
     assert resp.status == 200
     assert resp.headers["X-Cache-Predicted-Tokens"] == "0"
@@ -327,7 +320,7 @@ async def test_a_backend_back_from_an_outage_keeps_its_slot_state(fakes: Any, pr
     same task ids, the same KV. The conversation's next turn finds its slot."""
     client, fake, turn = await _served_then_gone(fakes, proxy)
     await fake.start(fake.port)  # the same server, its slots as they were
-    await _ready(client)
+    await until_ready(client)
     resp = await client.post("/v1/chat/completions", json=turn)
     assert resp.status == 200
     assert int(resp.headers["X-Cache-Predicted-Tokens"]) > 0

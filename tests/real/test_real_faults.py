@@ -19,7 +19,7 @@ from testbed.probes import metric, until_listed
 from testbed.stack import LlamaServer, ProxyProcess, Served, looping_client
 from tests.conftest import chat
 from tests.relay import Relay
-from tests.waiting import PLACED, Remote, scrape, until, until_down, until_metric
+from tests.waiting import PLACED, Remote, scrape, until, until_down, until_metric, until_ready
 
 ADMIN = {
     "LLAMA_CACHE_PROXY_ADMIN_TOKEN": "t",
@@ -312,11 +312,7 @@ async def test_a_frozen_backend_comes_back_with_its_slot_state(
         await until_down(client, server)
     finally:
         server.proc.send_signal(signal.SIGCONT)
-
-    async def ready() -> bool:
-        return bool((await client.get("/readyz")).status == 200)
-
-    await until(ready, "the proxy holds the backend ready again", 30)
+    await until_ready(client, 30)
     turn = {
         **first,
         "messages": [

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from typing import Any
 
 import aiohttp
@@ -16,6 +15,7 @@ import aiohttp
 from testbed.probes import metric, server_timing
 from testbed.stack import LlamaServer, free_port, wait_http
 from tests.conftest import chat
+from tests.waiting import until_ready
 
 GREEDY = {"temperature": 0, "seed": 42, "max_tokens": 24}
 
@@ -27,15 +27,6 @@ async def _direct(server: LlamaServer, path: str, body: dict[str, Any]) -> Any:
         async with session.post(server.url + path, json=sent) as resp:
             assert resp.status == 200, await resp.text()
             return await resp.text() if body.get("stream") else await resp.json()
-
-
-async def _until_ready(client: Any, within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if (await client.get("/readyz")).status == 200:
-            return
-        await asyncio.sleep(0.1)
-    raise TimeoutError("proxy not ready")
 
 
 def _stream_text(raw: str) -> str:
@@ -131,7 +122,7 @@ async def test_killed_backend_gives_503_then_recovers(llama_servers: Any, proxy:
     assert resp.status == 503
     assert (await resp.json())["error"]["type"] == "unavailable_error"
     server.start()
-    await _until_ready(client)
+    await until_ready(client, 30)
     assert (await client.post("/v1/chat/completions", json=body)).status == 200
 
 

@@ -224,8 +224,9 @@ class Fleet:
         if probe.phase is not BackendPhase.READY:
             backend.phase = probe.phase
             return False
-        restarted, seen_up_to = self._restarted(backend, probe), backend.max_task_id
-        returned = backend.phase is BackendPhase.DOWN and not restarted
+        returned, seen_up_to = backend.phase is BackendPhase.DOWN, backend.max_task_id
+        restarted = self._restarted(backend, probe, returned)
+        back = returned and not restarted  # the same process, its KV kept
         backend.phase = BackendPhase.READY
         if restarted:
             backend.epoch += 1
@@ -239,7 +240,7 @@ class Fleet:
             return restarted or slept
         for seen in probe.slots:
             slot = backend.slots[seen.id]
-            if returned and seen.task_id > seen_up_to and slot.phase is not SlotPhase.BUSY:
+            if back and seen.task_id > seen_up_to and slot.phase is not SlotPhase.BUSY:
                 slot.content, slot.owner = None, None  # written unseen while it was away
             self._fold_slot(slot, seen, now)
             backend.max_task_id = max(backend.max_task_id, seen.task_id)
@@ -261,14 +262,13 @@ class Fleet:
                 slot.phase = SlotPhase.IDLE
 
     @staticmethod
-    def _restarted(backend: BackendState, probe: Probe) -> bool:
+    def _restarted(backend: BackendState, probe: Probe, returned: bool) -> bool:
         """Whether a READY probe shows a server other than the one last seen (module
         docstring): evidence of a restart, or a return from DOWN with none to read."""
         if backend.phase in (BackendPhase.UNKNOWN, BackendPhase.LOADING):
             return True
         if len(probe.slots) != len(backend.slots):
             return True
-        returned = backend.phase is BackendPhase.DOWN
         if not probe.read:
             return returned
         highest = max((s.task_id for s in probe.slots), default=-1)

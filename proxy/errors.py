@@ -8,7 +8,6 @@
     ├── Refused                     403  a llama-server route the proxy does not serve, and why
     ├── PayloadTooLarge             413  body over ``max_body_bytes`` (closes the connection)
     ├── UnsupportedEncoding         415  body with a Content-Encoding (closes the connection)
-    ├── NoContent                   204  not an error: a backend's malformed 204, answered plain
     ├── InvalidApiKey, LoadingModel 401, 503  llama-server's own answers, in its bytes
     ├── ServiceUnavailable          503  no ready backend / queue full / wait too long (Retry-After)
     ├── BadGateway                  502  backend failed before answering
@@ -157,17 +156,6 @@ class UnsupportedEncoding(ProxyError):
     def __init__(self) -> None:
         message = "request body must not be encoded (Content-Encoding), as llama-server requires"
         super().__init__(message, headers={"Connection": "close"})
-
-
-class NoContent(ProxyError):
-    """Not an error: the backend answered 204 and then a chunked body, which HTTP forbids on
-    a 204 (llama-server's MCP CORS proxy does it). aiohttp's client reads that body's end as
-    the next response's status line and fails; the client gets a plain 204 instead."""
-
-    status = 204
-
-    def __init__(self) -> None:
-        super().__init__("no content")
 
 
 class ServiceUnavailable(ProxyError):

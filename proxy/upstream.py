@@ -16,7 +16,9 @@ it, and so does every forwarded request in place of the client's credential
 (``core.prompt.headers.with_credential``). A backend whose ``/slots`` and ``/props`` answer 401
 (a key the proxy lacks) stays ready, probed by the public ``/health``, as one slot.
 
-aiohttp client errors are translated here: a failed connect (no byte sent) is
+Proxied requests go out through ``proxy.upstream_http`` (keep-alive connections and a lean
+HTTP/1.1 exchange: the request path's client); the proxy's own calls through an aiohttp
+session. Errors are translated here: a failed connect (no byte sent) is
 ``UpstreamConnectError`` so the caller may retry elsewhere; silence past the read timeout is
 ``GatewayTimeout``; anything else before the response is ``BadGateway``.
 
@@ -27,7 +29,6 @@ server's message, so the caller never handles aiohttp errors.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -35,12 +36,12 @@ from enum import Enum
 from typing import Any
 
 import aiohttp
-from yarl import URL
 
 from proxy.config.settings import TimeoutSettings
 from proxy.core.prompt.headers import with_credential
 from proxy.core.server.fleet import BackendPhase, Probe, SlotProbe
-from proxy.errors import BadGateway, GatewayTimeout, NoContent, ProxyError
+from proxy.errors import BadGateway, GatewayTimeout, ProxyError
+from proxy.upstream_http import ConnectFailed, Pool, Response, UpstreamBroken
 
 
 class SlotUse(Enum):
@@ -129,17 +130,13 @@ class UpstreamConnectError(BadGateway):
     """The backend refused or could not be reached; nothing was sent."""
 
 
-def _no_content(exc: aiohttp.ClientResponseError) -> bool:
-    """``exc`` is aiohttp failing on a bodiless answer followed by an empty chunked body."""
-    return exc.message.startswith("Bad status line") and "b'0'" in exc.message
-
-
 class SlotActionFailed(Exception):
     """A disk-tier call (render, tokenize, warm, save, restore) did not succeed."""
 
 
 class LlamaServerClient:
-    """One shared ``ClientSession`` with explicit timeouts from Settings."""
+    """The request path's connections (``upstream_http.Pool``) and one ``ClientSession`` for
+    the proxy's own calls, with explicit timeouts from Settings."""
 
     def __init__(
         self,
@@ -155,6 +152,7 @@ class LlamaServerClient:
             total=None, connect=timeouts.connect_seconds, sock_read=timeouts.read_seconds
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=timeouts.probe_seconds)
+        self._pool = Pool(timeouts.connect_seconds, timeouts.read_seconds)
 
     async def open(self) -> None:
         """Open the client's own connection pool (inside the running event loop)."""
@@ -166,6 +164,7 @@ class LlamaServerClient:
             self._session = aiohttp.ClientSession(connector=connector, cookie_jar=jar)
 
     async def close(self) -> None:
+        self._pool.close()
         if self._owned and self._session is not None:
             await self._session.close()
             self._session = None
@@ -185,35 +184,25 @@ class LlamaServerClient:
         method: str,
         body: bytes | None,
         headers: list[tuple[str, str]],
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
+    ) -> AsyncIterator[Response]:
         """Open a request; yields the response with its headers read, body not yet.
         ``path`` is as the client sent it, query string included, still percent-encoded."""
-        url = URL(base_url + path, encoded=True)
         headers = with_credential(headers, self._keys.get(base_url))
         try:
-            response = await self._http.request(
-                method, url, data=body, headers=headers, timeout=self._request_timeout
-            )
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamConnectError(f"backend unreachable: {exc.os_error}") from None
-        except (TimeoutError, aiohttp.ServerTimeoutError):
+            response = await self._pool.request(base_url, path, method, body, headers)
+        except ConnectFailed as exc:
+            raise UpstreamConnectError(f"backend unreachable: {exc}") from None
+        except TimeoutError:
             raise GatewayTimeout("backend did not answer in time") from None
-        except aiohttp.ClientResponseError as exc:
-            if _no_content(exc):
-                raise NoContent from None
-            raise BadGateway(f"backend failed: {type(exc).__name__}") from None
-        except aiohttp.ClientError as exc:
-            raise BadGateway(f"backend failed: {type(exc).__name__}") from None
+        except UpstreamBroken as exc:
+            raise BadGateway(f"backend failed: {exc}") from None
         try:
             yield response
         except BaseException:
             response.close()  # unfinished: drop the connection so the server cancels the task
             raise
         else:
-            if response.status == 204:  # a chunked body may follow it (``NoContent``)
-                response.close()
-            else:
-                response.release()
+            response.release()
 
     async def probe(self, base_url: str, slots: bool = True) -> Probe:
         """``/health``, ``/props``, then, if ``slots`` and awake, ``/slots`` (a task: it wakes a
@@ -336,6 +325,6 @@ def _slot_probe(item: dict[str, Any]) -> SlotProbe:
 
 def translate_stream_error(exc: BaseException) -> ProxyError:
     """An error while reading a response body, as the proxy reports it."""
-    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+    if isinstance(exc, TimeoutError):
         return GatewayTimeout("backend went silent mid-response")
     return BadGateway(f"backend failed mid-response: {type(exc).__name__}")

@@ -40,7 +40,6 @@ from proxy.core.request.anthropic_reply import error_body as anthropic_error
 from proxy.errors import (
     LlamaShaped,
     MethodNotAllowed,
-    NoContent,
     NotFound,
     PayloadTooLarge,
     ProxyError,
@@ -145,8 +144,6 @@ _OWN = {"/healthz", "/readyz", "/metrics", "/admin/slots", "/admin/disk", "/admi
 
 
 def render(error: ProxyError, request_id: str, path: str = "") -> web.Response:
-    if isinstance(error, NoContent):
-        return web.Response(status=204, headers={"X-Request-Id": request_id})
     route = ROUTES.get(path)
     text = error.text()  # (llama-server's own answers keep its shape on every path)
     if route and route.via and not isinstance(error, LlamaShaped):

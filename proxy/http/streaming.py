@@ -54,6 +54,7 @@ from proxy.core.request.anthropic_reply import StreamReply, reply_body, sse_erro
 from proxy.errors import sse_error_event
 from proxy.http.middleware import RECORD, Ending
 from proxy.upstream import translate_stream_error
+from proxy.upstream_http import Response, UpstreamBroken
 
 
 @dataclass
@@ -65,13 +66,13 @@ class Outcome:
     first_byte_at: float | None = None
 
 
-def _is_stream(upstream: aiohttp.ClientResponse) -> bool:
+def _is_stream(upstream: Response) -> bool:
     return upstream.content_type == "text/event-stream"
 
 
 async def relay(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: Response,
     extra_headers: dict[str, str],
     clock: Callable[[], float],
     on_usage: Callable[[Outcome], None],
@@ -98,7 +99,7 @@ async def relay(
 
 async def _relay_stream(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: Response,
     headers: list[tuple[str, str]],
     extra_headers: dict[str, str],
     clock: Callable[[], float],
@@ -113,7 +114,7 @@ async def _relay_stream(
     recorded = False
     await response.prepare(request)
     try:
-        async for chunk in upstream.content.iter_any():
+        async for chunk in upstream.chunks():
             if outcome.first_byte_at is None:
                 outcome.first_byte_at = clock()
             ready = scanner.feed(chunk)
@@ -126,7 +127,8 @@ async def _relay_stream(
                 await response.write(ready)
             if scanner.done:
                 break  # the end event: the server has released the slot; nothing follows
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+    # (the backend failing, or the client: a write to a client that left fails too)
+    except (UpstreamBroken, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if request.transport is None or request.transport.is_closing():
             if recorded:
                 return _completed(outcome, scanner)  # the client left with its whole reply

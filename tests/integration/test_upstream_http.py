@@ -1,0 +1,258 @@
+"""The request path's HTTP/1.1 client (``proxy.upstream_http``) against scripted servers.
+
+Each server reads one request head (and its ``Content-Length`` body) at a time and answers
+with the bytes a test gives, so framing, reuse and failure cases are exact."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from proxy.upstream_http import (
+    HIGH_WATER,
+    ConnectFailed,
+    Origin,
+    Pool,
+    UpstreamBroken,
+)
+from testbed.stack import free_port
+
+Answer = Callable[[bytes], bytes | None]  # a request's head -> the bytes to send (None: close)
+
+
+class Scripted:
+    """A server answering each request with ``answer(head)``; counts connections and heads."""
+
+    def __init__(self, answer: Answer, close_after: bool = False) -> None:
+        self.answer, self.close_after = answer, close_after
+        self.heads: list[bytes] = []
+        self.connections = 0
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        await reader.readexactly(int(line.split(b":")[1]))
+                out = self.answer(head)
+                if out is None:
+                    break
+                writer.write(out)
+                await writer.drain()
+                if self.close_after:  # (the end of a body framed by the connection's end)
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@asynccontextmanager
+async def scripted(
+    answer: Answer, close_after: bool = False
+) -> AsyncIterator[tuple[Scripted, str]]:
+    server = Scripted(answer, close_after)
+    port = free_port()
+    listening = await asyncio.start_server(server.serve, "127.0.0.1", port)
+    try:
+        yield server, f"http://127.0.0.1:{port}"
+    finally:
+        for writer in server.writers:
+            writer.close()
+        listening.close()
+        await listening.wait_closed()
+
+
+def ok(body: bytes = b'{"x": 1}', extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+async def exchange(
+    pool: Pool, url: str, method: str = "POST", body: bytes | None = b"{}"
+) -> tuple[int, bytes]:
+    response = await pool.request(url, "/completion?x=1", method, body, [("X-A", "b")])
+    data = await response.read()
+    response.release()
+    return response.status, data
+
+
+async def test_a_request_goes_out_as_sent_and_its_connection_is_reused() -> None:
+    async with scripted(lambda head: ok()) as (server, url):
+        pool = Pool(5, 5)
+        assert await exchange(pool, url) == (200, b'{"x": 1}')
+        assert await exchange(pool, url) == (200, b'{"x": 1}')
+        pool.close()
+    assert server.connections == 1
+    lines = server.heads[0].split(b"\r\n")
+    assert lines[0] == b"POST /completion?x=1 HTTP/1.1"
+    assert b"X-A: b" in lines
+    assert b"Content-Length: 2" in lines
+    assert any(line.startswith(b"Host: 127.0.0.1:") for line in lines)
+
+
+async def test_a_chunked_body_with_extensions_and_trailers_is_read_whole() -> None:
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Type: text/event-stream\r\n\r\n"
+        b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n"
+    )
+    async with scripted(lambda head: chunked) as (server, url):
+        pool = Pool(5, 5)
+        response = await pool.request(url, "/", "POST", b"{}", [])
+        assert response.content_type == "text/event-stream"
+        assert [c async for c in response.chunks()] in ([b"hello", b" world"], [b"hello world"])
+        response.release()
+        assert await exchange(pool, url) == (200, b"hello world")  # the connection reused
+        pool.close()
+    assert server.connections == 1
+
+
+async def test_a_body_without_length_runs_to_the_close_and_its_connection_is_not_reused() -> None:
+    def answer(head: bytes) -> bytes | None:
+        return b"HTTP/1.1 200 OK\r\n\r\nuntil the end"
+
+    async with scripted(answer, close_after=True) as (server, url):
+        pool = Pool(5, 5)
+        assert await exchange(pool, url, "GET", None) == (200, b"until the end")
+        assert await exchange(pool, url, "GET", None) == (200, b"until the end")
+        pool.close()
+    assert server.connections == 2
+
+
+async def test_a_204_followed_by_a_chunked_end_is_bodiless_and_its_connection_dropped() -> None:
+    async with scripted(lambda head: b"HTTP/1.1 204 No Content\r\n\r\n0\r\n\r\n") as (server, url):
+        pool = Pool(5, 5)
+        assert await exchange(pool, url, "OPTIONS", None) == (204, b"")
+        assert await exchange(pool, url, "OPTIONS", None) == (204, b"")
+        pool.close()
+    assert server.connections == 2
+
+
+async def test_an_interim_100_continue_is_skipped() -> None:
+    async with scripted(lambda head: b"HTTP/1.1 100 Continue\r\n\r\n" + ok(b"done")) as (_, url):
+        pool = Pool(5, 5)
+        assert await exchange(pool, url) == (200, b"done")
+        pool.close()
+
+
+async def test_a_head_answer_has_no_body_whatever_its_length_says() -> None:
+    async with scripted(lambda head: b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n") as (s, url):
+        pool = Pool(5, 5)
+        assert await exchange(pool, url, "HEAD", None) == (200, b"")
+        assert await exchange(pool, url, "HEAD", None) == (200, b"")
+        pool.close()
+    assert s.connections == 1
+
+
+async def test_connection_close_is_honoured() -> None:
+    async with scripted(lambda head: ok(extra=b"Connection: close\r\n")) as (server, url):
+        pool = Pool(5, 5)
+        await exchange(pool, url)
+        await exchange(pool, url)
+        pool.close()
+    assert server.connections == 2
+
+
+async def test_a_refused_connect_is_connect_failed() -> None:
+    pool = Pool(5, 5)
+    with pytest.raises(ConnectFailed):
+        await pool.request(f"http://127.0.0.1:{free_port()}", "/", "POST", b"{}", [])
+
+
+async def test_silence_past_the_read_bound_is_a_timeout_and_drops_the_connection() -> None:
+    async with scripted(lambda head: b"") as (server, url):
+        pool = Pool(5, 0.2)
+        with pytest.raises(TimeoutError):
+            await pool.request(url, "/", "POST", b"{}", [])
+        assert await _closed_by_client(server)
+
+
+async def test_silence_mid_body_is_a_timeout() -> None:
+    partial = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"
+    async with scripted(lambda head: partial) as (_, url):
+        pool = Pool(5, 0.2)
+        response = await pool.request(url, "/", "POST", b"{}", [])
+        with pytest.raises(TimeoutError):
+            await response.read()
+        response.close()
+
+
+async def test_a_connection_lost_mid_body_is_broken() -> None:
+    async with scripted(lambda head: b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc") as (
+        server,
+        url,
+    ):
+        pool = Pool(5, 5)
+        response = await pool.request(url, "/", "POST", b"{}", [])
+        server.writers[-1].close()
+        with pytest.raises(UpstreamBroken):
+            await response.read()
+
+
+async def test_an_answer_that_is_not_http_is_broken() -> None:
+    async with scripted(lambda head: b"SSH-2.0-OpenSSH\r\n\r\n") as (_, url):
+        pool = Pool(5, 5)
+        with pytest.raises(UpstreamBroken):
+            await pool.request(url, "/", "POST", b"{}", [])
+
+
+async def test_a_reused_connection_the_server_closed_is_retried_only_when_idempotent() -> None:
+    served = 0
+
+    def answer(head: bytes) -> bytes | None:
+        nonlocal served
+        served += 1
+        return ok() if served % 2 else None  # every second request: the connection is closed
+
+    async with scripted(answer) as (server, url):
+        pool = Pool(5, 5)
+        assert (await exchange(pool, url, "GET", None))[0] == 200
+        assert (await exchange(pool, url, "GET", None))[0] == 200  # sent again on a new one
+        assert server.connections == 2
+        with pytest.raises(UpstreamBroken):
+            await exchange(pool, url, "POST")  # a POST may have run: not sent again
+        pool.close()
+
+
+async def test_a_slow_reader_pauses_the_backend_and_gets_every_byte() -> None:
+    size = 4 * HIGH_WATER
+    big = b"x" * size
+    async with scripted(lambda head: ok(big)) as (_, url):
+        pool = Pool(5, 5)
+        response = await pool.request(url, "/", "POST", b"{}", [])
+        await asyncio.sleep(0.05)  # (lets the backend write ahead of the reader)
+        assert response._buffered <= HIGH_WATER + 256 * 1024  # paused near the mark
+        assert await response.read() == big
+        response.release()
+        pool.close()
+
+
+def test_a_header_with_a_line_break_is_refused() -> None:
+    pool = Pool(5, 5)
+    with pytest.raises(UpstreamBroken, match="line break"):
+        asyncio.run(pool.request("http://127.0.0.1:1", "/", "GET", None, [("X", "a\r\nB: c")]))
+
+
+def test_the_host_header_and_path_prefix_follow_the_base_url() -> None:
+    assert Origin.of("http://[::1]:8080").host_header == "[::1]:8080"
+    assert Origin.of("https://llama.example/api").prefix == "/api"
+    assert Origin.of("https://llama.example/api").host_header == "llama.example"
+    assert Origin.of("https://llama.example/api").port == 443
+
+
+async def _closed_by_client(server: Scripted) -> bool:
+    """The server's side of the only connection sees the end within a second."""
+    writer = server.writers[-1]
+    for _ in range(100):
+        if writer.is_closing():
+            return True
+        await asyncio.sleep(0.01)
+    return False

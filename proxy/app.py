@@ -73,7 +73,13 @@ def create_app(
         state.reuse_known = backend.kv_reuse != "auto"  # probed (``reuse_probe``)
     scheduler = Scheduler(fleet, settings.queue, metrics, clock)
     keys = {b.base_url: b.key for b in settings.backends}
-    client = LlamaServerClient(None, settings.timeouts, keys)  # its pool opens at startup
+    labels = {b.base_url: b.label for b in settings.backends}
+
+    def opened(base_url: str) -> None:  # (a replica's URL, when forwarding, is not counted)
+        if base_url in labels:
+            metrics.upstream_connections.labels(labels[base_url]).inc()
+
+    client = LlamaServerClient(None, settings.timeouts, keys, opened)  # pool opens at startup
     if store is None:
         store = RedisStateStore(settings.redis_url) if settings.redis_url else InMemoryStateStore()
     shared = SharedState(

@@ -112,6 +112,12 @@ class ProxyMetrics:
         self.upstream_errors = counter(
             "upstream_errors", "Backend failures by kind", ["backend", "kind"]
         )
+        self.upstream_connections = counter(
+            "upstream_connections",
+            "Connections opened to each backend (kept alive and reused: near the request rate, "
+            "something between closes them)",
+            ["backend"],
+        )
         self.in_flight = gauge("requests_in_flight", "Requests being served")
         self.queued = gauge("requests_queued", "Requests waiting for a slot")
         self.slot_hold = gauge(
@@ -228,6 +234,7 @@ class ProxyMetrics:
                 metric.labels(backend)
             for kind in UPSTREAM_ERRORS:
                 self.upstream_errors.labels(backend, kind)
+            self.upstream_connections.labels(backend)
             for phase in SlotPhase:
                 self.slots.labels(backend, phase.value)
         for path, route in ROUTES.items():

@@ -29,7 +29,7 @@ server's message, so the caller never handles aiohttp errors.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -143,7 +143,9 @@ class LlamaServerClient:
         session: aiohttp.ClientSession | None,
         timeouts: TimeoutSettings,
         keys: Mapping[str, str | None] | None = None,
+        on_open: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_open(base_url)``: told of each connection the request path opens."""
         self._session = session  # None: opened by ``open`` (and closed by ``close``)
         self._owned = session is None
         self._keys = keys or {}  # base URL -> that backend's API key
@@ -152,7 +154,7 @@ class LlamaServerClient:
             total=None, connect=timeouts.connect_seconds, sock_read=timeouts.read_seconds
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=timeouts.probe_seconds)
-        self._pool = Pool(timeouts.connect_seconds, timeouts.read_seconds)
+        self._pool = Pool(timeouts.connect_seconds, timeouts.read_seconds, on_open=on_open)
 
     async def open(self) -> None:
         """Open the client's own connection pool (inside the running event loop)."""

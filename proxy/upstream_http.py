@@ -7,12 +7,15 @@ needs, on ``asyncio.Protocol``:
 
 - *Connections.* Each backend (scheme, host, port) has a stack of idle keep-alive
   connections; a request takes the most recent one, or opens one (bounded by the connect
-  timeout). A connection carries one exchange at a time and goes back to the stack only
-  when its response was read to its end, the server did not ask to close, and no stray
-  byte followed it (a malformed ``204`` followed by an empty chunked body, as some
-  llama-server endpoints send, is read as bodiless and its connection closed). A
-  connection the server closes while idle leaves the stack. A connection given back
-  unfinished (the client left, an error) is closed, so the server cancels the task.
+  timeout). One idle for ``IDLE_SECONDS`` is closed rather than reused: the server may be
+  closing it at that moment (llama-server's HTTP library closes an idle connection after
+  5 s), and a request sent on a connection as it closes is lost. A connection carries one
+  exchange at a time and goes back to the stack only when its response was read to its
+  end, the server did not ask to close, and no stray byte followed it (a malformed ``204``
+  followed by an empty chunked body, as some llama-server endpoints send, is read as
+  bodiless and its connection closed). A connection the server closes while idle leaves the
+  stack. A connection given back unfinished (the client left, an error) is closed, so the
+  server cancels the task.
 - *The exchange.* The request goes out as one write: the request line, ``Host``,
   the headers given (the caller has filtered them), ``Content-Length`` when there is a body
   (and for a bodiless ``POST``). The response head is parsed (status line, headers decoded
@@ -38,8 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -49,6 +53,7 @@ from yarl import URL
 HIGH_WATER = 256 * 1024  # bytes buffered for a slow reader before reading pauses
 LOW_WATER = 64 * 1024  # bytes buffered below which reading resumes
 MAX_HEAD = 64 * 1024  # bytes of a response head beyond which the answer is not HTTP
+IDLE_SECONDS = 4.0  # s: an idle connection older than this is not reused (the server's is 5)
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "PUT"})
 
 
@@ -96,6 +101,7 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self.response: Response | None = None
         self._paused = False
+        self.idle_since = 0.0  # when it was last given back (the pool's clock)
 
     # -- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -353,8 +359,16 @@ class Response:
 class Pool:
     """Keep-alive connections to every backend, and the request they carry."""
 
-    def __init__(self, connect_seconds: float, read_seconds: float) -> None:
-        self.connect_seconds, self.read_seconds = connect_seconds, read_seconds
+    def __init__(
+        self,
+        connect_seconds: float,
+        read_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_open: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_open(base_url)``: told of each connection opened (the metrics)."""
+        self.connect_seconds, self.read_seconds, self._clock = connect_seconds, read_seconds, clock
+        self._on_open = on_open
         self._idle: dict[Origin, list[_Connection]] = {}
         self._origins: dict[str, Origin] = {}
         self._tls: ssl.SSLContext | None = None
@@ -377,7 +391,7 @@ class Pool:
         origin = self.origin(base_url)
         head = _head(origin, method, path, body, headers)
         for attempt in (1, 2):
-            conn, reused = await self._connection(origin)
+            conn, reused = await self._connection(base_url, origin)
             response = Response(conn, self, origin, method)
             conn.response = response
             assert conn.transport is not None
@@ -398,12 +412,15 @@ class Pool:
             return response
         raise AssertionError("unreachable")
 
-    async def _connection(self, origin: Origin) -> tuple[_Connection, bool]:
+    async def _connection(self, base_url: str, origin: Origin) -> tuple[_Connection, bool]:
         idle = self._idle.get(origin)
-        while idle:
-            conn = idle.pop()
-            if not conn.lost:
-                return conn, True
+        if idle:
+            fresh = self._clock() - IDLE_SECONDS
+            while idle:
+                conn = idle.pop()
+                if not conn.lost and conn.idle_since >= fresh:
+                    return conn, True
+                conn.close()
         loop = asyncio.get_running_loop()
         tls = self._context() if origin.tls else None
         opening = loop.create_connection(
@@ -416,6 +433,8 @@ class Pool:
             raise ConnectTimeout() from None
         except OSError as exc:
             raise ConnectFailed(str(exc) or type(exc).__name__) from None
+        if self._on_open is not None:
+            self._on_open(base_url)
         return conn, False
 
     def _context(self) -> ssl.SSLContext:
@@ -424,6 +443,7 @@ class Pool:
         return self._tls
 
     def _give_back(self, origin: Origin, conn: _Connection) -> None:
+        conn.idle_since = self._clock()
         self._idle.setdefault(origin, []).append(conn)
 
     def close(self) -> None:

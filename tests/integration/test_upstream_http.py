@@ -13,6 +13,7 @@ import pytest
 
 from proxy.upstream_http import (
     HIGH_WATER,
+    IDLE_SECONDS,
     ConnectFailed,
     Origin,
     Pool,
@@ -150,6 +151,20 @@ async def test_a_head_answer_has_no_body_whatever_its_length_says() -> None:
         assert await exchange(pool, url, "HEAD", None) == (200, b"")
         pool.close()
     assert s.connections == 1
+
+
+async def test_a_connection_idle_past_the_bound_is_not_reused() -> None:
+    now = [0.0]
+    async with scripted(lambda head: ok()) as (server, url):
+        pool = Pool(5, 5, clock=lambda: now[0])
+        await exchange(pool, url)
+        now[0] += IDLE_SECONDS - 0.1
+        await exchange(pool, url)
+        assert server.connections == 1
+        now[0] += IDLE_SECONDS + 0.1
+        await exchange(pool, url)
+        pool.close()
+    assert server.connections == 2
 
 
 async def test_connection_close_is_honoured() -> None:

@@ -329,7 +329,14 @@ class Response:
 
     async def read(self) -> bytes:
         """The whole body."""
-        parts = [data async for data in self.chunks()]
+        if self._done:  # (all of it came with the head, as a small answer does)
+            parts = list(self._body)
+            self._body.clear()
+            self._buffered = 0
+            self._conn.pause(False)
+            self._maybe_return()
+        else:
+            parts = [data async for data in self.chunks()]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _maybe_return(self) -> None:

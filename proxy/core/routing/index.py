@@ -19,7 +19,9 @@ and a few dictionary lookups, plus the slots that share the prompt:
   ``L`` times its recency weight times the RAM discount ``d`` (``options.strangers``). Under
   the half-life prior the weight is ``0.5 ** ((now - last_used) / half_life)``, so the
   order of the losses does not depend on ``now``: it is the order of
-  ``log(L * d) + last_used * ln 2 / half_life``, kept sorted per backend. A decision walks it
+  ``log(L * d) + last_used * ln 2 / half_life``, kept sorted per backend once a second
+  decision reads the same grouping (the first ranks its strangers directly: a backend that
+  changes at every request never repays the sort). A decision walks it
   past the slots sharing the prompt (and held ones) and ranks exactly only the first few,
   those within a rounding margin of the first (``STRANGER_MARGIN``). Where the prior does
   not hold (the measured return odds, which are not monotone in age; a slot used after
@@ -72,6 +74,7 @@ class BackendIndex:
         # (half-life, RAM discount) -> the idle slots holding content by log loss
         self._orders: dict[tuple[float, float], list[tuple[float, float, int, SlotState]]] = {}
         self._held: dict[int, frozenset[int]] = {}  # chain length -> the slots' hashes there
+        self._loss_reads: set[tuple[float, float]] = set()  # ``kept_by_loss`` asked once
 
     def sharing(self, key: Head) -> list[SlotState]:
         """The idle slots whose content has head ``key``, in slot order. The first lookup
@@ -162,6 +165,21 @@ class BackendIndex:
                 held = frozenset([0] if contents else [])
             self._held[n] = held
         return (hashes[-1] if n else 0) in held
+
+    def kept_by_loss(
+        self, half_life: float, discount: float
+    ) -> list[tuple[float, float, int, SlotState]] | None:
+        """``by_loss``'s order from the second read of this index on; None at the first: the
+        order pays for its sort only when a later decision reads it again (a backend that
+        changes at every request, as a lone backend under load does, is read once per
+        grouping), and the caller ranks the few slots it needs directly instead."""
+        key = (half_life, discount)
+        if key in self._orders:
+            return self._orders[key]
+        if key not in self._loss_reads:
+            self._loss_reads.add(key)
+            return None
+        return self.by_loss(half_life, discount)
 
     def by_loss(
         self, half_life: float, discount: float

@@ -198,9 +198,10 @@ def _window(
         and index.latest <= now
         and not 0 < index.anchored <= fp.first
     ):
-        order = index.by_loss(params.value_half_life_s, params.ram_discount)
-        log, window = least_lost(order, skip)
-        return (-math.inf if empties else log), [*window, *empties]
+        order = index.kept_by_loss(params.value_half_life_s, params.ram_discount)
+        if order is not None:
+            log, window = least_lost(order, skip)
+            return (-math.inf if empties else log), [*window, *empties]
     return None, strangers.slots()
 
 
@@ -220,8 +221,9 @@ def _distinct(slots: Sequence[SlotState]) -> list[SlotState]:
 
 def _cheapest(strangers: Strangers, now: float, params: RoutingParams) -> list[SlotState]:
     """The first empty slot and the ``SPARES`` whose content costs least to lose: under the
-    half-life prior those are among the first few of the backend's slots by loss
-    (``index.least_lost``; their losses then ranked exactly), else all are ranked."""
+    half-life prior, on an index read before (``index.kept_by_loss``), those are among the
+    first few of the backend's slots by loss (``index.least_lost``; their losses then ranked
+    exactly), else all are ranked."""
     backend, index, skip = strangers
     empty = next((s for s in index.empty if s.id not in skip), None)
 
@@ -231,8 +233,11 @@ def _cheapest(strangers: Strangers, now: float, params: RoutingParams) -> list[S
         return (lost * recency(slot, now, params, backend), *_lru(slot))
 
     returns = params.returns is not None and (backend.exact or not backend.ram)
+    kept = None
     if not returns and index.latest <= now:
-        _, held = least_lost(index.by_loss(params.value_half_life_s, 1.0), skip, SPARES)
+        kept = index.kept_by_loss(params.value_half_life_s, 1.0)
+    if kept is not None:
+        _, held = least_lost(kept, skip, SPARES)
     else:
         held = [s for s in strangers.slots() if s.content is not None]
     return sorted(held, key=cost)[:SPARES] + ([empty] if empty is not None else [])

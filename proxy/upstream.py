@@ -20,7 +20,9 @@ Proxied requests go out through ``proxy.upstream_http`` (keep-alive connections 
 HTTP/1.1 exchange: the request path's client); the proxy's own calls through an aiohttp
 session. Errors are translated here: a failed connect (no byte sent) is
 ``UpstreamConnectError`` so the caller may retry elsewhere; silence past the read timeout is
-``GatewayTimeout``; anything else before the response is ``BadGateway``.
+``GatewayTimeout``; anything else before the response is ``BadGateway``, and so is a body
+that breaks off (``GatewayTimeout`` when it goes silent; a stream's relay reports its own,
+as its status line has gone).
 
 The disk tier's calls (``props``, ``render``, ``tokenize``, ``warm``, ``slot_action``) are
 here too: each returns the decoded JSON answer, or raises ``SlotActionFailed`` with the
@@ -41,7 +43,7 @@ from proxy.config.settings import TimeoutSettings
 from proxy.core.prompt.headers import with_credential
 from proxy.core.server.fleet import BackendPhase, Probe, SlotProbe
 from proxy.errors import BadGateway, GatewayTimeout, ProxyError
-from proxy.upstream_http import ConnectFailed, Pool, Response, UpstreamBroken
+from proxy.upstream_http import ConnectFailed, Pool, ReadTimeout, Response, UpstreamBroken
 
 
 class SlotUse(Enum):
@@ -200,6 +202,9 @@ class LlamaServerClient:
             raise BadGateway(f"backend failed: {exc}") from None
         try:
             yield response
+        except (UpstreamBroken, ReadTimeout) as exc:  # reading the body (a stream's relay
+            response.close()  # reports its own: the status line has gone)
+            raise translate_stream_error(exc) from None
         except BaseException:
             response.close()  # unfinished: drop the connection so the server cancels the task
             raise

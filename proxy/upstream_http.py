@@ -31,7 +31,8 @@ needs, on ``asyncio.Protocol``:
   reads of the body, as aiohttp's ``sock_read``. ``connect_seconds`` bounds a connect.
 
 Errors: ``ConnectFailed`` when no byte was sent (refused, unreachable, no route);
-``TimeoutError`` on a silence past the bound (``ConnectTimeout`` for a connect);
+``ReadTimeout`` on a silence past the read bound, ``ConnectTimeout`` past the connect bound
+(both ``TimeoutError``);
 ``UpstreamBroken`` for a connection lost or a response that is not HTTP/1.x. A request on
 a reused connection that the server had closed (its keep-alive timer) before any byte of
 the answer is sent again once on a new connection when its method is idempotent.
@@ -40,6 +41,7 @@ the answer is sent again once on a new connection when its method is idempotent.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections import deque
@@ -54,6 +56,8 @@ HIGH_WATER = 256 * 1024  # bytes buffered for a slow reader before reading pause
 LOW_WATER = 64 * 1024  # bytes buffered below which reading resumes
 MAX_HEAD = 64 * 1024  # bytes of a response head beyond which the answer is not HTTP
 IDLE_SECONDS = 4.0  # s: an idle connection older than this is not reused (the server's is 5)
+_DIGITS = re.compile(r"[0-9]{1,18}")  # a status code or Content-Length (ASCII digits only)
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "PUT"})
 
 
@@ -67,6 +71,10 @@ class ConnectFailed(UpstreamBroken):
 
 class ConnectTimeout(TimeoutError):
     """No connection within the connect timeout: nothing was sent."""
+
+
+class ReadTimeout(TimeoutError):
+    """The backend was silent past the read bound (before the head, or within the body)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,7 @@ class _Connection(asyncio.Protocol):
         self.response: Response | None = None
         self._paused = False
         self.idle_since = 0.0  # when it was last given back (the pool's clock)
+        self.answered = False  # a byte of the answer in flight arrived (the request was read)
 
     # -- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -113,6 +122,7 @@ class _Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
+        self.answered = True
         self._buffer += data
         self.response._feed()
         self._wake()
@@ -123,7 +133,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         if self.response is not None:
-            self.response._feed(eof=True)
+            self.response._feed(eof=True, reset=exc is not None)
         self._wake()
 
     # -- the reader's side ---------------------------------------------------------------
@@ -154,7 +164,7 @@ class _Connection(asyncio.Protocol):
 
 def _expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
-        waiter.set_exception(TimeoutError())
+        waiter.set_exception(ReadTimeout())
 
 
 class Response:
@@ -181,7 +191,8 @@ class Response:
         return raw.split(";", 1)[0].strip().lower()
 
     # -- parsing (called by the connection as bytes arrive) ------------------------------
-    def _feed(self, eof: bool = False) -> None:
+    def _feed(self, eof: bool = False, reset: bool = False) -> None:
+        """Parse what arrived; ``eof``: the connection ended (``reset``: abnormally)."""
         if eof:
             self._eof = True
         try:
@@ -189,13 +200,13 @@ class Response:
                 self._parse_head()
             if self._head_read and not self._done:
                 self._parse_body()
-        except UpstreamBroken as exc:
-            self._error = exc
+        except (UpstreamBroken, ValueError) as exc:  # (ValueError: a number not HTTP's)
+            self._error = exc if isinstance(exc, UpstreamBroken) else UpstreamBroken(str(exc))
             self._conn.close()
             return
         if eof and not self._done and self._error is None:
-            if self._head_read and self._framing == "close":
-                self._done = True
+            if self._head_read and self._framing == "close" and not reset:
+                self._done = True  # the body ran to the connection's end
             else:
                 self._error = UpstreamBroken("connection closed by the backend")
         if self._buffered > HIGH_WATER:
@@ -212,8 +223,8 @@ class Response:
             lines = bytes(buffer[:end]).decode("utf-8", "surrogateescape").split("\r\n")
             del buffer[: end + 4]
             version, _, rest = lines[0].partition(" ")
-            code = rest[:3]
-            if not version.startswith("HTTP/1.") or not code.isdigit():
+            code = rest.partition(" ")[0]
+            if not version.startswith("HTTP/1.") or len(code) != 3 or not _DIGITS.fullmatch(code):
                 raise UpstreamBroken(f"not an HTTP/1.x status line: {lines[0][:40]!r}")
             status = int(code)
             if 100 <= status < 200 and status != 101:
@@ -224,8 +235,9 @@ class Response:
                 if not colon or not name or name != name.strip():
                     raise UpstreamBroken(f"malformed header line: {line[:40]!r}")
                 headers.add(name, value.strip(" \t"))
-            self.status, self.headers, self._head_read = status, headers, True
+            self.status, self.headers = status, headers
             self._frame(version)
+            self._head_read = True  # (only once framed: a malformed head fails the request)
             return
 
     def _frame(self, version: str) -> None:
@@ -235,13 +247,14 @@ class Response:
             self._reusable = False
         if self._method == "HEAD" or self.status in (204, 304) or self.status < 200:
             self._framing, self._done = "none", True
-            # (a 204 may be followed by an empty chunked body: its connection is not reused)
-            self._reusable = self._reusable and self.status != 204
+            # (a 204 may be followed by an empty chunked body, and a 101 by another protocol:
+            # their connections are not reused)
+            self._reusable = self._reusable and self.status not in (101, 204)
         elif "chunked" in headers.get("Transfer-Encoding", "").lower():
             self._framing = "chunked"
         elif "Content-Length" in headers:
             length = headers["Content-Length"].strip()
-            if not length.isdigit():
+            if not _DIGITS.fullmatch(length):
                 raise UpstreamBroken("malformed Content-Length")
             self._framing, self._left = "length", int(length)
             self._done = self._left == 0
@@ -292,10 +305,9 @@ class Response:
                 self._chunk_state = "size"
             elif self._chunk_state == "size":
                 size = line.split(b";", 1)[0].strip()
-                try:
-                    self._left = int(size, 16)
-                except ValueError:
-                    raise UpstreamBroken("malformed chunk size") from None
+                if not _HEX.fullmatch(size):
+                    raise UpstreamBroken("malformed chunk size")
+                self._left = int(size, 16)
                 self._chunk_state = "data" if self._left else "trailer"
             elif not line:  # the empty line that ends the trailers
                 self._done = True
@@ -333,7 +345,8 @@ class Response:
             parts = list(self._body)
             self._body.clear()
             self._buffered = 0
-            self._conn.pause(False)
+            if self._conn.response is self:  # (not yet given back to the pool)
+                self._conn.pause(False)
             self._maybe_return()
         else:
             parts = [data async for data in self.chunks()]
@@ -379,6 +392,7 @@ class Pool:
         self._idle: dict[Origin, list[_Connection]] = {}
         self._origins: dict[str, Origin] = {}
         self._tls: ssl.SSLContext | None = None
+        self._closed = False
 
     def origin(self, base_url: str) -> Origin:
         found = self._origins.get(base_url)
@@ -400,7 +414,7 @@ class Pool:
         for attempt in (1, 2):
             conn, reused = await self._connection(base_url, origin)
             response = Response(conn, self, origin, method)
-            conn.response = response
+            conn.response, conn.answered = response, False
             assert conn.transport is not None
             try:
                 if body:
@@ -410,7 +424,7 @@ class Pool:
                 await response._head(self.read_seconds)
             except UpstreamBroken:
                 response.close()
-                if reused and attempt == 1 and method in _IDEMPOTENT and not conn._buffer:
+                if reused and attempt == 1 and method in _IDEMPOTENT and not conn.answered:
                     continue  # the server closed the idle connection as it was reused
                 raise
             except BaseException:
@@ -425,7 +439,8 @@ class Pool:
             fresh = self._clock() - IDLE_SECONDS
             while idle:
                 conn = idle.pop()
-                if not conn.lost and conn.idle_since >= fresh:
+                closing = conn.lost or conn.transport is None or conn.transport.is_closing()
+                if not closing and conn.idle_since >= fresh:
                     return conn, True
                 conn.close()
         loop = asyncio.get_running_loop()
@@ -450,10 +465,14 @@ class Pool:
         return self._tls
 
     def _give_back(self, origin: Origin, conn: _Connection) -> None:
+        if self._closed:  # (an answer read to its end after the pool closed)
+            conn.close()
+            return
         conn.idle_since = self._clock()
         self._idle.setdefault(origin, []).append(conn)
 
     def close(self) -> None:
+        self._closed = True
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()

@@ -64,7 +64,7 @@ It follows the real server's semantics (llama-server b11434, as verified against
 Tokens are whitespace-led words, and template markers (``<|im_end|>``) on their own, so a
 rendering cut at a message boundary tokenizes to a prefix of the whole. Service time is
 injectable (``prompt_s_per_token``, ``gen_s_per_token``), and so are faults (``fail_next``,
-``hang_next``, ``drop_next``, ``loading``). No randomness.
+``hang_next``, ``drop_next``, ``cut_next``, ``loading``). No randomness.
 """
 
 from __future__ import annotations
@@ -293,6 +293,11 @@ class FakeLlamaServer:
 
     def drop_next(self, after_chunks: int = 2) -> None:
         self.faults.append(("drop", after_chunks))
+
+    def cut_next(self, stall: bool) -> None:
+        """The next completion's answer stops after its head and a few bytes of its body:
+        the server then goes silent (``stall``) or closes the connection."""
+        self.faults.append(("cut", stall))
 
     # -- API key, and routes that run no completion ----------------------------------------
     @web.middleware
@@ -557,6 +562,8 @@ class FakeLlamaServer:
                 return self._error(arg, "injected failure", "server_error")
             if kind == "hang":
                 await asyncio.sleep(3600)
+            if kind == "cut":
+                return await self._cut(request, stall=arg)
             drop_after = arg
         else:
             drop_after = None
@@ -590,6 +597,17 @@ class FakeLlamaServer:
         finally:
             self._answering.discard(task)
             await self._free(slots, task)
+
+    async def _cut(self, request: web.Request, stall: bool) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        response.content_length = 1000
+        await response.prepare(request)
+        await response.write(b'{"choices": [')
+        if stall:
+            await asyncio.sleep(3600)
+        assert request.transport is not None
+        request.transport.close()
+        return response
 
     def _result(self) -> None:
         """A task result reached the HTTP side (``disconnect_poll_s``)."""

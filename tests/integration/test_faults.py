@@ -111,6 +111,26 @@ async def test_upstream_timeout_is_504_and_slot_drains(fakes: Any, proxy: Any) -
     assert fake.violations == []
 
 
+@pytest.mark.parametrize(
+    ("stall", "status", "kind"), [(True, 504, "timeout"), (False, 502, "failed")]
+)
+async def test_a_body_that_breaks_off_is_a_gateway_error_and_counted(
+    fakes: Any, proxy: Any, stall: bool, status: int, kind: str
+) -> None:
+    """A non-streamed answer whose body stops after its head: silent past the read bound
+    (504) or cut off (502), as an OpenAI error, counted, and the slot drained."""
+    fake = await fakes(n_slots=1)
+    client = await proxy([fake], timeouts={"read_seconds": 0.3})
+    fake.cut_next(stall=stall)
+    resp = await client.post("/completion", json={"prompt": "x"})
+    assert resp.status == status
+    assert _is_openai_error(await resp.json())
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_upstream_errors_total", kind=kind) == 1
+    assert (await client.post("/completion", json={"prompt": "x"})).status == 200
+    assert fake.violations == []
+
+
 async def test_upstream_error_status_passes_through_unchanged(fakes: Any, proxy: Any) -> None:
     fake = await fakes()
     client = await proxy([fake])

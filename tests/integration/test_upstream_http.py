@@ -6,6 +6,8 @@ with the bytes a test gives, so framing, reuse and failure cases are exact."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -21,14 +23,15 @@ from proxy.upstream_http import (
 )
 from testbed.stack import free_port
 
-Answer = Callable[[bytes], bytes | None]  # a request's head -> the bytes to send (None: close)
+# a request's head -> the bytes to send (None: close at once; (bytes, "close"): close after)
+Answer = Callable[[bytes], bytes | tuple[bytes, str] | None]
 
 
 class Scripted:
     """A server answering each request with ``answer(head)``; counts connections and heads."""
 
-    def __init__(self, answer: Answer, close_after: bool = False) -> None:
-        self.answer, self.close_after = answer, close_after
+    def __init__(self, answer: Answer, close_after: bool = False, reset: bool = False) -> None:
+        self.answer, self.close_after, self.reset = answer, close_after, reset
         self.heads: list[bytes] = []
         self.connections = 0
         self.writers: list[asyncio.StreamWriter] = []
@@ -46,8 +49,16 @@ class Scripted:
                 out = self.answer(head)
                 if out is None:
                     break
-                writer.write(out)
+                close = isinstance(out, tuple)
+                writer.write(out[0] if isinstance(out, tuple) else out)
                 await writer.drain()
+                if close:
+                    break
+                if self.reset:  # the connection reset after the answer's bytes (RST)
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()
+                    return
                 if self.close_after:  # (the end of a body framed by the connection's end)
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -58,9 +69,9 @@ class Scripted:
 
 @asynccontextmanager
 async def scripted(
-    answer: Answer, close_after: bool = False
+    answer: Answer, close_after: bool = False, reset: bool = False
 ) -> AsyncIterator[tuple[Scripted, str]]:
-    server = Scripted(answer, close_after)
+    server = Scripted(answer, close_after, reset)
     port = free_port()
     listening = await asyncio.start_server(server.serve, "127.0.0.1", port)
     try:
@@ -248,6 +259,65 @@ async def test_a_slow_reader_pauses_the_backend_and_gets_every_byte() -> None:
         assert await response.read() == big
         response.release()
         pool.close()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1x\r\n\r\n",
+        "HTTP/1.1 200 OK\r\nContent-Length: ²00\r\n\r\n".encode(),
+        b"HTTP/1.1 2000 OK\r\n\r\n",
+    ],
+)
+async def test_a_malformed_head_fails_the_request_itself(head: bytes) -> None:
+    async with scripted(lambda _: head) as (_, url):
+        pool = Pool(5, 5)
+        with pytest.raises(UpstreamBroken):
+            await pool.request(url, "/", "POST", b"{}", [])
+
+
+@pytest.mark.parametrize("size", [b"-3", b"0x3", b"1_0", b"\xc2\xb2"])
+async def test_a_chunk_size_that_is_not_hex_digits_is_broken(size: bytes) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + size + b"\r\nabc\r\n"
+    async with scripted(lambda _: answer) as (_, url):
+        pool = Pool(5, 1)
+        response = await pool.request(url, "/", "POST", b"{}", [])
+        with pytest.raises(UpstreamBroken):
+            await response.read()
+
+
+async def test_a_body_to_the_connections_end_cut_by_a_reset_is_broken() -> None:
+    async with scripted(lambda _: b"HTTP/1.1 200 OK\r\n\r\npartial", reset=True) as (_, url):
+        pool = Pool(5, 5)
+        response = await pool.request(url, "/", "GET", None, [])
+        with pytest.raises(UpstreamBroken):
+            await response.read()
+
+
+async def test_a_101_answer_does_not_return_its_connection() -> None:
+    async with scripted(lambda _: b"HTTP/1.1 101 Switching Protocols\r\n\r\n") as (s, url):
+        pool = Pool(5, 5)
+        assert await exchange(pool, url, "GET", None) == (101, b"")
+        assert await exchange(pool, url, "GET", None) == (101, b"")
+        pool.close()
+    assert s.connections == 2
+
+
+async def test_a_request_the_server_began_to_answer_is_not_sent_again() -> None:
+    served = 0
+
+    def answer(head: bytes) -> bytes | tuple[bytes, str]:
+        nonlocal served
+        served += 1
+        return ok() if served == 1 else (b"HTTP/1.1 100 Continue\r\n\r\n", "close")
+
+    async with scripted(answer) as (server, url):
+        pool = Pool(5, 5)
+        assert (await exchange(pool, url, "GET", None))[0] == 200
+        with pytest.raises(UpstreamBroken):  # an interim head came: the request was read
+            await exchange(pool, url, "GET", None)
+        pool.close()
+    assert len(server.heads) == 2
 
 
 def test_a_header_with_a_line_break_is_refused() -> None:

@@ -20,7 +20,8 @@ needs, on ``asyncio.Protocol``:
   the headers given (the caller has filtered them), ``Content-Length`` when there is a body
   (and for a bodiless ``POST``). The response head is parsed (status line, headers decoded
   as UTF-8 with surrogate escapes, as aiohttp does, so bytes relayed back are the bytes
-  received); ``1xx`` interim heads are skipped. The body is framed by the method and
+  received); ``1xx`` interim heads are skipped (a ``101`` ends the exchange, and its
+connection is closed). The body is framed by the method and
   status (``HEAD``, ``1xx``, ``204``, ``304``: none), else ``Transfer-Encoding: chunked``
   (chunk extensions and trailers read and dropped), else ``Content-Length``, else it runs
   to the end of the connection.
@@ -32,10 +33,11 @@ needs, on ``asyncio.Protocol``:
 
 Errors: ``ConnectFailed`` when no byte was sent (refused, unreachable, no route);
 ``ReadTimeout`` on a silence past the read bound, ``ConnectTimeout`` past the connect bound
-(both ``TimeoutError``);
-``UpstreamBroken`` for a connection lost or a response that is not HTTP/1.x. A request on
-a reused connection that the server had closed (its keep-alive timer) before any byte of
-the answer is sent again once on a new connection when its method is idempotent.
+(both ``TimeoutError``); ``UpstreamBroken`` for a connection lost (or reset before a body
+that runs to its end was whole) or an answer that is not HTTP/1.x (a malformed head fails
+the request itself). A request on a reused connection that the server had closed (its
+keep-alive timer) before any byte of the answer came is sent again once, on a new
+connection, when its method is idempotent.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from proxy.upstream_http import (
     UpstreamBroken,
 )
 from testbed.stack import free_port
+from tests.waiting import until
 
 # a request's head -> the bytes to send (None: close at once; (bytes, "close"): close after)
 Answer = Callable[[bytes], bytes | tuple[bytes, str] | None]
@@ -198,7 +199,7 @@ async def test_silence_past_the_read_bound_is_a_timeout_and_drops_the_connection
         pool = Pool(5, 0.2)
         with pytest.raises(TimeoutError):
             await pool.request(url, "/", "POST", b"{}", [])
-        assert await _closed_by_client(server)
+        await until(server.writers[-1].is_closing, "the server sees the connection closed")
 
 
 async def test_silence_mid_body_is_a_timeout() -> None:
@@ -331,13 +332,3 @@ def test_the_host_header_and_path_prefix_follow_the_base_url() -> None:
     assert Origin.of("https://llama.example/api").prefix == "/api"
     assert Origin.of("https://llama.example/api").host_header == "llama.example"
     assert Origin.of("https://llama.example/api").port == 443
-
-
-async def _closed_by_client(server: Scripted) -> bool:
-    """The server's side of the only connection sees the end within a second."""
-    writer = server.writers[-1]
-    for _ in range(100):
-        if writer.is_closing():
-            return True
-        await asyncio.sleep(0.01)
-    return False

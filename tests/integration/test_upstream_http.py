@@ -128,25 +128,38 @@ async def test_a_chunked_body_with_extensions_and_trailers_is_read_whole() -> No
     assert server.connections == 1
 
 
-async def test_a_body_without_length_runs_to_the_close_and_its_connection_is_not_reused() -> None:
-    def answer(head: bytes) -> bytes | None:
-        return b"HTTP/1.1 200 OK\r\n\r\nuntil the end"
-
-    async with scripted(answer, close_after=True) as (server, url):
+@pytest.mark.parametrize(
+    ("answer", "method", "expected", "connections", "close_after"),
+    [
+        # a body without length runs to the connection's end: that connection is done
+        (b"HTTP/1.1 200 OK\r\n\r\nuntil the end", "GET", (200, b"until the end"), 2, True),
+        # a 204 followed by a chunked end is bodiless, and its connection dropped
+        (b"HTTP/1.1 204 No Content\r\n\r\n0\r\n\r\n", "OPTIONS", (204, b""), 2, False),
+        # an answer to HEAD has no body whatever its length says; its connection is reused
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n", "HEAD", (200, b""), 1, False),
+        # Connection: close is honoured
+        (ok(extra=b"Connection: close\r\n"), "POST", (200, b'{"x": 1}'), 2, False),
+        # a 101 does not return its connection (another protocol follows)
+        (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "GET", (101, b""), 2, False),
+    ],
+    ids=["to-the-close", "204-chunked-end", "head", "connection-close", "101"],
+)
+async def test_framing_and_whether_a_connection_is_reused(
+    answer: bytes,
+    method: str,
+    expected: tuple[int, bytes],
+    connections: int,
+    close_after: bool,
+) -> None:
+    """Two requests get the same answer, read as HTTP/1.1 frames it, over as many connections
+    as the first answer leaves reusable (the server closes after a body to the close)."""
+    body = b"{}" if method == "POST" else None
+    async with scripted(lambda head: answer, close_after=close_after) as (server, url):
         pool = Pool(5, 5)
-        assert await exchange(pool, url, "GET", None) == (200, b"until the end")
-        assert await exchange(pool, url, "GET", None) == (200, b"until the end")
+        for _ in range(2):
+            assert await exchange(pool, url, method, body) == expected
         pool.close()
-    assert server.connections == 2
-
-
-async def test_a_204_followed_by_a_chunked_end_is_bodiless_and_its_connection_dropped() -> None:
-    async with scripted(lambda head: b"HTTP/1.1 204 No Content\r\n\r\n0\r\n\r\n") as (server, url):
-        pool = Pool(5, 5)
-        assert await exchange(pool, url, "OPTIONS", None) == (204, b"")
-        assert await exchange(pool, url, "OPTIONS", None) == (204, b"")
-        pool.close()
-    assert server.connections == 2
+    assert server.connections == connections
 
 
 async def test_an_interim_100_continue_is_skipped() -> None:
@@ -154,15 +167,6 @@ async def test_an_interim_100_continue_is_skipped() -> None:
         pool = Pool(5, 5)
         assert await exchange(pool, url) == (200, b"done")
         pool.close()
-
-
-async def test_a_head_answer_has_no_body_whatever_its_length_says() -> None:
-    async with scripted(lambda head: b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n") as (s, url):
-        pool = Pool(5, 5)
-        assert await exchange(pool, url, "HEAD", None) == (200, b"")
-        assert await exchange(pool, url, "HEAD", None) == (200, b"")
-        pool.close()
-    assert s.connections == 1
 
 
 async def test_a_connection_idle_past_the_bound_is_not_reused() -> None:
@@ -174,15 +178,6 @@ async def test_a_connection_idle_past_the_bound_is_not_reused() -> None:
         await exchange(pool, url)
         assert server.connections == 1
         now[0] += IDLE_SECONDS + 0.1
-        await exchange(pool, url)
-        pool.close()
-    assert server.connections == 2
-
-
-async def test_connection_close_is_honoured() -> None:
-    async with scripted(lambda head: ok(extra=b"Connection: close\r\n")) as (server, url):
-        pool = Pool(5, 5)
-        await exchange(pool, url)
         await exchange(pool, url)
         pool.close()
     assert server.connections == 2
@@ -293,15 +288,6 @@ async def test_a_body_to_the_connections_end_cut_by_a_reset_is_broken() -> None:
         response = await pool.request(url, "/", "GET", None, [])
         with pytest.raises(UpstreamBroken):
             await response.read()
-
-
-async def test_a_101_answer_does_not_return_its_connection() -> None:
-    async with scripted(lambda _: b"HTTP/1.1 101 Switching Protocols\r\n\r\n") as (s, url):
-        pool = Pool(5, 5)
-        assert await exchange(pool, url, "GET", None) == (101, b"")
-        assert await exchange(pool, url, "GET", None) == (101, b"")
-        pool.close()
-    assert s.connections == 2
 
 
 async def test_a_request_the_server_began_to_answer_is_not_sent_again() -> None:

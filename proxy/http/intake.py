@@ -28,9 +28,9 @@ async def read_body(request: web.Request, settings: Settings) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
     try:
-        if request.content.is_eof():  # the whole body came with the head: nothing to wait for
-            return await request.read()
-        async with asyncio.timeout(settings.timeouts.client_body_seconds):
+        # a body that came whole with its head has nothing to wait for: no timer is armed
+        bound = None if request.content.is_eof() else settings.timeouts.client_body_seconds
+        async with asyncio.timeout(bound):
             return await request.read()
     except TimeoutError:
         raise RequestTimeout("the request body did not arrive in time") from None

@@ -967,9 +967,27 @@ def test_property_the_stranger_found_by_loss_is_the_best_of_all(
     params = replace(PARAMS, ram_discount=discount)
     left = Strangers(backend, FleetIndex().of(backend), frozenset())
     every = max(_stranger_ranks(request, backend, 100.0, params, 0, backend.slots))
-    for _ in range(2):  # the first read ranks every stranger, the second walks the order kept
+    for _ in range(3):  # the first read ranks every stranger, the second walks the order
+        # kept, the third reads what the second found (nothing to skip: kept with the index)
         [found] = strangers(request, [left], 100.0, params, {0: 0})
         assert (found.slot, found.score) == (every[3], every[0])
+
+
+def test_the_cheapest_stranger_kept_with_a_grouping_is_read_past_the_slots_skipped() -> None:
+    """What ``BackendIndex.cheapest`` keeps for a read skipping no slot is not the answer to
+    one that skips some (the slots sharing the prompt): that one walks the order."""
+    from proxy.core.routing.index import FleetIndex
+
+    f = fleet(3)
+    for slot in f.backends[0].slots:
+        hold(f, 0, slot.id, fp(10 + slot.id), at=10.0 * slot.id)  # slot 0 the least recent
+    index = FleetIndex().of(f.backends[0])
+    reads = [index.cheapest(600.0, 0.1, frozenset()) for _ in range(3)]
+    assert reads[0] is None  # (the first read of a grouping: no order kept yet)
+    assert [found[1] for found in reads[1:] if found] == [[f.backends[0].slots[0]]] * 2
+    past = index.cheapest(600.0, 0.1, frozenset({0}))
+    assert past is not None
+    assert list(past[1]) == [f.backends[0].slots[1]]
 
 
 @settings(max_examples=300)
@@ -1012,6 +1030,7 @@ def test_property_the_spare_strangers_found_by_loss_are_the_cheapest_of_all(
     left = Strangers(backend, FleetIndex().of(backend), frozenset(skip))
     first, found = _cheapest(left, 100.0, PARAMS), _cheapest(left, 100.0, PARAMS)
     assert first == found  # (the first read ranks every stranger, the second the order kept)
+    assert _cheapest(left, 100.0, PARAMS) == found  # (a third: what the second found, kept)
 
     def cost(slot: SlotState) -> tuple[float, float, int]:
         assert slot.content is not None
@@ -1088,7 +1107,7 @@ def test_property_a_spare_strangers_bound_is_never_below_its_score(
     params = replace(PARAMS, ram_discount=discount)
     offer = None if offer_tokens is None else restore_offer(offer_tokens, offer_tokens / 4)
     ram = ram_view(request, backend)
-    ceiling = replace(kin_ceiling(kin_reach(request), backend, ram, offer), floor=0)
+    ceiling = kin_ceiling(kin_reach(request), backend, ram, offer)._replace(floor=0)
     for slot in backend.slots[: len(held)]:
         score = candidate(request, backend, slot, 100.0, params, ram, 0, offer).score
         assert kin_bound(request, backend, slot, 100.0, params, ceiling) >= score

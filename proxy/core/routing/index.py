@@ -75,6 +75,8 @@ class BackendIndex:
         self._orders: dict[tuple[float, float], list[tuple[float, float, int, SlotState]]] = {}
         self._held: dict[int, frozenset[int]] = {}  # chain length -> the slots' hashes there
         self._loss_reads: set[tuple[float, float]] = set()  # ``kept_by_loss`` asked once
+        # (half-life, RAM discount, count) -> ``least_lost`` skipping no slot
+        self._cheapest: dict[tuple[float, float, int], tuple[float, list[SlotState]]] = {}
 
     def sharing(self, key: Head) -> list[SlotState]:
         """The idle slots whose content has head ``key``, in slot order. The first lookup
@@ -180,6 +182,23 @@ class BackendIndex:
             self._loss_reads.add(key)
             return None
         return self.by_loss(half_life, discount)
+
+    def cheapest(
+        self, half_life: float, discount: float, skip: frozenset[int], count: int = 1
+    ) -> tuple[float, Sequence[SlotState]] | None:
+        """``least_lost`` over ``kept_by_loss``'s order (None while it is not kept). With no
+        slot to skip, as on most backends of a fleet (none of their slots shares the prompt),
+        the answer is the grouping's own and kept with it."""
+        order = self.kept_by_loss(half_life, discount)
+        if order is None:
+            return None
+        if skip:
+            return least_lost(order, skip, count)
+        key = (half_life, discount, count)
+        found = self._cheapest.get(key)
+        if found is None:
+            found = self._cheapest[key] = least_lost(order, skip, count)
+        return found
 
     def by_loss(
         self, half_life: float, discount: float

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from operator import itemgetter
 from typing import NamedTuple
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.index import BackendIndex, continues, head, least_lost, margin
+from proxy.core.routing.index import BackendIndex, continues, head, margin
 from proxy.core.routing.scoring import (
     Candidate,
     RamView,
@@ -96,18 +95,21 @@ def options(
     the third None then)."""
     key = head(fp)
     sharing = index.sharing(key) if key is not None else ()
-    ours: list[SlotState] = []
+    found: list[Candidate] = []
     kin: list[SlotState] = []
-    for slot in sharing:
-        if slot.id not in spared:
-            (ours if continues(fp, slot.content) else kin).append(slot)
-    if len(ours) > 1:
-        ours = _distinct(ours)
-    if len(kin) > 1:
-        kin = _distinct(kin)
-    found = [candidate(fp, backend, slot, now, params, ram, load, offer) for slot in ours]
-    shared = frozenset(s.id for s in sharing)
-    skip = spared | shared if spared else shared
+    skip = spared
+    if sharing:  # (most backends of a fleet have none: their strangers alone)
+        ours: list[SlotState] = []
+        for slot in sharing:
+            if slot.id not in spared:
+                (ours if continues(fp, slot.content) else kin).append(slot)
+        if len(ours) > 1:
+            ours = _distinct(ours)
+        if len(kin) > 1:
+            kin = _distinct(kin)
+        found = [candidate(fp, backend, slot, now, params, ram, load, offer) for slot in ours]
+        shared = frozenset(s.id for s in sharing)
+        skip = spared | shared if spared else shared
     strangers = Strangers(backend, index, skip) if len(skip) < len(index.idle) else None
     gains = offer is not None or bool(ram.loadable)
     if strangers is not None and gains:  # a RAM entry or a snapshot may come into any of them
@@ -139,7 +141,7 @@ def kin(
             continue
         bounded += ((kin_bound(fp, backend, s, now, params, ceiling), backend, s) for s in near)
         if strangers is not None:
-            bare = replace(ceiling, floor=0)
+            bare = ceiling._replace(floor=0)
             spares = _cheapest(strangers, now, params)
             bounded += ((kin_bound(fp, backend, s, now, params, bare), backend, s) for s in spares)
     bounded.sort(key=itemgetter(0), reverse=True)
@@ -198,9 +200,9 @@ def _window(
         and index.latest <= now
         and not 0 < index.anchored <= fp.first
     ):
-        order = index.kept_by_loss(params.value_half_life_s, params.ram_discount)
-        if order is not None:
-            log, window = least_lost(order, skip)
+        found = index.cheapest(params.value_half_life_s, params.ram_discount, skip)
+        if found is not None:
+            log, window = found
             return (-math.inf if empties else log), [*window, *empties]
     return None, strangers.slots()
 
@@ -235,11 +237,9 @@ def _cheapest(strangers: Strangers, now: float, params: RoutingParams) -> list[S
     returns = params.returns is not None and (backend.exact or not backend.ram)
     kept = None
     if not returns and index.latest <= now:
-        kept = index.kept_by_loss(params.value_half_life_s, 1.0)
-    if kept is not None:
-        _, held = least_lost(kept, skip, SPARES)
-    else:
-        held = [s for s in strangers.slots() if s.content is not None]
+        kept = index.cheapest(params.value_half_life_s, 1.0, skip, SPARES)
+    slots = kept[1] if kept is not None else strangers.slots()
+    held = [s for s in slots if s.content is not None]
     return sorted(held, key=cost)[:SPARES] + ([empty] if empty is not None else [])
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import NamedTuple
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint, common_segments
@@ -166,7 +167,10 @@ def recency(slot: SlotState, now: float, params: RoutingParams, backend: Backend
     once it is overwritten (an ``exact`` backend, or one without the RAM cache), the measured
     odds that its session is back for it (``core.routing.return_odds``); else, and before any return
     was measured, the half-life prior."""
-    return weigher(now, params, backend)(slot.last_used)
+    returns = params.returns
+    if returns is not None and (backend.exact or not backend.ram):
+        return returns.weight(max(0.0, now - slot.last_used))
+    return _recency(slot.last_used, now, params)
 
 
 def weigher(now: float, params: RoutingParams, backend: BackendState) -> Callable[[float], float]:
@@ -287,10 +291,10 @@ def candidate(
     return Candidate(backend, slot, reuse, score, load, restore, from_ram, extends)
 
 
-@dataclass(frozen=True)
-class KinCeiling:
+class KinCeiling(NamedTuple):
     """What bounds a kin slot's score on one backend (kin: a slot sharing a token with the
-    prompt but not its anchor: another conversation's, under the same system prompt)."""
+    prompt but not its anchor: another conversation's, under the same system prompt). (A
+    tuple: one per backend per decision, made fast.)"""
 
     gain: float  # the most it gains: the prompt before its conversation, a RAM load, a restore
     before: int  # the most it reuses of its own: the prompt before its conversation

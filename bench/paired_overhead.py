@@ -106,6 +106,18 @@ async def run(
     return rows
 
 
+def checkouts(items: list[str]) -> dict[str, str | None]:
+    """``--checkout NAME=DIR`` items as names to checkout directories, after ``this``
+    (None: the checkout running the benchmark)."""
+    found: dict[str, str | None] = {"this": None}
+    for item in items:
+        name, _, source = item.partition("=")
+        if not name or not source or not Path(source, "proxy").is_dir():
+            raise SystemExit(f"--checkout {item!r}: NAME=DIR, DIR a checkout of the proxy")
+        found[name] = str(Path(source).resolve())
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -115,13 +127,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     args = parser.parse_args()
-    checkouts: dict[str, str | None] = {"this": None}
-    for item in args.checkout:
-        name, _, source = item.partition("=")
-        if not name or not source or not Path(source, "proxy").is_dir():
-            raise SystemExit(f"--checkout {item!r}: NAME=DIR, DIR a checkout of the proxy")
-        checkouts[name] = str(Path(source).resolve())
-    rows = asyncio.run(run(checkouts, args.rounds, args.requests, args.concurrency))
+    rows = asyncio.run(run(checkouts(args.checkout), args.rounds, args.requests, args.concurrency))
     clients = "one client" if args.concurrency == 1 else f"{args.concurrency} clients"
     print(f"{machine_line()}; {clients}, {args.requests} requests per round, {args.rounds} rounds")
     print_markdown(

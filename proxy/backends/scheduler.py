@@ -7,12 +7,19 @@ module adds the waiting. A request that cannot be placed joins a FIFO queue (at 
 
 Waiting is event-driven: a decision changes only when a slot frees, a probe changes what
 a backend can take, or the waiter's own clock runs out (``recheck_at``: the time its
-routing stops waiting for a busy slot; a hold's end comes as a ``wake``). A release frees
-given slots; waiters are decided again in queue order (a request that does not fit yet does
-not block one that does) only until those slots are taken again: from then on every other
-waiter sees the fleet as it was when it chose to wait, so deciding again would only say
-so. The cost of a release is therefore the number of waiters that pass the freed slot up
-(none, when the first waiter takes it), not the number waiting. A full
+routing stops waiting for a busy slot; a hold's end comes as a ``wake``). A release asks
+only the waiters it can affect, first come first served, and only until the freed slots
+are taken again: from then on every other waiter sees the fleet as it was when it chose to
+wait, so deciding again would only say so. Which waiters a release can affect is an index,
+updated whenever a waiter decides: a routed waiter is filed under the keys its decision
+gives (``core.routing.wakes.Awaiting``: the slot it waits for, its conversation, its head
+when a kin slot could serve it nearly as much), any other under "any release". A release
+asks those waiting for a freed slot first (it holds what they came back for), then, in
+arrival order, the others filed under one of its keys (``core.routing.wakes.release_keys``)
+or under any release; every waiter when it moves the fleet across a bar that changes any
+wait (``core.routing.waiting.reconsidered``). So a release costs the decisions of the
+waiters it can affect that pass the freed slot up (none, when the first one takes it), not
+the number waiting. A full
 queue or an expired wait answers 503 with ``Retry-After``. While no backend is ready (start-up,
 a restart, an outage) requests wait the same way, and go as soon as a probe finds a backend
 ready (``wake``); so do requests that use no slot (``backend``). A waiter cancelled (client
@@ -22,17 +29,29 @@ gone) at the moment it was granted a slot gives the slot straight back, so no cl
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 
 from proxy.config.settings import QueueSettings
 from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.routing.waiting import reconsidered
+from proxy.core.routing.wakes import Awaiting, Key, release_keys
 from proxy.core.server.fleet import BackendPhase, Fleet, NoPlacement, Placement, SlotPhase
 from proxy.errors import ServiceUnavailable
 from proxy.metrics import ProxyMetrics
 
-Decide = Callable[[], Placement | NoPlacement]
-Waiter = tuple[Decide, Fingerprint | None]
+Decide = Callable[[], Placement | NoPlacement | Awaiting]
 SlotRef = tuple[int, int]  # (backend index, slot id)
+Future = asyncio.Future[Placement]
+
+
+@dataclass
+class _Waiter:
+    decide: Decide
+    content: Fingerprint | None  # the prompt it brings
+    order: int  # its arrival: waiters are asked first come, first served
+    keys: frozenset[Key] | None = None  # of its last decision (None: any release)
 
 
 class Scheduler:
@@ -47,8 +66,12 @@ class Scheduler:
         self._settings = settings
         self._metrics = metrics
         self._clock = clock
-        # in arrival order (a dict keeps it): each waiter's decision and the prompt it brings
-        self._waiters: dict[asyncio.Future[Placement], Waiter] = {}
+        self._waiters: dict[Future, _Waiter] = {}  # in arrival order (a dict keeps it)
+        # which waiters a release can affect (module docstring), each in arrival order
+        self._filed: dict[Key, dict[Future, None]] = {}
+        self._any: dict[Future, None] = {}  # any release may change their decision
+        self._anchors: Counter[int] = Counter()  # of the conversation keys filed
+        self._arrivals = 0
         self._ready: list[asyncio.Future[None]] = []  # requests that use no slot, waiting
         self._wake_due = 0.0  # when the earliest ``wake_at`` timer pending fires
 
@@ -61,7 +84,9 @@ class Scheduler:
         retry = str(self._settings.retry_after_seconds)
         return ServiceUnavailable(message, code=reason, headers={"Retry-After": retry})
 
-    def _try(self, decide: Decide, content: Fingerprint | None) -> Placement | NoPlacement:
+    def _try(
+        self, decide: Decide, content: Fingerprint | None
+    ) -> Placement | NoPlacement | Awaiting:
         result = decide()
         if isinstance(result, Placement):
             self.fleet.claim(result, self._clock(), content)
@@ -81,7 +106,9 @@ class Scheduler:
         if isinstance(result, Placement):
             return result
         self._room()
-        return await self._wait(decide, content, recheck_at)
+        waiter = _Waiter(decide, content, self._arrivals)
+        self._arrivals += 1
+        return await self._wait(waiter, result, recheck_at)
 
     def _room(self) -> None:
         if len(self._waiters) + len(self._ready) >= self._settings.max_waiting:
@@ -114,10 +141,11 @@ class Scheduler:
         return index
 
     async def _wait(
-        self, decide: Decide, content: Fingerprint | None, recheck_at: float | None
+        self, waiter: _Waiter, first: NoPlacement | Awaiting, recheck_at: float | None
     ) -> Placement:
-        future: asyncio.Future[Placement] = asyncio.get_running_loop().create_future()
-        self._waiters[future] = (decide, content)
+        future: Future = asyncio.get_running_loop().create_future()
+        self._waiters[future] = waiter
+        self._file(future, waiter, first)
         self._metrics.queued.inc()
         deadline = self._clock() + self._settings.max_wait_seconds
         try:
@@ -126,17 +154,49 @@ class Scheduler:
                 await asyncio.wait([future], timeout=max(0.0, due - self._clock()))
                 if not future.done() and recheck_at is not None and self._clock() >= recheck_at:
                     recheck_at = None  # its own bound passed: decided again once
-                    self._grant(decide, content, future)
+                    self._grant(future, waiter)
         except asyncio.CancelledError:
             self._give_back(future)
             raise
         finally:
             self._metrics.queued.dec()
-            self._waiters.pop(future, None)
+            self._forget(future)
         if future.done():
             return future.result()
         future.cancel()
         raise self._expired()
+
+    def _file(self, future: Future, waiter: _Waiter, result: NoPlacement | Awaiting) -> None:
+        """Index a waiter by the keys of its last decision (``result``)."""
+        self._unfile(future, waiter)
+        keys = waiter.keys = result.keys if isinstance(result, Awaiting) else None
+        if keys is None:
+            self._any[future] = None
+            return
+        for key in keys:
+            self._filed.setdefault(key, {})[future] = None
+            if key[0] == "conversation":
+                self._anchors[key[1]] += 1
+
+    def _unfile(self, future: Future, waiter: _Waiter) -> None:
+        if waiter.keys is None:
+            self._any.pop(future, None)
+            return
+        for key in waiter.keys:
+            group = self._filed.get(key)
+            if group is not None:
+                group.pop(future, None)
+                if not group:
+                    del self._filed[key]
+            if key[0] == "conversation":
+                self._anchors[key[1]] -= 1
+                if not self._anchors[key[1]]:
+                    del self._anchors[key[1]]
+
+    def _forget(self, future: Future) -> None:
+        waiter = self._waiters.pop(future, None)
+        if waiter is not None:
+            self._unfile(future, waiter)
 
     def _give_back(self, future: asyncio.Future[Placement]) -> None:
         if future.done() and not future.cancelled() and future.exception() is None:
@@ -164,28 +224,60 @@ class Scheduler:
         )
         self.wake([(placement.backend, slot) for slot in placement.slots])
 
-    def _grant(
-        self, decide: Decide, content: Fingerprint | None, future: asyncio.Future[Placement]
-    ) -> None:
-        result = self._try(decide, content)
+    def _grant(self, future: Future, waiter: _Waiter) -> None:
+        result = self._try(waiter.decide, waiter.content)
         if isinstance(result, Placement):
             future.set_result(result)
-            self._waiters.pop(future, None)  # granted: no longer waiting
+            self._forget(future)  # granted: no longer waiting
+        else:
+            self._file(future, waiter, result)
 
     def wake(self, freed: Collection[SlotRef] | None = None) -> None:
         """Place waiting requests in FIFO order wherever they now fit: after a release of
-        the ``freed`` slots, only until none of them is idle any more; otherwise (a probe, a
-        hold's end) until every slot of the ready backends is taken. Past that point the
-        rest wait as they are: deciding again would only say so."""
+        the ``freed`` slots, the waiters it can affect (module docstring), only until none
+        of those slots is idle any more; otherwise (a probe, a hold's end) every waiter,
+        until every slot of the ready backends is taken. Past that point the rest wait as
+        they are: deciding again would only say so."""
         if self._ready and self._any_ready():
-            for waiter in self._ready:
-                if not waiter.done():
-                    waiter.set_result(None)
-        for future, (decide, content) in list(self._waiters.items()):
+            for ready in self._ready:
+                if not ready.done():
+                    ready.set_result(None)
+        if not self._waiters:
+            return
+        for future in list(self._waiters if freed is None else self._affected(freed)):
             if not self._open(freed):
                 return
-            if not future.done():
-                self._grant(decide, content, future)
+            waiter = self._waiters.get(future)
+            if waiter is not None and not future.done():
+                self._grant(future, waiter)
+
+    def _affected(self, freed: Collection[SlotRef]) -> Iterator[Future]:
+        """The waiters a release of the ``freed`` slots can affect (module docstring): those
+        waiting for one of them first, then the others, in arrival order."""
+        backends = self.fleet.backends
+        freed = [(b, s) for b, s in freed if s < len(backends[b].slots)]  # (fewer after a restart)
+        idle, slots = 0, 0
+        for backend in backends:
+            if backend.phase is BackendPhase.READY:
+                idle += len(backend.idle_slots())
+                slots += len(backend.slots)
+        before = idle - sum(1 for b, s in freed if backends[b].slots[s].phase is SlotPhase.IDLE)
+        if reconsidered(before, idle, slots, len(self._waiters)):
+            yield from list(self._waiters)
+            return
+        own: dict[Future, None] = {}
+        for b, s in freed:
+            own.update(self._filed.get(("slot", b, s), {}))
+        yield from list(own)
+        rest = dict(self._any)
+        for b, s in freed:
+            backend = backends[b]
+            parked = [e.content for e in backend.ram_entries]
+            for key in release_keys(b, s, backend.slots[s].content, parked, self._anchors):
+                rest.update(self._filed.get(key, {}))
+        waiters = self._waiters
+        later = [f for f in rest if f not in own and f in waiters]
+        yield from sorted(later, key=lambda f: waiters[f].order)
 
     def wake_at(self, when: float, now: float) -> None:
         """Wake waiters at ``when`` (a hold's end), unless a wake no later is pending. The

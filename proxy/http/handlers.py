@@ -15,13 +15,13 @@ from functools import partial
 from aiohttp import web
 
 from proxy.backends.health import Prober
-from proxy.backends.scheduler import Scheduler
+from proxy.backends.scheduler import Decide, Scheduler
 from proxy.config.settings import Settings
 from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.prompt.headers import upstream_request_headers
 from proxy.core.prompt.isolation import may_reuse
 from proxy.core.request.body import ParsedBody, decode_json_object, pin_body
-from proxy.core.server.fleet import NoPlacement, Placement
+from proxy.core.server.fleet import Placement
 from proxy.core.server.placement import Need, pick_backend, place
 from proxy.disk.tier import DiskTier
 from proxy.errors import BadGateway, GatewayTimeout, InvalidRequest
@@ -170,7 +170,7 @@ class ProxyHandlers:
             # another replica's: marked so before the release wakes a waiter that would take it
             self._scheduler.release(placement, clean=True, sent=False, remote=True)
 
-    def _decider(self, plan: Plan | None, need: Need) -> Callable[[], Placement | NoPlacement]:
+    def _decider(self, plan: Plan | None, need: Need) -> Decide:
         if plan is not None:  # (backends another replica schedules: forwarded there)
             return self._router.decider(plan, need.avoid | self._forwarder.foreign())
         return lambda: place(self._fleet.backends, need)

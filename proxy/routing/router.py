@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.backends.scheduler import Scheduler
+from proxy.backends.scheduler import Decide, Scheduler
 from proxy.config.settings import Settings
 from proxy.core.disk.scope import Scope
 from proxy.core.prompt.fingerprint import (
@@ -38,6 +38,7 @@ from proxy.core.routing.decision import Decision, KeyOutcome, Reason, route
 from proxy.core.routing.index import FleetIndex
 from proxy.core.routing.returns import SCAN, ReturnTracker
 from proxy.core.routing.scoring import RamView
+from proxy.core.routing.wakes import Awaiting
 from proxy.core.server.fleet import Fleet, NoPlacement, Placement
 from proxy.disk.plan import DiskPlan
 from proxy.disk.tier import DiskTier
@@ -68,9 +69,6 @@ class Plan:
     after: Fingerprint | None = None  # what the slot holds after the reply (content_after)
     views: dict[int, RamView] = field(default_factory=dict)  # route's memo while it waits
     segments: list[Segment] | None = None  # a chat prompt's
-
-
-Decide = Callable[[], Placement | NoPlacement]
 
 
 class Router:
@@ -209,7 +207,7 @@ class Router:
             returns.returned(found[1], found[0])
 
     def decider(self, plan: Plan, avoid: frozenset[int]) -> Decide:
-        def decide() -> Placement | NoPlacement:
+        def decide() -> Placement | NoPlacement | Awaiting:
             now = self._clock()
             decision = self._route(plan, now, now < plan.wait_until, avoid, plan.disk)
             if isinstance(decision, NoPlacement):
@@ -219,7 +217,9 @@ class Router:
                 plan.waits += 1
                 if decision.until is not None:
                     self._held(plan, decision.until, now)
-                return NoPlacement.BUSY
+                elif decision.wakes is not None:
+                    return Awaiting(decision.wakes)
+                return NoPlacement.BUSY  # (any release may change it)
             self.returns.placed(now)
             return decision.placement
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from functools import partial
 
 from prometheus_client import CollectorRegistry
 
-from proxy.backends.scheduler import Scheduler
+from proxy.backends.scheduler import Decide, Scheduler
 from proxy.config.settings import QueueSettings
+from proxy.core.routing.wakes import Awaiting
 from proxy.core.server.fleet import (
     BackendPhase,
     Fleet,
@@ -128,3 +130,43 @@ async def test_a_hold_whose_timer_fires_early_is_woken_again_at_its_end() -> Non
     now[0] = end
     placed = await asyncio.wait_for(waiter, 5)
     assert placed == Placement(0, (0,), 0)
+
+
+async def test_a_release_asks_the_waiters_for_its_slot_first_and_not_those_for_others() -> None:
+    """32 busy slots (one idle slot in 32 is still saturation: no bar moves). ``a`` waits
+    for slot 5, ``b`` for slot 7, ``c`` for any slot. Slot 7 frees: ``b`` is asked first
+    and takes it. Slot 9 frees: only ``c`` is asked, and passes it up; ``a`` never is."""
+    fleet = Fleet(["b0"])
+    probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(32)))
+    fleet.apply_probe(0, probe, now=0.0)
+    scheduler = Scheduler(fleet, QueueSettings(), ProxyMetrics(CollectorRegistry()), time.monotonic)
+    running = [await scheduler.acquire(partial(Placement, 0, (i,), i)) for i in range(32)]
+    decided: list[str] = []
+
+    def decider(name: str, slot: int | None) -> Decide:
+        def decide() -> Placement | NoPlacement | Awaiting:
+            decided.append(name)
+            if slot is None:
+                return NoPlacement.BUSY
+            if fleet.backends[0].slots[slot].phase is SlotPhase.IDLE:
+                return Placement(0, (slot,), slot)
+            return Awaiting(frozenset({("slot", 0, slot)}))
+
+        return decide
+
+    queued = [
+        asyncio.create_task(scheduler.acquire(decider(name, slot)))
+        for name, slot in (("a", 5), ("c", None), ("b", 7))
+    ]
+    await until(lambda: scheduler.waiting() == 3, "three requests wait")
+    decided.clear()
+    scheduler.release(running[7], clean=True)
+    assert decided == ["b"]
+    assert (await queued[2]) == Placement(0, (7,), 7)
+    decided.clear()
+    scheduler.release(running[9], clean=True)
+    assert decided == ["c"]
+    assert scheduler.waiting() == 2
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)

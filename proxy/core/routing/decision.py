@@ -32,7 +32,8 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    (SGLang's absolute and relative thresholds) changed no replay row when dropped.
 4. *Waiting* (``core.routing.waiting``): rather than place, wait for a busy slot, or for a full
    backend whose RAM cache holds the prefix, when that saves enough more than the best idle
-   choice ("wait"); the caller re-decides whenever a slot frees and bounds the wait.
+   choice ("wait"); the caller re-decides when a slot frees that may change that
+   (``core.routing.wakes``) and bounds the wait.
 
 5. *Holds* (``core.routing.returns``): an idle slot its session left less than ``hold`` seconds
    ago (learned from how fast sessions come back) is not taken by another session when the
@@ -84,7 +85,15 @@ from proxy.core.routing.scoring import (
     predicted_reuse,
     ram_view,
 )
-from proxy.core.routing.waiting import Fleetview, crowded, hit_floor, spare_parked, worth_waiting
+from proxy.core.routing.waiting import (
+    Fleetview,
+    crowded,
+    hit_floor,
+    spare_parked,
+    wait_bar,
+    worth_waiting,
+)
+from proxy.core.routing.wakes import Key, wake_keys
 from proxy.core.server.fleet import (
     BackendPhase,
     BackendState,
@@ -124,6 +133,8 @@ class Decision:
     key_outcome: KeyOutcome | None = None  # for keyed requests
     restore: Offer | None = None  # restore this disk snapshot into the slot first
     until: float | None = None  # waiting for a held slot: its hold ends then
+    # waiting: the releases that may change it (``core.routing.wakes``; None: any)
+    wakes: frozenset[Key] | None = None
 
 
 Rank = tuple[float, int, bool, int, float, int]
@@ -264,10 +275,14 @@ def route(
     pressed = idle_count < queued  # idle slots go to waiters anyway
     fleet = Fleetview(up, free_of, crowded(idle_count, up), pressed, indexes)
     waiting = worth_waiting(fp, fleet, best, params, ram, spared, now) if allow_wait else None
-    if waiting is None and allow_wait and best is not None:
-        waiting = spare_parked(fleet, best)
     if waiting is not None:
-        return Decision(None, Reason.WAIT, waiting[1], waiting[0], key)
+        (_, slot), predicted = waiting
+        bar = wait_bar(fp, params, fleet, whole_backend=slot < 0)
+        wakes = wake_keys(fp, waiting[0], predicted, bar, disk)
+        return Decision(None, Reason.WAIT, predicted, waiting[0], key, wakes=wakes)
+    spare = spare_parked(fleet, best) if allow_wait and best is not None else None
+    if spare is not None:  # (any release may change it: no keys)
+        return Decision(None, Reason.WAIT, spare[1], spare[0], key)
     if best is None:
         return why_not(backends, avoid)
     if best is keyed:

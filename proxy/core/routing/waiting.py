@@ -80,7 +80,21 @@ class Fleetview:
 
 def crowded(idle: int, backends: Sequence[BackendState]) -> bool:
     """At most one slot in ``SATURATED`` idle: the next request takes any idle slot anyway."""
-    return idle * SATURATED <= sum(len(b.slots) for b in backends)
+    return _saturated(idle, sum(len(b.slots) for b in backends))
+
+
+def _saturated(idle: int, slots: int) -> bool:
+    return idle * SATURATED <= slots
+
+
+def reconsidered(before: int, after: int, slots: int, waiting: int) -> bool:
+    """Whether a release that took the ready backends' idle slots from ``before`` to ``after``
+    (of ``slots``; ``waiting`` requests wait) may change the mind of a request waiting for
+    another busy slot whatever the freed one holds: the fleet leaves saturation (the bar for
+    a wait rises from ``hit_floor`` to ``significant``), or the idle slots catch up with the
+    waiters (queue pressure ends: a full backend's RAM copy needs more)."""
+    rises = _saturated(before, slots) and not _saturated(after, slots)
+    return rises or before < waiting <= after
 
 
 def spare_parked(fleet: Fleetview, best: Candidate) -> tuple[tuple[int, int], int] | None:
@@ -111,6 +125,20 @@ def significant(fp: Fingerprint, params: RoutingParams) -> float:
     return min(params.wait_min_tokens, share)
 
 
+def wait_bar(
+    fp: Fingerprint, params: RoutingParams, fleet: Fleetview, whole_backend: bool
+) -> float:
+    """The least saving over the best idle choice worth a wait (``worth_waiting``): for a
+    busy slot, ``significant`` (``hit_floor`` when the fleet is saturated); for any slot of
+    a full backend (``whole_backend``), half that, or ``hit_floor`` when saturated or
+    pressed."""
+    hit: float = hit_floor(fp, params)
+    if whole_backend:
+        lowered = fleet.saturated or fleet.pressed
+        return hit if lowered else max(hit, significant(fp, params) / 2)
+    return hit if fleet.saturated else significant(fp, params)
+
+
 def worth_waiting(
     fp: Fingerprint,
     fleet: Fleetview,
@@ -126,10 +154,8 @@ def worth_waiting(
     saturated, and for a full backend when ``pressed``: more requests wait than slots are
     idle)."""
     base, saturated = (best.reuse if best is not None else 0), fleet.saturated
-    floor = base + (hit_floor(fp, params) if saturated else significant(fp, params))
-    hit: float = hit_floor(fp, params)
-    lowered = saturated or fleet.pressed
-    floor_ram = base + (hit if lowered else max(hit, significant(fp, params) / 2))
+    floor = base + wait_bar(fp, params, fleet, whole_backend=False)
+    floor_ram = base + wait_bar(fp, params, fleet, whole_backend=True)
     empty = not saturated and _only_taken(best)
     found: tuple[tuple[int, int], int] | None = None
     before: int | None = None  # the most a busy slot of another conversation saves (lazily)

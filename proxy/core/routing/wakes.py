@@ -1,0 +1,90 @@
+"""Which releases can change a decision to wait: the keys a waiting request is filed under.
+
+A request whose routing decided to wait (``Reason.WAIT``, step 4 of
+``core.routing.decision``) would decide the same again until the fleet changes in a way
+that bears on it. The scheduler (``backends.scheduler``) files each waiter under the
+*keys* of its decision (``Awaiting``). When a slot frees, it asks only the waiters filed
+under one of the *keys of the release* (``release_keys``), and every waiter when the
+release moves the fleet across a bar that changes any wait (``waiting.reconsidered``).
+A request waits for busy slot Y (or any slot of a full backend, ``-1``) because Y would
+serve it ``predicted`` tokens, at least the bar more than the best idle slot. A freed
+slot X changes that only if X, or a RAM entry its backend's server may load into X, or a
+snapshot restored into it, serves nearly as much. So:
+
+- ``("slot", b, s)``: the slot it waits for, or ``("slot", b, -1)``: any slot of backend
+  ``b``. Any release on ``b`` yields the second.
+- ``("conversation", a, h)``: its conversation, the chain up to its anchor (``a``
+  segments, hash ``h``; ``index.continues``). A freed slot or a RAM entry of its backend
+  holding that may serve the whole prompt. For a prompt without an anchor (a raw prompt),
+  every content sharing its head continues it, so the head stands in for it.
+- ``("head", i, h)``: its head. A freed slot of another conversation under the same system
+  prompt (kin) serves at most the prompt before the anchor (``scoring.kin_reach``). So
+  this key is filed only when that, plus the bar the wait cleared (``waiting.wait_bar``),
+  could reach ``predicted``. A request whose own slot holds a long conversation is not asked
+  when one of the many kin slots of an agent fleet frees. The bar rises only when the fleet
+  leaves saturation or queue pressure ends, and then every waiter is asked.
+- No key (``None``): any release may change it. That is the case for a hold, a parked
+  session spared (``waiting.spare_parked``), and a snapshot on disk that could come into
+  any freed slot and serve nearly as much (its net reuse, the same bound as the kin).
+
+Soundness is property-tested: a waiter filed under none of a release's keys decides to
+wait again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+from proxy.core.disk.snapshots import Offer
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.routing.scoring import kin_reach
+
+Key = tuple[str, int, int]
+
+
+class Awaiting(NamedTuple):
+    """A decision to wait, for the scheduler: the keys of the releases that may change it."""
+
+    keys: frozenset[Key]
+
+
+def wake_keys(
+    fp: Fingerprint,
+    wait_for: tuple[int, int],
+    predicted: int,
+    bar: float,
+    disk: Mapping[int, Offer],
+) -> frozenset[Key] | None:
+    """The keys of a decision to wait for ``wait_for`` (a slot, or ``(b, -1)``), which
+    serves ``predicted`` tokens, at least ``bar`` more than the best idle choice
+    (``waiting.wait_bar``; module docstring); None when any release may change it."""
+    if any(offer.reuse - offer.cost + bar > predicted for offer in disk.values()):
+        return None
+    keys: set[Key] = {("slot", *wait_for)}
+    head, anchor = fp.head, fp.anchor
+    if anchor > 0:
+        keys.add(("conversation", anchor, fp.hashes[anchor - 1]))
+    if head is not None and (anchor == 0 or kin_reach(fp)[0] + bar > predicted):
+        keys.add(("head", *head))
+    return frozenset(keys)
+
+
+def release_keys(
+    backend: int,
+    slot: int,
+    content: Fingerprint | None,
+    parked: Sequence[Fingerprint],
+    anchors: Collection[int],
+) -> Iterable[Key]:
+    """The keys of a release of ``slot`` of ``backend`` that now holds ``content``, on a
+    backend whose RAM cache holds ``parked``; ``anchors``: the anchors of the waiting
+    prompts' conversation keys (the only positions worth reading)."""
+    yield "slot", backend, slot
+    yield "slot", backend, -1
+    for held in (content, *parked) if content is not None else parked:
+        if held.head is not None:
+            yield "head", *held.head
+        for anchor in anchors:
+            if anchor <= len(held.hashes):
+                yield "conversation", anchor, held.hashes[anchor - 1]

@@ -1,0 +1,99 @@
+"""Which releases can change a decision to wait (``core.routing.wakes``): a waiter filed
+under none of a release's keys, the fleet not crossing a bar, decides to wait again."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.routing.decision import Decision, RoutingParams, route
+from proxy.core.routing.waiting import reconsidered
+from proxy.core.routing.wakes import release_keys
+from proxy.core.server.fleet import (
+    BackendPhase,
+    Fleet,
+    Placement,
+    Probe,
+    SlotPhase,
+    SlotProbe,
+)
+from proxy.core.server.ram_cache import RamEntry
+
+PARAMS = RoutingParams(min_prefix_tokens=16, wait_min_tokens=400)
+
+
+def chat(system: int, system_tokens: int, conversation: int, turns: int) -> Fingerprint:
+    """A chat prompt: a system prompt (shared by its kind), the first user message (whose
+    conversation it is: the anchor) and ``turns`` more messages of 60 tokens each."""
+    segments = [(system,), (system, conversation), *((conversation, t) for t in range(turns))]
+    keys = [tuple(segments[: i + 1]) for i in range(len(segments))]
+    sizes = [system_tokens, 20, *([60] * turns)]
+    return Fingerprint(tuple(map(hash, keys)), tuple(accumulate(sizes)), anchor=2)
+
+
+def _active(f: Fleet) -> tuple[int, int]:
+    ready = [b for b in f.backends if b.phase is BackendPhase.READY]
+    return sum(len(b.idle_slots()) for b in ready), sum(len(b.slots) for b in ready)
+
+
+contents = st.tuples(
+    st.integers(0, 1),  # system prompt
+    st.sampled_from([30, 300, 900]),  # its tokens
+    st.integers(0, 3),  # conversation
+    st.integers(0, 4),  # turns after the first user message
+)
+
+
+@settings(max_examples=1000, deadline=None, database=None)
+@given(
+    st.lists(st.tuples(contents, st.booleans()), min_size=4, max_size=6),  # (content, busy)
+    st.lists(st.tuples(contents, st.integers(1, 3)), min_size=1, max_size=4),  # waiters
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4)), max_size=3),  # parked on b0
+    st.data(),
+)
+def test_a_release_filed_under_none_of_a_waiters_keys_leaves_it_waiting(
+    slots: list[tuple[tuple[int, int, int, int], bool]],
+    prompts: list[tuple[tuple[int, int, int, int], int]],
+    parked: list[tuple[int, int]],
+    data: st.DataObject,
+) -> None:
+    f = Fleet(["b0", "b1"])
+    half = (len(slots) + 1) // 2
+    for b, count in enumerate((half, len(slots) - half)):
+        probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(count)))
+        f.apply_probe(b, probe, now=0.0)
+    every = [s for b in f.backends for s in b.slots]
+    for i, (slot, (content, busy)) in enumerate(zip(every, slots, strict=True)):
+        slot.content, slot.last_used = chat(*content), 10.0 * i
+        if busy:
+            slot.phase, slot.pending = SlotPhase.BUSY, chat(*content[:3], content[3] + 1)
+    # backend 0's RAM cache: earlier turns of the waiting sessions (their own, or others')
+    entries = [chat(*prompts[i % len(prompts)][0][:3], turns) for i, turns in parked]
+    f.backends[0].ram_entries = [RamEntry(c, 5.0, c.total) for c in entries]
+    running = [(b.index, s.id) for b in f.backends for s in b.slots if s.phase is SlotPhase.BUSY]
+    if not running:
+        return
+    waiters = [chat(*c[:3], c[3] + more) for c, more in prompts]  # sessions coming back
+    queued = len(waiters)
+    decided = [route(w, f.backends, PARAMS, now=100.0, queued=queued) for w in waiters]
+    b, s = data.draw(st.sampled_from(running))
+    before = _active(f)[0]
+    slot = f.backends[b].slots[s]
+    f.release(Placement(b, (s,), s), 100.0, clean=True, content=slot.pending)
+    idle, total = _active(f)
+    if reconsidered(before, idle, total, queued):
+        return  # every waiter is asked
+    anchors = {2}
+    parked_now = [e.content for e in f.backends[b].ram_entries]
+    keys = set(release_keys(b, s, slot.content, parked_now, anchors))
+    for prompt, first in zip(waiters, decided, strict=True):
+        if not isinstance(first, Decision) or first.wakes is None or first.placement:
+            continue  # placed, or filed under any release
+        if first.wakes & keys:
+            continue  # asked
+        again = route(prompt, f.backends, PARAMS, now=100.0, queued=queued)
+        assert isinstance(again, Decision)
+        assert again.placement is None, (first, again)

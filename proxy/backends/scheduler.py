@@ -271,9 +271,7 @@ class Scheduler:
         yield from list(own)
         rest = dict(self._any)
         for b, s in freed:
-            backend = backends[b]
-            parked = [e.content for e in backend.ram_entries]
-            for key in release_keys(b, s, backend.slots[s].content, parked, self._anchors):
+            for key in release_keys(b, s, backends[b].slots[s].content, self._anchors):
                 rest.update(self._filed.get(key, {}))
         waiters = self._waiters
         later = [f for f in rest if f not in own and f in waiters]

@@ -86,9 +86,7 @@ def test_a_release_filed_under_none_of_a_waiters_keys_leaves_it_waiting(
     idle, total = _active(f)
     if reconsidered(before, idle, total, queued):
         return  # every waiter is asked
-    anchors = {2}
-    parked_now = [e.content for e in f.backends[b].ram_entries]
-    keys = set(release_keys(b, s, slot.content, parked_now, anchors))
+    keys = set(release_keys(b, s, slot.content, {2}))
     for prompt, first in zip(waiters, decided, strict=True):
         if not isinstance(first, Decision) or first.wakes is None or first.placement:
             continue  # placed, or filed under any release

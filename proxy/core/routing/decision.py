@@ -278,7 +278,7 @@ def route(
     if waiting is not None:
         (_, slot), predicted = waiting
         bar = wait_bar(fp, params, fleet, whole_backend=slot < 0)
-        wakes = wake_keys(fp, waiting[0], predicted, bar, disk)
+        wakes = wake_keys(fp, waiting[0], predicted, bar, disk, ram)
         return Decision(None, Reason.WAIT, predicted, waiting[0], key, wakes=wakes)
     spare = spare_parked(fleet, best) if allow_wait and best is not None else None
     if spare is not None:  # (any release may change it: no keys)

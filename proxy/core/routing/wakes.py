@@ -12,11 +12,14 @@ slot X changes that only if X, or a RAM entry its backend's server may load into
 snapshot restored into it, serves nearly as much. So:
 
 - ``("slot", b, s)``: the slot it waits for, or ``("slot", b, -1)``: any slot of backend
-  ``b``. Any release on ``b`` yields the second.
+  ``b``. Any release on ``b`` yields the second. A request is filed under it for the full
+  backend it waits for, and for every backend whose RAM cache holds an entry that the server
+  could load into a freed slot and that serves it nearly as much (what the entry serves,
+  plus the bar, reaches ``predicted``; the RAM views the decision read).
 - ``("conversation", a, h)``: its conversation, the chain up to its anchor (``a``
-  segments, hash ``h``; ``index.continues``). A freed slot or a RAM entry of its backend
-  holding that may serve the whole prompt. For a prompt without an anchor (a raw prompt),
-  every content sharing its head continues it, so the head stands in for it.
+  segments, hash ``h``; ``index.continues``). A freed slot holding that may serve the
+  whole prompt. For a prompt without an anchor (a raw prompt), every content sharing its
+  head continues it, so the head stands in for it.
 - ``("head", i, h)``: its head. A freed slot of another conversation under the same system
   prompt (kin) serves at most the prompt before the anchor (``scoring.kin_reach``). So
   this key is filed only when that, plus the bar the wait cleared (``waiting.wait_bar``),
@@ -28,17 +31,19 @@ snapshot restored into it, serves nearly as much. So:
   any freed slot and serve nearly as much (its net reuse, the same bound as the kin).
 
 Soundness is property-tested: a waiter filed under none of a release's keys decides to
-wait again.
+wait again. A key is what the decision read: a RAM entry parked or a snapshot saved after
+it is seen at the waiter's next decision (its own bound on waiting, or a release it is
+filed under).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping
 from typing import NamedTuple
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.scoring import kin_reach
+from proxy.core.routing.scoring import RamView, kin_reach
 
 Key = tuple[str, int, int]
 
@@ -55,13 +60,18 @@ def wake_keys(
     predicted: int,
     bar: float,
     disk: Mapping[int, Offer],
+    ram: Mapping[int, RamView],
 ) -> frozenset[Key] | None:
     """The keys of a decision to wait for ``wait_for`` (a slot, or ``(b, -1)``), which
     serves ``predicted`` tokens, at least ``bar`` more than the best idle choice
-    (``waiting.wait_bar``; module docstring); None when any release may change it."""
+    (``waiting.wait_bar``), given each backend's snapshot offer and RAM view of the prompt
+    (module docstring); None when any release may change it."""
     if any(offer.reuse - offer.cost + bar > predicted for offer in disk.values()):
         return None
     keys: set[Key] = {("slot", *wait_for)}
+    for backend, view in ram.items():  # a freed slot there may load an entry serving as much
+        if view.loadable and max(view.served[i][0] for i in view.loadable) + bar > predicted:
+            keys.add(("slot", backend, -1))
     head, anchor = fp.head, fp.anchor
     if anchor > 0:
         keys.add(("conversation", anchor, fp.hashes[anchor - 1]))
@@ -71,20 +81,17 @@ def wake_keys(
 
 
 def release_keys(
-    backend: int,
-    slot: int,
-    content: Fingerprint | None,
-    parked: Sequence[Fingerprint],
-    anchors: Collection[int],
+    backend: int, slot: int, content: Fingerprint | None, anchors: Collection[int]
 ) -> Iterable[Key]:
-    """The keys of a release of ``slot`` of ``backend`` that now holds ``content``, on a
-    backend whose RAM cache holds ``parked``; ``anchors``: the anchors of the waiting
-    prompts' conversation keys (the only positions worth reading)."""
+    """The keys of a release of ``slot`` of ``backend`` that now holds ``content``;
+    ``anchors``: the anchors of the waiting prompts' conversation keys (the only positions
+    worth reading)."""
     yield "slot", backend, slot
     yield "slot", backend, -1
-    for held in (content, *parked) if content is not None else parked:
-        if held.head is not None:
-            yield "head", *held.head
-        for anchor in anchors:
-            if anchor <= len(held.hashes):
-                yield "conversation", anchor, held.hashes[anchor - 1]
+    if content is None:
+        return
+    if content.head is not None:
+        yield "head", *content.head
+    for anchor in anchors:
+        if anchor <= len(content.hashes):
+            yield "conversation", anchor, content.hashes[anchor - 1]

@@ -973,6 +973,24 @@ def test_property_the_stranger_found_by_loss_is_the_best_of_all(
         assert (found.slot, found.score) == (every[3], every[0])
 
 
+def test_with_no_ram_discount_the_spare_strangers_are_the_rankings_ties() -> None:
+    """The server parks what a stranger holds at no cost (discount 0): the three strangers
+    that would load the prompt's RAM entry tie, and the slot taken is the one ranking every
+    slot takes (the least recently used, then the lowest id), not the one losing least."""
+    f = fleet(6, 1)
+    backend = f.backends[0]
+    request = replace(fp(7), anchor=1)
+    backend.ram_entries = [RamEntry(request, 0.0)]
+    hold(f, 0, 0, replace(fp(1), anchor=1), at=50.0)
+    hold(f, 0, 4, replace(fp(1, 2), anchor=1), at=0.0)  # loses more, as old as slot 5
+    hold(f, 0, 5, replace(fp(1), anchor=1), at=0.0)
+    f.backends[1].ram = False
+    params = replace(PARAMS, ram_discount=0.0)
+    d = decided(route(request, f.backends, params, now=100.0, allow_wait=False))
+    assert d.placement is not None
+    assert (d.placement.backend, d.placement.pin) == (0, 4)
+
+
 def test_the_cheapest_stranger_kept_with_a_grouping_is_read_past_the_slots_skipped() -> None:
     """What ``BackendIndex.cheapest`` keeps for a read skipping no slot is not the answer to
     one that skips some (the slots sharing the prompt): that one walks the order."""

@@ -225,18 +225,21 @@ def _cheapest(strangers: Strangers, now: float, params: RoutingParams) -> list[S
     """The first empty slot and the ``SPARES`` whose content costs least to lose: under the
     half-life prior, on an index read before (``index.kept_by_loss``), those are among the
     first few of the backend's slots by loss (``index.least_lost``; their losses then ranked
-    exactly), else all are ranked."""
+    exactly), else all are ranked. Where the server parks what they hold at no cost (a RAM
+    discount of 0), none loses anything: the spares are the ranking's ties, the least
+    recently used."""
     backend, index, skip = strangers
     empty = next((s for s in index.empty if s.id not in skip), None)
+    parks = params.ram_discount if backend.ram else 1.0  # (one factor for every slot)
 
     def cost(slot: SlotState) -> tuple[float, float, int]:
         assert slot.content is not None
         lost = max(slot.content.total, backend.kv_estimate(slot.content, slot.n_tokens))
-        return (lost * recency(slot, now, params, backend), *_lru(slot))
+        return (lost * recency(slot, now, params, backend) * parks, *_lru(slot))
 
     returns = params.returns is not None and (backend.exact or not backend.ram)
     kept = None
-    if not returns and index.latest <= now:
+    if not returns and index.latest <= now and parks > 0:
         kept = index.cheapest(params.value_half_life_s, 1.0, skip, SPARES)
     slots = kept[1] if kept is not None else strangers.slots()
     held = [s for s in slots if s.content is not None]

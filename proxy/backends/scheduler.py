@@ -14,10 +14,11 @@ wait, so deciding again would only say so. Which waiters a release can affect is
 updated whenever a waiter decides: a routed waiter is filed under the keys its decision
 gives (``core.routing.wakes.Awaiting``: the slot it waits for, its conversation, its head
 when a kin slot could serve it nearly as much), any other under "any release". A release
-asks those waiting for a freed slot first (it holds what they came back for), then, in
-arrival order, the others filed under one of its keys (``core.routing.wakes.release_keys``)
-or under any release; every waiter when it moves the fleet across a bar that changes any
-wait (``core.routing.waiting.reconsidered``). So a release costs the decisions of the
+asks, in arrival order, the waiters filed under one of its keys
+(``core.routing.wakes.release_keys``) or under any release; every waiter when it moves the
+fleet across a bar that changes any wait (``core.routing.waiting.reconsidered``). A waiter
+it does not ask would decide to wait again, so the first waiter to take a freed slot is the
+one asking every waiter in arrival order would find. A release costs the decisions of the
 waiters it can affect that pass the freed slot up (none, when the first one takes it), not
 the number waiting. A full
 queue or an expired wait answers 503 with ``Retry-After``. While no backend is ready (start-up,
@@ -252,8 +253,8 @@ class Scheduler:
                 self._grant(future, waiter)
 
     def _affected(self, freed: Collection[SlotRef]) -> Iterator[Future]:
-        """The waiters a release of the ``freed`` slots can affect (module docstring): those
-        waiting for one of them first, then the others, in arrival order."""
+        """The waiters a release of the ``freed`` slots can affect (module docstring), in
+        arrival order."""
         backends = self.fleet.backends
         freed = [(b, s) for b, s in freed if s < len(backends[b].slots)]  # (fewer after a restart)
         idle, slots = 0, 0
@@ -265,17 +266,12 @@ class Scheduler:
         if reconsidered(before, idle, slots, len(self._waiters)):
             yield from list(self._waiters)
             return
-        own: dict[Future, None] = {}
-        for b, s in freed:
-            own.update(self._filed.get(("slot", b, s), {}))
-        yield from list(own)
-        rest = dict(self._any)
+        affected = dict(self._any)
         for b, s in freed:
             for key in release_keys(b, s, backends[b].slots[s].content, self._anchors):
-                rest.update(self._filed.get(key, {}))
+                affected.update(self._filed.get(key, {}))
         waiters = self._waiters
-        later = [f for f in rest if f not in own and f in waiters]
-        yield from sorted(later, key=lambda f: waiters[f].order)
+        yield from sorted((f for f in affected if f in waiters), key=lambda f: waiters[f].order)
 
     def wake_at(self, when: float, now: float) -> None:
         """Wake waiters at ``when`` (a hold's end), unless a wake no later is pending. The

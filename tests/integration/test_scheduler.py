@@ -132,10 +132,11 @@ async def test_a_hold_whose_timer_fires_early_is_woken_again_at_its_end() -> Non
     assert placed == Placement(0, (0,), 0)
 
 
-async def test_a_release_asks_the_waiters_for_its_slot_first_and_not_those_for_others() -> None:
+async def test_a_release_asks_in_arrival_order_only_the_waiters_it_can_affect() -> None:
     """32 busy slots (one idle slot in 32 is still saturation: no bar moves). ``a`` waits
-    for slot 5, ``b`` for slot 7, ``c`` for any slot. Slot 7 frees: ``b`` is asked first
-    and takes it. Slot 9 frees: only ``c`` is asked, and passes it up; ``a`` never is."""
+    for slot 5, then ``c`` for any slot, then ``b`` for slot 7. Slot 7 frees: ``c`` is asked
+    and passes it up, ``b`` takes it. Slot 9 frees: only ``c`` is asked, and passes it up;
+    ``a`` never is."""
     fleet = Fleet(["b0"])
     probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(32)))
     fleet.apply_probe(0, probe, now=0.0)
@@ -161,7 +162,7 @@ async def test_a_release_asks_the_waiters_for_its_slot_first_and_not_those_for_o
     await until(lambda: scheduler.waiting() == 3, "three requests wait")
     decided.clear()
     scheduler.release(running[7], clean=True)
-    assert decided == ["b"]
+    assert decided == ["c", "b"]
     assert (await queued[2]) == Placement(0, (7,), 7)
     decided.clear()
     scheduler.release(running[9], clean=True)

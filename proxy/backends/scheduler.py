@@ -15,8 +15,8 @@ updated whenever a waiter decides: a routed waiter is filed under the keys its d
 gives (``core.routing.wakes.Awaiting``: the slot it waits for, its conversation, its head
 when a kin slot could serve it nearly as much), any other under "any release". A release
 asks, in arrival order, the waiters filed under one of its keys
-(``core.routing.wakes.release_keys``) or under any release; every waiter when it moves the
-fleet across a bar that changes any wait (``core.routing.waiting.reconsidered``). A waiter
+(``core.routing.wakes.release_keys``: among them, those that decided under a bar the fleet has
+left, saturation or queue pressure) or under any release. A waiter
 it does not ask would decide to wait again, so the first waiter to take a freed slot is the
 one asking every waiter in arrival order would find. A release costs the decisions of the
 waiters it can affect that pass the freed slot up (none, when the first one takes it), not
@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 from proxy.config.settings import QueueSettings
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.waiting import reconsidered
 from proxy.core.routing.wakes import Awaiting, Key, release_keys
 from proxy.core.server.fleet import BackendPhase, Fleet, NoPlacement, Placement, SlotPhase
 from proxy.errors import ServiceUnavailable
@@ -262,13 +261,10 @@ class Scheduler:
             if backend.phase is BackendPhase.READY:
                 idle += len(backend.idle_slots())
                 slots += len(backend.slots)
-        before = idle - sum(1 for b, s in freed if backends[b].slots[s].phase is SlotPhase.IDLE)
-        if reconsidered(before, idle, slots, len(self._waiters)):
-            yield from list(self._waiters)
-            return
-        affected = dict(self._any)
+        fleet, affected = (idle, slots, len(self._waiters)), dict(self._any)
         for b, s in freed:
-            for key in release_keys(b, s, backends[b].slots[s].content, self._anchors):
+            content = backends[b].slots[s].content
+            for key in release_keys(b, s, content, self._anchors, fleet):
                 affected.update(self._filed.get(key, {}))
         waiters = self._waiters
         yield from sorted((f for f in affected if f in waiters), key=lambda f: waiters[f].order)

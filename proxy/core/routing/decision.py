@@ -85,14 +85,7 @@ from proxy.core.routing.scoring import (
     predicted_reuse,
     ram_view,
 )
-from proxy.core.routing.waiting import (
-    Fleetview,
-    crowded,
-    hit_floor,
-    spare_parked,
-    wait_bar,
-    worth_waiting,
-)
+from proxy.core.routing.waiting import Fleetview, crowded, hit_floor, spare_parked, worth_waiting
 from proxy.core.routing.wakes import Key, wake_keys
 from proxy.core.server.fleet import (
     BackendPhase,
@@ -276,10 +269,8 @@ def route(
     fleet = Fleetview(up, free_of, crowded(idle_count, up), pressed, indexes)
     waiting = worth_waiting(fp, fleet, best, params, ram, spared, now) if allow_wait else None
     if waiting is not None:
-        (_, slot), predicted = waiting
-        bar = wait_bar(fp, params, fleet, whole_backend=slot < 0)
-        wakes = wake_keys(fp, waiting[0], predicted, bar, disk, ram)
-        return Decision(None, Reason.WAIT, predicted, waiting[0], key, wakes=wakes)
+        wakes = wake_keys(fp, *waiting, fleet, params, disk, ram)
+        return Decision(None, Reason.WAIT, waiting[1], waiting[0], key, wakes=wakes)
     spare = spare_parked(fleet, best) if allow_wait and best is not None else None
     if spare is not None:  # (any release may change it: no keys)
         return Decision(None, Reason.WAIT, spare[1], spare[0], key)

@@ -80,21 +80,12 @@ class Fleetview:
 
 def crowded(idle: int, backends: Sequence[BackendState]) -> bool:
     """At most one slot in ``SATURATED`` idle: the next request takes any idle slot anyway."""
-    return _saturated(idle, sum(len(b.slots) for b in backends))
+    return saturated(idle, sum(len(b.slots) for b in backends))
 
 
-def _saturated(idle: int, slots: int) -> bool:
+def saturated(idle: int, slots: int) -> bool:
+    """``crowded`` from counts: ``idle`` slots idle of ``slots``."""
     return idle * SATURATED <= slots
-
-
-def reconsidered(before: int, after: int, slots: int, waiting: int) -> bool:
-    """Whether a release that took the ready backends' idle slots from ``before`` to ``after``
-    (of ``slots``; ``waiting`` requests wait) may change the mind of a request waiting for
-    another busy slot whatever the freed one holds: the fleet leaves saturation (the bar for
-    a wait rises from ``hit_floor`` to ``significant``), or the idle slots catch up with the
-    waiters (queue pressure ends: a full backend's RAM copy needs more)."""
-    rises = _saturated(before, slots) and not _saturated(after, slots)
-    return rises or before < waiting <= after
 
 
 def spare_parked(fleet: Fleetview, best: Candidate) -> tuple[tuple[int, int], int] | None:

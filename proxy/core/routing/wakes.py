@@ -4,8 +4,7 @@ A request whose routing decided to wait (``Reason.WAIT``, step 4 of
 ``core.routing.decision``) would decide the same again until the fleet changes in a way
 that bears on it. The scheduler (``backends.scheduler``) files each waiter under the
 *keys* of its decision (``Awaiting``). When a slot frees, it asks only the waiters filed
-under one of the *keys of the release* (``release_keys``), and every waiter when the
-release moves the fleet across a bar that changes any wait (``waiting.reconsidered``).
+under one of the *keys of the release* (``release_keys``).
 A request waits for busy slot Y (or any slot of a full backend, ``-1``) because Y would
 serve it ``predicted`` tokens, at least the bar more than the best idle slot. A freed
 slot X changes that only if X, or a RAM entry its backend's server may load into X, or a
@@ -24,8 +23,13 @@ snapshot restored into it, serves nearly as much. So:
   prompt (kin) serves at most the prompt before the anchor (``scoring.kin_reach``). So
   this key is filed only when that, plus the bar the wait cleared (``waiting.wait_bar``),
   could reach ``predicted``. A request whose own slot holds a long conversation is not asked
-  when one of the many kin slots of an agent fleet frees. The bar rises only when the fleet
-  leaves saturation or queue pressure ends, and then every waiter is asked.
+  when one of the many kin slots of an agent fleet frees.
+- ``("saturated", 0, 0)``, ``("pressed", 0, 0)``: the fleet was saturated, or more requests
+  waited than slots were idle, when it decided. Either lowers the bar
+  (``waiting.wait_bar``). A release after which the fleet is no longer saturated (or
+  pressed) yields the key, so every waiter that decided under the lower bar is asked again
+  once the bar is back up. That happens once per waiter, because it then decides, and is
+  filed, under the bar of the day.
 - No key (``None``): any release may change it. That is the case for a hold, a parked
   session spared (``waiting.spare_parked``), and a snapshot on disk that could come into
   any freed slot and serve nearly as much (its net reuse, the same bound as the kin).
@@ -43,9 +47,12 @@ from typing import NamedTuple
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.scoring import RamView, kin_reach
+from proxy.core.routing.scoring import RamView, RoutingParams, kin_reach
+from proxy.core.routing.waiting import Fleetview, saturated, wait_bar
 
 Key = tuple[str, int, int]
+SATURATED: Key = ("saturated", 0, 0)
+PRESSED: Key = ("pressed", 0, 0)
 
 
 class Awaiting(NamedTuple):
@@ -58,17 +65,23 @@ def wake_keys(
     fp: Fingerprint,
     wait_for: tuple[int, int],
     predicted: int,
-    bar: float,
+    fleet: Fleetview,
+    params: RoutingParams,
     disk: Mapping[int, Offer],
     ram: Mapping[int, RamView],
 ) -> frozenset[Key] | None:
     """The keys of a decision to wait for ``wait_for`` (a slot, or ``(b, -1)``), which
-    serves ``predicted`` tokens, at least ``bar`` more than the best idle choice
-    (``waiting.wait_bar``), given each backend's snapshot offer and RAM view of the prompt
-    (module docstring); None when any release may change it."""
+    serves ``predicted`` tokens, at least the bar more than the best idle choice
+    (``waiting.wait_bar``), given the fleet as it read it and each backend's snapshot offer
+    and RAM view of the prompt (module docstring); None when any release may change it."""
+    bar = wait_bar(fp, params, fleet, whole_backend=wait_for[1] < 0)
     if any(offer.reuse - offer.cost + bar > predicted for offer in disk.values()):
         return None
     keys: set[Key] = {("slot", *wait_for)}
+    if fleet.saturated:
+        keys.add(SATURATED)
+    if fleet.pressed:
+        keys.add(PRESSED)
     for backend, view in ram.items():  # a freed slot there may load an entry serving as much
         if view.loadable and max(view.served[i][0] for i in view.loadable) + bar > predicted:
             keys.add(("slot", backend, -1))
@@ -81,11 +94,21 @@ def wake_keys(
 
 
 def release_keys(
-    backend: int, slot: int, content: Fingerprint | None, anchors: Collection[int]
+    backend: int,
+    slot: int,
+    content: Fingerprint | None,
+    anchors: Collection[int],
+    fleet: tuple[int, int, int],
 ) -> Iterable[Key]:
     """The keys of a release of ``slot`` of ``backend`` that now holds ``content``;
     ``anchors``: the anchors of the waiting prompts' conversation keys (the only positions
-    worth reading)."""
+    worth reading); ``fleet``: the ready backends' idle slots, their slots, and the requests
+    waiting, after the release."""
+    idle, slots, waiting = fleet
+    if not saturated(idle, slots):
+        yield SATURATED
+    if idle >= waiting:
+        yield PRESSED
     yield "slot", backend, slot
     yield "slot", backend, -1
     if content is None:

@@ -13,18 +13,19 @@ are taken again: from then on every other waiter sees the fleet as it was when i
 wait, so deciding again would only say so. Which waiters a release can affect is an index,
 updated whenever a waiter decides: a routed waiter is filed under the keys its decision
 gives (``core.routing.wakes.Awaiting``: the slot it waits for, its conversation, its head
-when a kin slot could serve it nearly as much), any other under "any release". A release
-asks, in arrival order, the waiters filed under one of its keys
-(``core.routing.wakes.release_keys``: among them, those that decided under a bar the fleet has
-left, saturation or queue pressure) or under any release. A waiter
+when a kin slot could serve it nearly as much, the lower bar of a saturated or pressed
+fleet), any other under "any release". A release asks, in arrival order, the waiters filed
+under one of its keys (``core.routing.wakes.release_keys``) or under any release. A waiter
 it does not ask would decide to wait again, so the first waiter to take a freed slot is the
 one asking every waiter in arrival order would find. A release costs the decisions of the
 waiters it can affect that pass the freed slot up (none, when the first one takes it), not
-the number waiting. A full
-queue or an expired wait answers 503 with ``Retry-After``. While no backend is ready (start-up,
-a restart, an outage) requests wait the same way, and go as soon as a probe finds a backend
-ready (``wake``); so do requests that use no slot (``backend``). A waiter cancelled (client
-gone) at the moment it was granted a slot gives the slot straight back, so no claim leaks.
+the number waiting.
+
+A full queue or an expired wait answers 503 with ``Retry-After``. While no backend is ready
+(start-up, a restart, an outage) requests wait the same way, and go as soon as a probe finds
+a backend ready (``wake``); so do requests that use no slot (``backend``). A waiter
+cancelled (client gone) at the moment it was granted a slot gives the slot straight back,
+so no claim leaks.
 """
 
 from __future__ import annotations

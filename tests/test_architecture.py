@@ -4,6 +4,7 @@ upstream.py knows llama-server endpoints."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -24,12 +25,13 @@ MODULES = sorted(
 
 # Parsed once, at collection: CPython 3.11.7's ast.parse raised "AST constructor recursion
 # depth mismatch" once in CI, late in the run (an interpreter bug; its trigger not pinned down).
-CORE = {p: ast.parse(p.read_text()) for p in sorted((ROOT / "proxy" / "core").rglob("*.py"))}
+PARSED = {p: ast.parse(p.read_text()) for p in sorted((ROOT / "proxy").rglob("*.py"))}
+CORE = {p: tree for p, tree in PARSED.items() if p.is_relative_to(ROOT / "proxy" / "core")}
 
 
 def _imports(path: Path) -> set[str]:
     names = set()
-    for node in ast.walk(CORE[path]):
+    for node in ast.walk(PARSED[path]):
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -41,6 +43,22 @@ def _imports(path: Path) -> set[str]:
 def test_core_is_pure(path: Path) -> None:
     assert not (_imports(path) & FORBIDDEN_IN_CORE)
     assert ast.get_docstring(CORE[path]), "core modules explain their algorithm"
+
+
+def test_every_package_the_proxy_imports_is_a_declared_dependency() -> None:
+    """A package the proxy imports only because another dependency requires it today is
+    declared all the same."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+    def name(requirement: str) -> str:
+        return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    declared = {name(r) for r in config["project"]["dependencies"]}
+    owners = importlib.metadata.packages_distributions()
+    for path in PARSED:
+        for module in _imports(path) - set(sys.stdlib_module_names) - {"proxy", "__future__"}:
+            found = {name(d) for d in owners.get(module, [module])}
+            assert found & declared, f"{path.relative_to(ROOT)} imports {module}, not declared"
 
 
 def test_only_upstream_knows_llama_server_endpoints() -> None:

@@ -46,8 +46,7 @@ def test_core_is_pure(path: Path) -> None:
 
 
 def test_every_package_the_proxy_imports_is_a_declared_dependency() -> None:
-    """A package the proxy imports only because another dependency requires it today is
-    declared all the same."""
+    """A package the proxy imports is declared, even one that another dependency brings."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
     def name(requirement: str) -> str:

@@ -245,6 +245,9 @@ class Scheduler:
                     ready.set_result(None)
         if not self._waiters:
             return
+        if freed is not None:  # (a backend that came back with fewer slots has none of some)
+            backends = self.fleet.backends
+            freed = [(b, s) for b, s in freed if s < len(backends[b].slots)]
         for future in list(self._waiters if freed is None else self._affected(freed)):
             if not self._open(freed):
                 return
@@ -256,7 +259,6 @@ class Scheduler:
         """The waiters a release of the ``freed`` slots can affect (module docstring), in
         arrival order."""
         backends = self.fleet.backends
-        freed = [(b, s) for b, s in freed if s < len(backends[b].slots)]  # (fewer after a restart)
         idle, slots = 0, 0
         for backend in backends:
             if backend.phase is BackendPhase.READY:

@@ -171,3 +171,30 @@ async def test_a_release_asks_in_arrival_order_only_the_waiters_it_can_affect() 
     for task in queued:
         task.cancel()
     await asyncio.gather(*queued, return_exceptions=True)
+
+
+async def test_a_release_of_a_slot_the_backend_no_longer_has_asks_no_one_and_raises_not() -> None:
+    """The backend came back with one slot of two while slot 1 was in flight: its release
+    frees nothing there, and a waiter is not asked about it."""
+    fleet = Fleet(["b0"])
+    two = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(2)))
+    fleet.apply_probe(0, two, now=0.0)
+    scheduler = Scheduler(fleet, QueueSettings(), ProxyMetrics(CollectorRegistry()), time.monotonic)
+    first = await scheduler.acquire(partial(Placement, 0, (0,), 0))
+    second = await scheduler.acquire(partial(Placement, 0, (1,), 1))
+    decided: list[int] = []
+
+    def decide() -> Placement | NoPlacement:
+        decided.append(1)
+        return NoPlacement.BUSY
+
+    waiter = asyncio.create_task(scheduler.acquire(decide))
+    await until(lambda: scheduler.waiting() == 1, "a request waits")
+    one = Probe(BackendPhase.READY, (SlotProbe(0, True, 0, -1),))
+    fleet.apply_probe(0, one, now=1.0)
+    decided.clear()
+    scheduler.release(second, clean=True)
+    assert decided == []
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    scheduler.release(first, clean=True)

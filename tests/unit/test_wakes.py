@@ -77,7 +77,8 @@ def test_a_release_filed_under_none_of_a_waiters_keys_leaves_it_waiting(
         return
     waiters = [chat(*c[:3], c[3] + more) for c, more in prompts]  # sessions coming back
     queued = len(waiters)
-    decided = [route(w, f.backends, PARAMS, now=100.0, queued=queued) for w in waiters]
+    avoid = data.draw(st.sampled_from([frozenset(), frozenset({1})]))  # (another replica's)
+    decided = [route(w, f.backends, PARAMS, now=100.0, queued=queued, avoid=avoid) for w in waiters]
     b, s = data.draw(st.sampled_from(running))
     slot = f.backends[b].slots[s]
     f.release(Placement(b, (s,), s), 100.0, clean=True, content=slot.pending)
@@ -87,6 +88,35 @@ def test_a_release_filed_under_none_of_a_waiters_keys_leaves_it_waiting(
             continue  # placed, or filed under any release
         if first.wakes & keys:
             continue  # asked
-        again = route(prompt, f.backends, PARAMS, now=100.0, queued=queued)
+        again = route(prompt, f.backends, PARAMS, now=100.0, queued=queued, avoid=avoid)
         assert isinstance(again, Decision)
         assert again.placement is None, (first, again)
+
+
+def test_a_waiter_that_left_backends_out_is_asked_when_its_fleet_leaves_saturation() -> None:
+    """Two backends of 16 slots; the second is another replica's (``avoid``), every slot of
+    it busy. One slot of the first is idle: the waiter's fleet is saturated, so it waits for
+    the busy slot holding its conversation. A stranger's slot frees: the waiter's fleet is no
+    longer saturated (2 of 16 idle) while the whole fleet still is (2 of 32), so no key of
+    the saturated bar is yielded; the waiter would now place, so it must be asked."""
+    f = Fleet(["b0", "b1"])
+    for b in range(2):
+        probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(16)))
+        f.apply_probe(b, probe, now=0.0)
+    for backend in f.backends:
+        for slot in backend.slots:
+            slot.phase, slot.pending = SlotPhase.BUSY, chat(1, 300, 10 + slot.id, 1)
+    f.backends[0].slots[0].pending = chat(0, 30, 1, 1)  # the waiter's conversation, 110 tokens
+    idle = f.backends[0].slots[15]
+    idle.phase, idle.pending, idle.content = SlotPhase.IDLE, None, chat(1, 300, 99, 1)
+    prompt, avoid = chat(0, 30, 1, 6), frozenset({1})  # its next turn: 410 tokens
+    first = route(prompt, f.backends, PARAMS, now=100.0, queued=1, avoid=avoid)
+    assert isinstance(first, Decision)
+    assert first.placement is None  # waits for slot 0 under the saturated fleet's lower bar
+    slot = f.backends[0].slots[5]
+    f.release(Placement(0, (5,), 5), 100.0, clean=True, content=slot.pending)
+    again = route(prompt, f.backends, PARAMS, now=100.0, queued=1, avoid=avoid)
+    assert isinstance(again, Decision)
+    assert again.placement is not None  # its fleet left saturation: it places now
+    keys = set(release_keys(0, 5, slot.content, {2}, (*_active(f), 1)))
+    assert first.wakes is None or first.wakes & keys  # so the release asks it

@@ -269,7 +269,8 @@ def route(
     fleet = Fleetview(up, free_of, crowded(idle_count, up), pressed, indexes)
     waiting = worth_waiting(fp, fleet, best, params, ram, spared, now) if allow_wait else None
     if waiting is not None:
-        wakes = wake_keys(fp, *waiting, fleet, params, disk, ram)
+        partial = len(up) < sum(1 for b in backends if b.phase is BackendPhase.READY)
+        wakes = wake_keys(fp, *waiting, fleet, params, disk, ram, partial)
         return Decision(None, Reason.WAIT, waiting[1], waiting[0], key, wakes=wakes)
     spare = spare_parked(fleet, best) if allow_wait and best is not None else None
     if spare is not None:  # (any release may change it: no keys)

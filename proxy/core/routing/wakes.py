@@ -31,8 +31,10 @@ snapshot restored into it, serves nearly as much. So:
   once the bar is back up. That happens once per waiter, because it then decides, and is
   filed, under the bar of the day.
 - No key (``None``): any release may change it. That is the case for a hold, a parked
-  session spared (``waiting.spare_parked``), and a snapshot on disk that could come into
-  any freed slot and serve nearly as much (its net reuse, the same bound as the kin).
+  session spared (``waiting.spare_parked``), a snapshot on disk that could come into any
+  freed slot and serve nearly as much (its net reuse, the same bound as the kin), and a
+  decision under saturation that left ready backends out (``partial``: a release counts
+  saturation over every ready backend, so it could miss the waiter's own view leaving it).
 
 Soundness is property-tested: a waiter filed under none of a release's keys decides to
 wait again. A key is what the decision read: a RAM entry parked or a snapshot saved after
@@ -69,12 +71,18 @@ def wake_keys(
     params: RoutingParams,
     disk: Mapping[int, Offer],
     ram: Mapping[int, RamView],
+    partial: bool = False,
 ) -> frozenset[Key] | None:
     """The keys of a decision to wait for ``wait_for`` (a slot, or ``(b, -1)``), which
     serves ``predicted`` tokens, at least the bar more than the best idle choice
     (``waiting.wait_bar``), given the fleet as it read it and each backend's snapshot offer
-    and RAM view of the prompt (module docstring); None when any release may change it."""
+    and RAM view of the prompt (module docstring); None when any release may change it.
+    ``partial``: the decision left ready backends out (another replica's, or one that
+    failed it), so it counts saturation over fewer slots than a release does: then a
+    saturated fleet's lower bar is no key a release could be sure to yield."""
     bar = wait_bar(fp, params, fleet, whole_backend=wait_for[1] < 0)
+    if fleet.saturated and partial:
+        return None
     if any(offer.reuse - offer.cost + bar > predicted for offer in disk.values()):
         return None
     keys: set[Key] = {("slot", *wait_for)}

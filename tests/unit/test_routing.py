@@ -15,9 +15,12 @@ from proxy.core.routing.scoring import (
     candidate,
     kin_bound,
     kin_ceiling,
+    kin_loads,
     kin_reach,
     ram_reuse,
     ram_view,
+    stranger_ceiling,
+    stranger_most,
 )
 from proxy.core.server.fleet import (
     BackendPhase,
@@ -822,11 +825,13 @@ def test_property_a_kin_slots_bound_is_never_below_its_score(
     offer = None if offer_tokens is None else restore_offer(offer_tokens, offer_tokens / 4)
     ram = ram_view(request, backend)
     ceiling = kin_ceiling(kin_reach(request), backend, ram, offer)
+    loads = kin_loads(ceiling, ram, 100.0, params, backend)
     index = FleetIndex().of(backend)
     _, kin, _, _ = options(request, backend, index, frozenset(), 100.0, params, ram, 0, offer)
     for slot in kin:
         score = candidate(request, backend, slot, 100.0, params, ram, 0, offer).score
         assert kin_bound(request, backend, slot, 100.0, params, ceiling) >= score
+        assert kin_bound(request, backend, slot, 100.0, params, loads) >= score
 
 
 def test_a_kin_slots_bound_counts_the_ram_entry_the_server_would_load_into_it() -> None:
@@ -879,6 +884,29 @@ def test_a_kin_slots_bound_on_an_exact_backend_counts_no_reuse_of_its_own() -> N
     assert found.reuse == 0
     ceiling = kin_ceiling(kin_reach(request), backend, ram, None)
     assert kin_bound(request, backend, backend.slots[0], 100.0, PARAMS, ceiling) >= found.score
+
+
+def test_a_spare_strangers_most_counts_an_entry_serving_less_that_destroys_less() -> None:
+    """The server loads the older entry (all of it serves the prompt: 200 tokens, none lost)
+    rather than the newer one that serves 300 but keeps under a third of its 1,000 tokens
+    (``ram_cache.pick``: a higher keep share first). The most a slot sharing nothing can
+    score counts that entry, though another serves more: of the entries, only one serving
+    as much or more for a smaller loss bounds another (``scoring.kin_loads``)."""
+    request = fp(1, 2, 3, 4)
+    f = fleet(1)
+    backend = f.backends[0]
+    backend.ram_tokens = 10_000  # a budget: which entry is loaded may differ from slot to slot
+    hold(f, 0, 0, fp(5, 6), at=100.0)  # another system prompt: shares nothing
+    older, newer = RamEntry(fp(1, 2), 90.0), RamEntry(fp(1, 2, 3, 7, 8, 9, 10, 11, 12, 13), 99.0)
+    backend.ram_entries = [older, newer]
+    ram = ram_view(request, backend)
+    found = candidate(request, backend, backend.slots[0], 100.0, PARAMS, ram, 0, None)
+    assert (found.reuse, found.from_ram) == (200, older)
+    loads = kin_loads(
+        kin_ceiling(kin_reach(request), backend, ram, None), ram, 100.0, PARAMS, backend
+    )
+    bare = stranger_ceiling(loads, ram, 100.0, PARAMS, backend)
+    assert stranger_most(bare, PARAMS, hollow=False) >= found.score > 150
 
 
 @settings(max_examples=200)
@@ -1107,25 +1135,44 @@ def test_property_waiting_skips_only_busy_slots_that_cannot_save_more(
     st.lists(st.lists(st.integers(5, 7), min_size=1, max_size=3), min_size=1, max_size=3),
     st.sampled_from([None, 150, 450]),
     st.sampled_from([0.0, 0.1, 1.0]),
+    st.sampled_from([None, 200, 600]),
+    st.booleans(),
 )
 def test_property_a_spare_strangers_bound_is_never_below_its_score(
     scene: tuple[BackendState, Fingerprint],
     held: list[list[int]],
     offer_tokens: int | None,
     discount: float,
+    budget: int | None,
+    empty: bool,
 ) -> None:
     """A stranger that a RAM entry or a snapshot may serve (``options``' spares) reuses
     nothing of its own, so the server may park all of it: its bound (``kin_bound`` with no
-    floor) is never below ``candidate``'s score, whatever the prompt's first segment."""
+    floor, or with ``stranger_ceiling``: with no RAM budget, the one entry the server would
+    load into it, less what that destroys) is never below ``candidate``'s score, whatever
+    the prompt's first segment and the RAM budget, and never above ``stranger_most``."""
+    from proxy.core.routing.index import FleetIndex
     from tests.unit.test_snapshots import offer as restore_offer
 
     backend, request = scene
     for slot, ids in zip(backend.slots, held, strict=False):
         slot.content = fp(*ids, size=50)  # shares no token with the request (it opens with 1)
+    if empty and len(backend.slots) > len(held):
+        backend.slots[-1].content = None
+    backend.ram_tokens = budget
     params = replace(PARAMS, ram_discount=discount)
     offer = None if offer_tokens is None else restore_offer(offer_tokens, offer_tokens / 4)
     ram = ram_view(request, backend)
-    ceiling = kin_ceiling(kin_reach(request), backend, ram, offer)._replace(floor=0)
+    ceiling = kin_ceiling(kin_reach(request), backend, ram, offer)
+    loads = kin_loads(ceiling, ram, 100.0, params, backend)
+    bare = stranger_ceiling(loads, ram, 100.0, params, backend)
+    hollow = FleetIndex().of(backend).hollow
     for slot in backend.slots[: len(held)]:
         score = candidate(request, backend, slot, 100.0, params, ram, 0, offer).score
-        assert kin_bound(request, backend, slot, 100.0, params, ceiling) >= score
+        assert kin_bound(request, backend, slot, 100.0, params, ceiling._replace(floor=0)) >= score
+        bound = kin_bound(request, backend, slot, 100.0, params, bare)
+        assert stranger_most(bare, params, hollow) >= bound >= score
+    for slot in backend.slots:  # and one holding no token (empty, or a content of none)
+        if slot.content is None or not slot.content.total:
+            score = candidate(request, backend, slot, 100.0, params, ram, 0, offer).score
+            assert stranger_most(bare, params, hollow) >= score

@@ -132,6 +132,12 @@ class BackendIndex:
         )
 
     @cached_property
+    def hollow(self) -> bool:
+        """Whether an idle slot holds no token: empty, or a content of none (a slot the
+        server loads no RAM entry into, ``scoring.stranger_most``)."""
+        return any(s.content is None or not s.content.total for s in self.idle)
+
+    @cached_property
     def latest(self) -> float:
         """The latest use of an idle slot holding content."""
         return max((s.last_used for s in self.idle if s.content is not None), default=-math.inf)

@@ -37,9 +37,10 @@ system prompt some slot holds, so skips the slots that share nothing with it.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Mapping, Sequence
-from operator import itemgetter
 from typing import NamedTuple
 
 from proxy.core.disk.snapshots import Offer
@@ -47,14 +48,18 @@ from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.routing.index import BackendIndex, continues, head, margin
 from proxy.core.routing.scoring import (
     Candidate,
+    KinCeiling,
     RamView,
     RoutingParams,
     candidate,
     kin_bound,
     kin_ceiling,
+    kin_loads,
     kin_reach,
     recency,
     shared_segments,
+    stranger_ceiling,
+    stranger_most,
     weigher,
 )
 from proxy.core.server.fleet import BackendState, SlotState
@@ -132,25 +137,39 @@ def kin(
     far, scored in full in order of their bound (``scoring.kin_bound``; a spare stranger
     reuses nothing of its own, so the server may park all of it): once a bound falls below
     the best score found, none left can rank first. A backend whose most gain is below
-    ``top`` is passed over whole: no bound exceeds the gain."""
-    bounded: list[tuple[float, BackendState, SlotState]] = []
-    reach = kin_reach(fp)
+    ``top`` is passed over whole: no bound exceeds the gain. A backend's spares are found
+    only once the most any of them can score (``scoring.stranger_most``) is the highest bound
+    left: a new session under a system prompt that every backend's RAM cache holds would
+    make each of them load a parked session and destroy it, and scores one or two."""
+    heap: list[tuple[float, int, BackendState, SlotState | Strangers, KinCeiling | None]] = []
+    reach, order = kin_reach(fp), itertools.count()  # (the order breaks ties: no compare)
     for backend, near, strangers in deferred:
         ceiling = kin_ceiling(reach, backend, ram[backend.index], disk.get(backend.index))
         if top is not None and params.eviction_weight >= 0 and ceiling.gain < top:
             continue
-        bounded += ((kin_bound(fp, backend, s, now, params, ceiling), backend, s) for s in near)
+        if params.eviction_weight >= 0:  # (a RAM load then nets less than what it serves)
+            ceiling = kin_loads(ceiling, ram[backend.index], now, params, backend)
+        for s in near:
+            bound = kin_bound(fp, backend, s, now, params, ceiling)
+            heap.append((-bound, next(order), backend, s, None))
         if strangers is not None:
-            bare = ceiling._replace(floor=0)
-            spares = _cheapest(strangers, now, params)
-            bounded += ((kin_bound(fp, backend, s, now, params, bare), backend, s) for s in spares)
-    bounded.sort(key=itemgetter(0), reverse=True)
+            bare = stranger_ceiling(ceiling, ram[backend.index], now, params, backend)
+            most = stranger_most(bare, params, strangers.groups.hollow)
+            heap.append((-most, next(order), backend, strangers, bare))
+    heapq.heapify(heap)
     out: list[Candidate] = []
-    for bound, backend, slot in bounded:
-        if top is not None and bound < top:
+    while heap:
+        bound, _, backend, item, theirs = heapq.heappop(heap)
+        if top is not None and -bound < top:
             break
         i = backend.index
-        found = candidate(fp, backend, slot, now, params, ram[i], load[i], disk.get(i))
+        if isinstance(item, Strangers):  # (their most is the highest bound left: the spares)
+            assert theirs is not None
+            for s in _cheapest(item, now, params):
+                spare = kin_bound(fp, backend, s, now, params, theirs)
+                heapq.heappush(heap, (-spare, next(order), backend, s, None))
+            continue
+        found = candidate(fp, backend, item, now, params, ram[i], load[i], disk.get(i))
         out.append(found)
         top = found.score if top is None else max(top, found.score)
     return out

@@ -43,6 +43,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -299,7 +300,13 @@ class KinCeiling(NamedTuple):
     gain: float  # the most it gains: the prompt before its conversation, a RAM load, a restore
     before: int  # the most it reuses of its own: the prompt before its conversation
     floor: int  # the least it reuses of its own (the prompt's first segment holding tokens)
-    restorable: bool  # a snapshot may be restored into it (the server then parks its content)
+    restored: float | None  # what restoring a snapshot into it nets (None: no snapshot)
+    # the RAM entries the server may load into it, each as (tokens it serves, what loading it
+    # destroys); None: not worked out, a load counts as ``gain`` with nothing destroyed
+    loads: tuple[tuple[int, float], ...] | None = None
+
+    # a RAM load is certain for a slot holding anything: only a restore netting more avoids it
+    forced: bool = False
 
 
 def kin_reach(fp: Fingerprint) -> tuple[int, int]:
@@ -319,9 +326,66 @@ def kin_ceiling(
     best entry, a restore nets its gain; an exact model may keep none of it."""
     before, floor = reach
     parked = max(ram.served[i][0] for i in ram.loadable) if ram.loadable else 0
-    restored = offer.reuse - offer.cost if offer is not None else 0
-    gain = max(before, parked, restored)
-    return KinCeiling(gain, before, 0 if backend.exact else floor, offer is not None)
+    restored = offer.reuse - offer.cost if offer is not None else None
+    gain = max(before, parked, restored or 0)
+    return KinCeiling(gain, before, 0 if backend.exact else floor, restored)
+
+
+def kin_loads(
+    ceiling: KinCeiling, ram: RamView, now: float, params: RoutingParams, backend: BackendState
+) -> KinCeiling:
+    """``ceiling`` with the RAM entries a load may bring worked out: an entry the server
+    loads is destroyed beyond what it shares (``RamView.damage``), so a load nets less than
+    the tokens it serves (a new session sharing only the system prompt with every parked
+    session of the fleet gains that prompt and loses one of them). Of the entries, those
+    that no other serves as much or more of the prompt for a smaller loss: the bound of
+    each slot takes the best of them against its own damage, in ``candidate``'s order of
+    operations (so it holds in floating point too)."""
+    if not ram.loadable:
+        return ceiling._replace(loads=())
+    loads: list[tuple[int, float]] = []
+    least = math.inf
+    for i in sorted(ram.loadable, key=lambda i: ram.served[i][0], reverse=True):
+        destroyed = ram.damage(i, now, params, backend)
+        if destroyed < least:  # (else one serving as much destroys no more: it bounds this)
+            loads.append((ram.served[i][0], destroyed))
+            least = destroyed
+    return ceiling._replace(loads=tuple(loads))
+
+
+def stranger_ceiling(
+    ceiling: KinCeiling, ram: RamView, now: float, params: RoutingParams, backend: BackendState
+) -> KinCeiling:
+    """``ceiling`` (``kin_loads``' worked out) for a slot sharing no token with the prompt (a
+    spare stranger): it reuses nothing of its own, so the server may park all of it. With no
+    RAM budget the server loads into every such slot that holds anything the same entry, the
+    one that beats keeping nothing: its tokens less what loading it destroys are all it gains,
+    unless a restore nets more."""
+    bare = ceiling._replace(before=0, floor=0)
+    if ceiling.loads is None or backend.ram_tokens is not None or not ram.loadable:
+        return bare
+    i = ram.pick(0, 1, ties=True)
+    if i is None:
+        return bare._replace(loads=())
+    load = (ram.served[i][0], ram.damage(i, now, params, backend))
+    return bare._replace(loads=(load,), forced=True)
+
+
+def stranger_most(bare: KinCeiling, params: RoutingParams, hollow: bool) -> float:
+    """The most a slot sharing no token with the prompt can score (``kin_bound`` with
+    ``bare``, its ``stranger_ceiling``, is no higher for any such slot of the backend): what a
+    restore nets, or an entry's tokens less what loading it destroys, or, where a load is not
+    certain or a slot holds no token (``hollow``: an empty slot loads nothing), nothing;
+    ``inf`` when ``bare.loads`` is not worked out."""
+    if bare.loads is None:
+        return math.inf
+    if bare.forced and not hollow:
+        most = -math.inf if bare.restored is None else bare.restored
+    else:
+        most = float(max(0, bare.restored or 0))
+    for served, destroyed in bare.loads:
+        most = max(most, served - params.eviction_weight * destroyed)
+    return most
 
 
 def kin_bound(
@@ -333,25 +397,38 @@ def kin_bound(
     ceiling: KinCeiling,
 ) -> float:
     """An upper bound on ``candidate``'s score for a kin slot: its gain is at most
-    ``ceiling.gain``, and it loses at least what ``candidate`` counts with the RAM discount
-    applied wherever the server may park its content (a restore into it, or a request that
-    may keep under half of it: not when even ``ceiling.floor`` is half). It shares less than
-    the prompt's anchor, so less than its own when that is no earlier: its content is lost
-    whole; else at least what lies beyond the prompt before its conversation. Computed in
-    ``candidate``'s order of operations, so the bound holds in floating point too (rounding
-    is monotone)."""
+    ``ceiling.gain`` (with ``ceiling.loads``: its own reuse or a restore, or an entry's tokens
+    less what loading it destroys), and it loses at least what ``candidate``
+    counts with the RAM discount applied wherever the server may park its content (a restore
+    into it, or a request that may keep under half of it: not when even ``ceiling.floor`` is
+    half). It shares less than the prompt's anchor, so less than its own when that is no
+    earlier: its content is lost whole; else at least what lies beyond the prompt before its
+    conversation. Computed in ``candidate``'s order of operations, so the bound holds in
+    floating point too (rounding is monotone)."""
     content = slot.content
-    if content is None:  # an empty slot loses nothing
-        return ceiling.gain
+    if content is None:  # an empty slot loses nothing, and an empty pinned slot loads nothing
+        return ceiling.gain if ceiling.loads is None else max(0, ceiling.restored or 0)
     length = backend.kv_estimate(content, slot.n_tokens)
+    # what it gains without a RAM load: its own reuse, or a restore
+    if ceiling.forced and length > 0:
+        plain = -math.inf if ceiling.restored is None else ceiling.restored
+    else:
+        plain = max(ceiling.before, ceiling.restored or 0)
     if content.anchor >= fp.anchor:
         lost = max(content.total, length)
     else:
         lost = max(0, content.total - ceiling.before)
-    parks = backend.ram and (ceiling.restorable or ram_cache.consulted(ceiling.floor, length))
+    restorable = ceiling.restored is not None
+    parks = backend.ram and (restorable or ram_cache.consulted(ceiling.floor, length))
     discount = min(params.ram_discount, 1.0) if parks else 1.0
     damage = lost * recency(slot, now, params, backend) * discount
-    return ceiling.gain - params.eviction_weight * damage
+    w = params.eviction_weight
+    if ceiling.loads is None:
+        return ceiling.gain - w * damage
+    bound = plain - w * damage
+    for served, destroyed in ceiling.loads:
+        bound = max(bound, served - w * (damage + destroyed))
+    return bound
 
 
 def _extends(fp: Fingerprint, own: Fingerprint, shared: int, loaded: RamEntry | None) -> bool:

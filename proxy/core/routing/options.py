@@ -147,8 +147,8 @@ def kin(
         ceiling = kin_ceiling(reach, backend, ram[backend.index], disk.get(backend.index))
         if top is not None and params.eviction_weight >= 0 and ceiling.gain < top:
             continue
-        if params.eviction_weight >= 0:  # (a RAM load then nets less than what it serves)
-            ceiling = kin_loads(ceiling, ram[backend.index], now, params, backend)
+        if ceiling.loads is None and params.eviction_weight >= 0:  # (a load nets less than
+            ceiling = kin_loads(ceiling, ram[backend.index], now, params, backend)  # it serves)
         for s in near:
             bound = kin_bound(fp, backend, s, now, params, ceiling)
             heap.append((-bound, next(order), backend, s, None))

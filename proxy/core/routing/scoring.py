@@ -328,7 +328,8 @@ def kin_ceiling(
     parked = max(ram.served[i][0] for i in ram.loadable) if ram.loadable else 0
     restored = offer.reuse - offer.cost if offer is not None else None
     gain = max(before, parked, restored or 0)
-    return KinCeiling(gain, before, 0 if backend.exact else floor, restored)
+    loads = None if ram.loadable else ()  # (no entry to load: nothing to work out)
+    return KinCeiling(gain, before, 0 if backend.exact else floor, restored, loads)
 
 
 def kin_loads(
@@ -376,8 +377,8 @@ def stranger_most(bare: KinCeiling, params: RoutingParams, hollow: bool) -> floa
     ``bare``, its ``stranger_ceiling``, is no higher for any such slot of the backend): what a
     restore nets, or an entry's tokens less what loading it destroys, or, where a load is not
     certain or a slot holds no token (``hollow``: an empty slot loads nothing), nothing;
-    ``inf`` when ``bare.loads`` is not worked out."""
-    if bare.loads is None:
+    ``inf`` when ``bare.loads`` is not worked out (or a loss would count as a gain)."""
+    if bare.loads is None or params.eviction_weight < 0:
         return math.inf
     if bare.forced and not hollow:
         most = -math.inf if bare.restored is None else bare.restored

@@ -12,6 +12,7 @@ from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.routing.decision import Decision, Reason, RoutingParams, predicted_reuse, route
 from proxy.core.routing.scoring import (
     RamView,
+    RamViews,
     candidate,
     kin_bound,
     kin_ceiling,
@@ -718,7 +719,7 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
     ) -> tuple[list[Any], list[Any], None, None]:
         return (
             [
-                candidate(fp, b, s, now, params, ram, load, offer)
+                candidate(fp, b, s, now, params, ram[b.index], load, offer)
                 for s in b.slots
                 if s.phase is SlotPhase.IDLE and s.id not in spared
             ],
@@ -744,8 +745,9 @@ def test_property_a_ram_view_read_by_heads_is_the_view_of_every_entry(
     scene: tuple[Fleet, Fingerprint, tuple[int, int] | None], scale: float | None
 ) -> None:
     """``scoring.ram_view`` compares the prompt only with the RAM entries of its head
-    (``index.BackendIndex.ram_heads``): the entries that serve it a token, what they serve,
-    and what the server loads for any slot are the ones comparing every entry gives; and
+    (``index.BackendIndex.ram_heads``): the entries that serve it a token, what they serve
+    (at most ``BackendIndex.ram_most``), and what the server loads for any slot are the ones
+    comparing every entry gives; and
     with what the slots hold (``BackendIndex.holds``) an entry's damage is the
     one scanning the slots gives, until a slot changes."""
     from proxy.core.routing.index import FleetIndex
@@ -760,6 +762,7 @@ def test_property_a_ram_view_read_by_heads_is_the_view_of_every_entry(
         for i in every.loadable:
             assert (by_heads.served[i], by_heads.shared[i]) == (every.served[i], every.shared[i])
         grouped = FleetIndex().of(backend)
+        assert all(grouped.ram_most(request) >= every.served[i][0] for i in every.loadable)
         resident = ram_view(request, backend, None, grouped.ram_heads, grouped.holds)
         for i in range(len(backend.ram_entries)):  # a copy of a slot's content loses nothing
             damage = by_heads.damage(i, 100.0, PARAMS, backend)
@@ -827,7 +830,10 @@ def test_property_a_kin_slots_bound_is_never_below_its_score(
     ceiling = kin_ceiling(kin_reach(request), backend, ram, offer)
     loads = kin_loads(ceiling, ram, 100.0, params, backend)
     index = FleetIndex().of(backend)
-    _, kin, _, _ = options(request, backend, index, frozenset(), 100.0, params, ram, 0, offer)
+    views = RamViews(request, [backend], [backend], {backend.index: index})
+    _, kin, _, _ = options(request, backend, index, frozenset(), 100.0, params, views, 0, offer)
+    # what the index says any entry serves at most bounds what each serves
+    assert all(index.ram_most(request) >= ram.served[i][0] for i in ram.loadable)
     for slot in kin:
         score = candidate(request, backend, slot, 100.0, params, ram, 0, offer).score
         assert kin_bound(request, backend, slot, 100.0, params, ceiling) >= score

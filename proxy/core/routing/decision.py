@@ -12,7 +12,9 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
    bound beats the best score found, a stranger only when nothing gains), and each
    backend's slots are read grouped as the last decision left them unless the backend
    changed since (``core.routing.index``): by the head of what they hold, by recency, and
-   by what overwriting them loses.
+   by what overwriting them loses. A backend's RAM-cache model is compared with the prompt
+   only where the index says an entry may serve more than what it is weighed against
+   (``scoring.RamViews``).
 2. *cache_key affinity* (done outside the server): a keyed request whose mapped
    slot is idle reuses it when the slot serves a prefix hit (``hit_floor``, the bar of step 3)
    ("reuse") and no other idle slot scores higher ("outmatched": an agent session
@@ -80,10 +82,10 @@ from proxy.core.routing.returns import held, held_until
 from proxy.core.routing.scoring import (
     Candidate,
     RamView,
+    RamViews,
     RoutingParams,
     candidate,
     predicted_reuse,
-    ram_view,
 )
 from proxy.core.routing.waiting import Fleetview, crowded, hit_floor, spare_parked, worth_waiting
 from proxy.core.routing.wakes import Key, wake_keys
@@ -160,7 +162,7 @@ def _affinity(
     now: float,
     params: RoutingParams,
     disk: Mapping[int, Offer],
-    ram: Mapping[int, RamView],
+    ram: RamViews,
     load: Mapping[int, int],
 ) -> tuple[Candidate | None, KeyOutcome]:
     """The hinted slot as a candidate, with the decision's RAM views and loads (every ready
@@ -204,22 +206,15 @@ def route(
     up = [b for b in usable if b.phase is BackendPhase.READY]
     indexes: dict[int, BackendIndex] = {}
     free_of: dict[int, Sequence[SlotState]] = {}
-    ram: dict[int, RamView] = {}
     load: dict[int, int] = {}
-    memo, empty = views or {}, RamView(fp.total)  # (one view for every backend without entries)
     for b in up:  # (read once per decision)
         i, grouped = b.index, index.of(b)
         indexes[i], free_of[i], load[i] = grouped, grouped.idle, len(b.slots) - len(grouped.idle)
-        if b.ram_entries:
-            ram[i] = ram_view(fp, b, memo.get(i), grouped.ram_heads, grouped.holds)
-        else:
-            ram[i] = empty
+    ram = RamViews(fp, backends, up, indexes, views)  # (each worked out when first read)
     ready = [b for b in up if free_of[b.index]]
     key, keyed = None, None
     if affinity is not None and affinity[0] not in avoid:
         keyed, key = _affinity(fp, backends, affinity, now, params, disk, ram, load)
-    if views is not None:
-        views.update(ram)
     idle_count = sum(len(free_of[b.index]) for b in ready)
     least = params.min_prefix_tokens
     spared = frozenset(
@@ -240,7 +235,7 @@ def route(
             mine,
             now,
             params,
-            ram[b.index],
+            ram,
             load[b.index],
             disk.get(b.index),
         )

@@ -40,6 +40,9 @@ from proxy.core.server.fleet import BackendState, SlotPhase, SlotState
 from proxy.core.server.slots import kv_length
 
 Head = tuple[int, int]  # (first segment holding tokens, its chain hash)
+# a head's RAM entries: the most segments one holds, the most one holds that is anchored
+# nowhere in it, and per conversation (its anchor and the hash there) the most one holds
+RamSpans = tuple[int, int, dict[tuple[int, int], int]]
 STRANGER_MARGIN = 1e-9  # relative: log losses this close to the least are ranked exactly
 
 
@@ -152,12 +155,47 @@ class BackendIndex:
     def ram_heads(self) -> dict[Head, list[int]]:
         """The backend's RAM entries (positions, oldest first) by the head of their content:
         an entry serving a prompt a token shares its head (``scoring.ram_view``)."""
-        out: dict[Head, list[int]] = {}
+        return self._ram_groups[0]
+
+    @cached_property
+    def _ram_groups(self) -> tuple[dict[Head, list[int]], dict[Head, RamSpans]]:
+        heads: dict[Head, list[int]] = {}
+        spans: dict[Head, RamSpans] = {}
         for i, entry in enumerate(self.backend.ram_entries):
-            key = entry.content.head
-            if key is not None:
-                out.setdefault(key, []).append(i)
-        return out
+            content = entry.content
+            key = content.head
+            if key is None:
+                continue
+            heads.setdefault(key, []).append(i)
+            n, anchor = len(content.hashes), content.anchor
+            longest, loose, conversations = spans.get(key, (0, 0, {}))
+            if 0 < anchor <= n:
+                at = (anchor, content.hashes[anchor - 1])
+                conversations[at] = max(conversations.get(at, 0), n)
+            else:
+                loose = max(loose, n)
+            spans[key] = (max(longest, n), loose, conversations)
+        return heads, spans
+
+    def ram_most(self, fp: Fingerprint) -> int:
+        """At most the tokens any of the backend's RAM entries serves ``fp``
+        (``scoring.ram_view``), read without comparing the prompt with any entry: one serving
+        a token shares its head, and shares at most as many segments as it holds. Where the
+        prompt's anchor is a user message, an entry sharing that many segments shares it, so
+        it is of the same conversation, anchored there (the segments before it are the same
+        system messages): any other entry shares less than the prompt before its
+        conversation."""
+        spans = self._ram_groups[1].get(fp.head) if fp.head is not None else None
+        if spans is None:
+            return 0
+        longest, loose, conversations = spans
+        size, anchor = len(fp.hashes), fp.anchor
+        if fp.users and fp.users[0] == anchor - 1:
+            own = conversations.get((anchor, fp.hashes[anchor - 1]), 0)
+            n = max(min(anchor - 1, longest), min(size, max(own, loose)))
+        else:
+            n = min(size, longest)
+        return max(0, min(fp.tokens_at(n), fp.total - 1))
 
     def holds(self, hashes: tuple[int, ...]) -> bool:
         """Whether one of the backend's slots holds or will hold content of which the chain

@@ -49,7 +49,7 @@ from proxy.core.routing.index import BackendIndex, continues, head, margin
 from proxy.core.routing.scoring import (
     Candidate,
     KinCeiling,
-    RamView,
+    RamViews,
     RoutingParams,
     candidate,
     kin_bound,
@@ -88,7 +88,7 @@ def options(
     spared: frozenset[int],
     now: float,
     params: RoutingParams,
-    ram: RamView,
+    ram: RamViews,
     load: int,
     offer: Offer | None,
 ) -> tuple[list[Candidate], list[SlotState], Strangers | None, Strangers | None]:
@@ -97,7 +97,9 @@ def options(
     ``kin`` scores when they may rank first; the strangers (None: none), which
     ``strangers`` ranks when no candidate scores above 0, or, on a backend with a RAM entry
     or a snapshot for the prompt, whose spares ``kin`` scores like the kin (the fourth;
-    the third None then)."""
+    the third None then). ``ram``: the request's RAM views, the backend's read only when
+    a slot continues the prompt (whether an entry may serve the prompt is read from the
+    index: ``RamViews.most``)."""
     key = head(fp)
     sharing = index.sharing(key) if key is not None else ()
     found: list[Candidate] = []
@@ -112,11 +114,13 @@ def options(
             ours = _distinct(ours)
         if len(kin) > 1:
             kin = _distinct(kin)
-        found = [candidate(fp, backend, slot, now, params, ram, load, offer) for slot in ours]
+        if ours:
+            view = ram[backend.index]
+            found = [candidate(fp, backend, s, now, params, view, load, offer) for s in ours]
         shared = frozenset(s.id for s in sharing)
         skip = spared | shared if spared else shared
     strangers = Strangers(backend, index, skip) if len(skip) < len(index.idle) else None
-    gains = offer is not None or bool(ram.loadable)
+    gains = offer is not None or ram.may_load(backend.index)
     if strangers is not None and gains:  # a RAM entry or a snapshot may come into any of them
         return found, kin, None, strangers
     return found, kin, strangers, None
@@ -128,7 +132,7 @@ def kin(
     top: float | None,
     now: float,
     params: RoutingParams,
-    ram: Mapping[int, RamView],
+    ram: RamViews,
     load: Mapping[int, int],
     disk: Mapping[int, Offer],
 ) -> list[Candidate]:
@@ -144,16 +148,27 @@ def kin(
     heap: list[tuple[float, int, BackendState, SlotState | Strangers, KinCeiling | None]] = []
     reach, order = kin_reach(fp), itertools.count()  # (the order breaks ties: no compare)
     for backend, near, strangers in deferred:
-        ceiling = kin_ceiling(reach, backend, ram[backend.index], disk.get(backend.index))
-        if top is not None and params.eviction_weight >= 0 and ceiling.gain < top:
-            continue
+        i, offer = backend.index, disk.get(backend.index)
+        view = None
+        if top is not None and params.eviction_weight >= 0:
+            if ram.may_load(i):  # (its view is read only if an entry may beat top)
+                restored = offer.reuse - offer.cost if offer is not None else 0
+                if max(reach[0], ram.most(i), restored) < top:
+                    continue
+            view = ram[i]
+            ceiling = kin_ceiling(reach, backend, view, offer)
+            if ceiling.gain < top:
+                continue
+        else:
+            view = ram[i]
+            ceiling = kin_ceiling(reach, backend, view, offer)
         if ceiling.loads is None and params.eviction_weight >= 0:  # (a load nets less than
-            ceiling = kin_loads(ceiling, ram[backend.index], now, params, backend)  # it serves)
+            ceiling = kin_loads(ceiling, view, now, params, backend)  # what it serves)
         for s in near:
             bound = kin_bound(fp, backend, s, now, params, ceiling)
             heap.append((-bound, next(order), backend, s, None))
         if strangers is not None:
-            bare = stranger_ceiling(ceiling, ram[backend.index], now, params, backend)
+            bare = stranger_ceiling(ceiling, view, now, params, backend)
             most = stranger_most(bare, params, strangers.groups.hollow)
             heap.append((-most, next(order), backend, strangers, bare))
     heapq.heapify(heap)

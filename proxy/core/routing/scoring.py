@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint, common_segments
+from proxy.core.routing.index import BackendIndex
 from proxy.core.routing.return_odds import ReturnOdds
 from proxy.core.server import ram_cache
 from proxy.core.server.fleet import BackendState, SlotPhase, SlotState
@@ -241,6 +242,54 @@ def ram_view(
         if reuse > 0:
             loadable.append(i)
     return RamView(fp.total, entries, tuple(served), tuple(shared), scale, tuple(loadable), known)
+
+
+class RamViews:
+    """Each ready backend's ``ram_view`` of one request, worked out when first read (and
+    kept in ``memo``, the request's views from its earlier decisions); ``most``: at most
+    what any of a backend's entries serves the request, read from its index without a view
+    (``index.BackendIndex.ram_most``). A decision reads the views of the backends whose
+    entries may serve the request more than what it weighs them against: a returning
+    session's own slot outscores every entry of another conversation, so it reads none of
+    theirs. ``backends``: the fleet's, by index; ``ready``: those the decision reads."""
+
+    def __init__(
+        self,
+        fp: Fingerprint,
+        backends: Sequence[BackendState],
+        ready: Sequence[BackendState],
+        indexes: Mapping[int, BackendIndex],
+        memo: dict[int, RamView] | None = None,
+    ) -> None:
+        self._fp, self._backends, self._indexes = fp, backends, indexes
+        self._memo = memo if memo is not None else {}
+        self._views: dict[int, RamView] = {}  # read in this decision
+        self.empty = RamView(fp.total)  # the view of every backend without entries
+        # the backends that may load an entry, and their ``most`` once read (-1 before)
+        self.loading = {b.index: -1 for b in ready if b.ram and b.ram_entries}
+
+    def __getitem__(self, index: int) -> RamView:
+        if index not in self.loading:
+            return self.empty
+        view = self._views.get(index)
+        if view is None:
+            backend, grouped = self._backends[index], self._indexes[index]
+            before = self._memo.get(index)
+            view = ram_view(self._fp, backend, before, grouped.ram_heads, grouped.holds)
+            self._views[index] = self._memo[index] = view
+        return view
+
+    def may_load(self, index: int) -> bool:
+        """Whether an entry of the backend may serve the request a token (one sharing its
+        head: cheaper than ``most``)."""
+        head = self._fp.head
+        return index in self.loading and head is not None and head in self._indexes[index].ram_heads
+
+    def most(self, index: int) -> int:
+        found = self.loading.get(index, 0)
+        if found < 0:
+            found = self.loading[index] = self._indexes[index].ram_most(self._fp)
+        return found
 
 
 def candidate(

@@ -52,6 +52,7 @@ from proxy.core.routing.index import BackendIndex, continues
 from proxy.core.routing.scoring import (
     Candidate,
     RamView,
+    RamViews,
     RoutingParams,
     candidate,
     kin_reach,
@@ -135,7 +136,7 @@ def worth_waiting(
     fleet: Fleetview,
     best: Candidate | None,
     params: RoutingParams,
-    ram: Mapping[int, RamView],
+    ram: RamViews,
     spared: frozenset[tuple[int, int]],
     now: float,
 ) -> tuple[tuple[int, int], int] | None:
@@ -171,10 +172,10 @@ def worth_waiting(
         free = fleet.free[backend.index]
         if spared:
             free = [s for s in free if (backend.index, s.id) not in spared]
-        view = ram[backend.index]  # (no entry and a free slot: nothing to wait for)
-        waits = bool(view.served or not free) and _ram_wait(
-            fp, backend, grouped, free, view, floor_ram, params, now
-        )
+        if (ram.most(backend.index) if backend.index in ram.loading else 0) < floor_ram:
+            continue  # no entry serves enough (its view is not read)
+        view = ram[backend.index]
+        waits = _ram_wait(fp, backend, grouped, free, view, floor_ram, params, now)
         if waits and view.best >= floor_ram and (found is None or view.best > found[1]):
             found = ((backend.index, -1), view.best)
     return found
@@ -238,7 +239,7 @@ def _taken(
     slot: SlotState,
     now: float,
     params: RoutingParams,
-    ram: Mapping[int, RamView],
+    ram: RamViews,
 ) -> bool:
     """Whether the request would take ``slot`` (idle, or a busy one as it will be once done)
     over an empty slot: a positive score."""

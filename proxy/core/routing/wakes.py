@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 from proxy.core.disk.snapshots import Offer
 from proxy.core.prompt.fingerprint import Fingerprint
-from proxy.core.routing.scoring import RamView, RoutingParams, kin_reach
+from proxy.core.routing.scoring import RamViews, RoutingParams, kin_reach
 from proxy.core.routing.waiting import Fleetview, saturated, wait_bar
 
 Key = tuple[str, int, int]
@@ -70,7 +70,7 @@ def wake_keys(
     fleet: Fleetview,
     params: RoutingParams,
     disk: Mapping[int, Offer],
-    ram: Mapping[int, RamView],
+    ram: RamViews,
     partial: bool = False,
 ) -> frozenset[Key] | None:
     """The keys of a decision to wait for ``wait_for`` (a slot, or ``(b, -1)``), which
@@ -90,7 +90,10 @@ def wake_keys(
         keys.add(SATURATED)
     if fleet.pressed:
         keys.add(PRESSED)
-    for backend, view in ram.items():  # a freed slot there may load an entry serving as much
+    for backend in ram.loading:  # a freed slot there may load an entry serving as much
+        if ram.most(backend) + bar <= predicted:
+            continue  # (its view is not read)
+        view = ram[backend]
         if view.loadable and max(view.served[i][0] for i in view.loadable) + bar > predicted:
             keys.add(("slot", backend, -1))
     head, anchor = fp.head, fp.anchor

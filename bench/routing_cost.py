@@ -20,11 +20,15 @@ all and of each. A third: the same with no slot busy and each backend's RAM-cach
 holding N sessions under the eight system prompts (llama-server's host-RAM cache is on by
 default).
 
-    python -m bench routing_cost      (results: bench/results/routing_cost/)
+A fourth, with ``--fleets``: the second table's decision with no slot busy, by fleet size
+(backends x 8 slots), without RAM entries and with 16 per backend.
+
+    python -m bench routing_cost [--fleets 16 64 256]   (results: bench/results/routing_cost/)
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -170,6 +174,9 @@ def at_scale(
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fleets", type=int, nargs="*", default=[], help="backends per fleet")
+    args = parser.parse_args()
     print(f"{machine_line()}; median of 30, fingerprint + routing decision over a 4 x 4 fleet")
     prompts = [
         {
@@ -216,7 +223,18 @@ def main() -> None:
         ["RAM entries (N)", "decision p50 (ms)", "returning sessions (ms)", "new sessions (ms)"],
         [[str(r["parked"]), *(f"{v:.3f}" for v in list(r.values())[1:])] for r in ram],
     )
-    save("routing_cost", {"prompts": prompts, "at_scale": scale, "with_ram": ram})
+    fleets: list[dict[str, object]] = []
+    rows = []
+    for backends in args.fleets:
+        bare = at_scale(0.0, backends=backends)
+        held = at_scale(0.0, backends=backends, parked=16)
+        fleets.append({"backends": backends, "no_ram_ms": bare, "ram_16_ms": held})
+        rows.append([str(backends), *(" / ".join(f"{v:.2f}" for v in t) for t in (bare, held))])
+    if rows:
+        print()
+        print("by fleet size, no slot busy: median ms of all / returning / new sessions")
+        print_markdown(["backends", "no RAM entries", "16 RAM entries per backend"], rows)
+    save("routing_cost", {"prompts": prompts, "at_scale": scale, "with_ram": ram, "fleets": fleets})
 
 
 if __name__ == "__main__":

@@ -642,11 +642,13 @@ def test_a_parked_turn_the_server_may_load_in_a_tie_is_counted_as_loaded() -> No
 @st.composite
 def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | None]:
     """Up to three backends of up to six slots; chains that may open with an empty
-    preamble (a chat template's, no token) shared by every prompt."""
+    preamble (a chat template's, no token) shared by every prompt, and whose user messages
+    may be known (a chat prompt's; the first one ends the anchor)."""
     counts = draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
     f = fleet(*counts, exact=tuple(draw(st.booleans()) for _ in counts))
     preamble = draw(st.booleans())
     user = draw(st.integers(1, 5))  # segment ids from this one up are user messages
+    chat = draw(st.booleans())  # the user messages known (a chat prompt's), or not (a raw one's)
 
     def chain(ids: list[int]) -> Fingerprint:
         """The anchor (the first user message) follows from the content, as it does for a
@@ -654,7 +656,8 @@ def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | 
         c = fp(0, *ids) if preamble else fp(*ids)
         tokens = tuple(t - 100 for t in c.tokens) if preamble else c.tokens
         anchor = next((i + 1 for i, s in enumerate(ids) if s >= user), len(ids)) + preamble
-        return Fingerprint(c.hashes, tokens, anchor)
+        users = tuple(i + preamble for i, s in enumerate(ids) if s >= user) if chat else ()
+        return Fingerprint(c.hashes, tokens, anchor, users=users)
 
     chains = st.lists(st.integers(1, 4), min_size=1, max_size=5).map(chain)
     for backend in f.backends:

@@ -642,24 +642,28 @@ def test_a_parked_turn_the_server_may_load_in_a_tie_is_counted_as_loaded() -> No
 @st.composite
 def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | None]:
     """Up to three backends of up to six slots; chains that may open with an empty
-    preamble (a chat template's, no token) shared by every prompt, and whose user messages
-    may be known (a chat prompt's; the first one ends the anchor)."""
+    preamble (a chat template's, no token) shared by every prompt: a chat prompt's, whose
+    user messages may be known (the first one ends the anchor), or a raw prompt's."""
     counts = draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
     f = fleet(*counts, exact=tuple(draw(st.booleans()) for _ in counts))
     preamble = draw(st.booleans())
     user = draw(st.integers(1, 5))  # segment ids from this one up are user messages
-    chat = draw(st.booleans())  # the user messages known (a chat prompt's), or not (a raw one's)
 
-    def chain(ids: list[int]) -> Fingerprint:
+    def chain(ids: list[int], kind: str) -> Fingerprint:
         """The anchor (the first user message) follows from the content, as it does for a
-        real prompt: two slots holding one chain never differ in it."""
+        real prompt: two slots holding one chain never differ in it. ``kind``: a chat
+        prompt's, its user messages known or not, or a raw prompt's (no anchor)."""
         c = fp(0, *ids) if preamble else fp(*ids)
         tokens = tuple(t - 100 for t in c.tokens) if preamble else c.tokens
+        if kind == "raw":
+            return Fingerprint(c.hashes, tokens)
         anchor = next((i + 1 for i, s in enumerate(ids) if s >= user), len(ids)) + preamble
-        users = tuple(i + preamble for i, s in enumerate(ids) if s >= user) if chat else ()
+        known = kind == "chat"
+        users = tuple(i + preamble for i, s in enumerate(ids) if s >= user) if known else ()
         return Fingerprint(c.hashes, tokens, anchor, users=users)
 
-    chains = st.lists(st.integers(1, 4), min_size=1, max_size=5).map(chain)
+    ids = st.lists(st.integers(1, 4), min_size=1, max_size=5)
+    chains = st.builds(chain, ids, st.sampled_from(["chat", "anchored", "raw"]))
     for backend in f.backends:
         backend.ram = draw(st.booleans())
         parked = st.builds(RamEntry, chains, st.floats(0, 100))
@@ -733,6 +737,8 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
 
     with (
         mock.patch.object(routing, "options", every_idle_slot),
+        # every backend's RAM view read (its index's bound never passes one over)
+        mock.patch.object(RamViews, "most", return_value=1 << 40),
         mock.patch.object(waiting, "_distinct_busy", lambda sharing: list(sharing)),
         # every busy slot, sharing the prompt's head or not
         mock.patch.object(BackendIndex, "waiting", lambda self, key: list(self.busy)),
@@ -893,6 +899,32 @@ def test_a_kin_slots_bound_on_an_exact_backend_counts_no_reuse_of_its_own() -> N
     assert found.reuse == 0
     ceiling = kin_ceiling(kin_reach(request), backend, ram, None)
     assert kin_bound(request, backend, backend.slots[0], 100.0, PARAMS, ceiling) >= found.score
+
+
+def test_strangers_with_no_ram_entry_to_load_are_ranked_exactly() -> None:
+    """A RAM entry shares the request's system prompt, but the prompt keeps under a quarter of
+    it: the server loads nothing. The backend's idle slots share nothing with the prompt: two
+    hold raw prompts (anchor 0: the request would overwrite them whole, no RAM discount, 40
+    and 45 tokens lost), one another chat (parked in RAM: 300 x 0.1 = 30). The chat slot is
+    the cheapest to take, though the two raw ones hold less."""
+
+    def chat(*ids: int, size: int) -> Fingerprint:  # a system prompt, then a user message
+        c = fp(*ids, size=size)
+        return Fingerprint(c.hashes, c.tokens, 2, users=(1,))
+
+    request = chat(1, 2, size=100)
+    f = fleet(3)
+    backend = f.backends[0]
+    backend.ram_entries = [RamEntry(chat(1, 3, 4, 5, 6, size=100), 90.0)]  # 100 of 500
+    hold(f, 0, 0, fp(7, size=40))
+    hold(f, 0, 1, fp(8, size=45))
+    hold(f, 0, 2, chat(9, 10, size=150))
+    view = ram_view(request, backend)
+    assert not view.loadable
+    scores = [candidate(request, backend, s, 100.0, PARAMS, view).score for s in backend.slots]
+    assert scores == [-40.0, -45.0, -30.0]
+    d = decided(route(request, f.backends, PARAMS, now=100.0))
+    assert d.placement == Placement(0, (2,), 2)
 
 
 def test_a_spare_strangers_most_counts_an_entry_serving_less_that_destroys_less() -> None:

@@ -246,7 +246,8 @@ def route(
             left.append(others)
     if deferred:
         top = max((c.score for c in idle), default=None)
-        idle += kin(fp, deferred, top, now, params, ram, load, disk)
+        scored, unloaded = kin(fp, deferred, top, now, params, ram, load, disk)
+        idle, left = idle + scored, left + unloaded
     if not any(c.score > 0 for c in idle):  # else no stranger (at most 0) can rank first
         idle += best_strangers(fp, left, now, params, load)
     best = max(idle, key=_ranking(remote), default=None)

@@ -136,8 +136,9 @@ class BackendIndex:
 
     @cached_property
     def hollow(self) -> bool:
-        """Whether an idle slot holds no token: empty, or a content of none (a slot the
-        server loads no RAM entry into, ``scoring.stranger_most``)."""
+        """Whether an idle slot may hold no token: empty, or a content whose estimate holds
+        none (the server may load no RAM entry into it: ``scoring.stranger_most`` then
+        counts what taking a slot nets without one)."""
         return any(s.content is None or not s.content.total for s in self.idle)
 
     @cached_property
@@ -183,7 +184,7 @@ class BackendIndex:
         a token shares its head, and shares at most as many segments as it holds. Where the
         prompt's anchor is a user message, an entry sharing that many segments shares it, so
         it is of the same conversation, anchored there (the segments before it are the same
-        system messages): any other entry shares less than the prompt before its
+        system messages): any other entry serves at most the prompt before its
         conversation."""
         spans = self._ram_groups[1].get(fp.head) if fp.head is not None else None
         if spans is None:

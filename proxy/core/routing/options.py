@@ -98,8 +98,9 @@ def options(
     ``strangers`` ranks when no candidate scores above 0, or, on a backend with a RAM entry
     or a snapshot for the prompt, whose spares ``kin`` scores like the kin (the fourth;
     the third None then). ``ram``: the request's RAM views, the backend's read only when
-    a slot continues the prompt (whether an entry may serve the prompt is read from the
-    index: ``RamViews.most``)."""
+    a slot continues the prompt. Whether an entry may come into a stranger is read from
+    the index (``RamViews.may_load``: one shares the prompt's head); ``kin`` ranks the
+    strangers as the others' when the view shows none serves the prompt a token."""
     key = head(fp)
     sharing = index.sharing(key) if key is not None else ()
     found: list[Candidate] = []
@@ -135,7 +136,7 @@ def kin(
     ram: RamViews,
     load: Mapping[int, int],
     disk: Mapping[int, Offer],
-) -> list[Candidate]:
+) -> tuple[list[Candidate], list[Strangers]]:
     """The kin slots and spare strangers (``options``: per backend, the kin and the
     strangers whose ``_cheapest`` are the spares) that may beat ``top``, the best score so
     far, scored in full in order of their bound (``scoring.kin_bound``; a spare stranger
@@ -144,14 +145,19 @@ def kin(
     ``top`` is passed over whole: no bound exceeds the gain. A backend's spares are found
     only once the most any of them can score (``scoring.stranger_most``) is the highest bound
     left: a new session under a system prompt that every backend's RAM cache holds would
-    make each of them load a parked session and destroy it, and scores one or two."""
+    make each of them load a parked session and destroy it, and scores one or two. Second:
+    the strangers of a backend whose entries share the prompt's head but none serves it a
+    token, and with no snapshot to restore (``options`` could not tell without its view):
+    nothing comes into them, so they are ranked as any other backend's (``strangers``)."""
     heap: list[tuple[float, int, BackendState, SlotState | Strangers, KinCeiling | None]] = []
+    left: list[Strangers] = []
     reach, order = kin_reach(fp), itertools.count()  # (the order breaks ties: no compare)
     for backend, near, strangers in deferred:
         i, offer = backend.index, disk.get(backend.index)
-        view = None
+        # its view is read only if an entry may beat top (with no entry sharing the prompt's
+        # head, it is a view with nothing in it)
         if top is not None and params.eviction_weight >= 0:
-            if ram.may_load(i):  # (its view is read only if an entry may beat top)
+            if ram.may_load(i):
                 restored = offer.reuse - offer.cost if offer is not None else 0
                 if max(reach[0], ram.most(i), restored) < top:
                     continue
@@ -167,7 +173,9 @@ def kin(
         for s in near:
             bound = kin_bound(fp, backend, s, now, params, ceiling)
             heap.append((-bound, next(order), backend, s, None))
-        if strangers is not None:
+        if strangers is not None and offer is None and not view.loadable:
+            left.append(strangers)
+        elif strangers is not None:
             bare = stranger_ceiling(ceiling, view, now, params, backend)
             most = stranger_most(bare, params, strangers.groups.hollow)
             heap.append((-most, next(order), backend, strangers, bare))
@@ -187,7 +195,7 @@ def kin(
         found = candidate(fp, backend, item, now, params, ram[i], load[i], disk.get(i))
         out.append(found)
         top = found.score if top is None else max(top, found.score)
-    return out
+    return out, left
 
 
 def strangers(

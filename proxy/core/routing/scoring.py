@@ -388,7 +388,7 @@ def kin_loads(
     loads is destroyed beyond what it shares (``RamView.damage``), so a load nets less than
     the tokens it serves (a new session sharing only the system prompt with every parked
     session of the fleet gains that prompt and loses one of them). Of the entries, those
-    that no other serves as much or more of the prompt for a smaller loss: the bound of
+    that no other serves as much or more of the prompt for no greater loss: the bound of
     each slot takes the best of them against its own damage, in ``candidate``'s order of
     operations (so it holds in floating point too)."""
     if not ram.loadable:

@@ -5,6 +5,7 @@ from dataclasses import replace
 from typing import Any
 from unittest import mock
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -925,6 +926,32 @@ def test_strangers_with_no_ram_entry_to_load_are_ranked_exactly() -> None:
     assert scores == [-40.0, -45.0, -30.0]
     d = decided(route(request, f.backends, PARAMS, now=100.0))
     assert d.placement == Placement(0, (2,), 2)
+
+
+def test_with_no_eviction_weight_the_spare_strangers_are_the_least_recently_used() -> None:
+    """A loss that counts nothing (an eviction weight of 0, as ``bench.ablation`` drops it):
+    every slot sharing nothing with the prompt scores what the RAM entry loaded into it
+    serves, so the least recently used wins the tie, however much it holds."""
+    request = fp(1, 2, 3, 4, size=10)
+    f = fleet(3)
+    backend = f.backends[0]
+    backend.ram_entries = [RamEntry(fp(1, 2, 9, size=10), 90.0)]  # serves 20 tokens
+    for i, (size, at) in enumerate([(500, 0.0), (10, 50.0), (10, 50.0)]):
+        c = fp(5 + i, 8, size=size)
+        hold(f, 0, i, Fingerprint(c.hashes, c.tokens, 2), at=at)
+    params = replace(PARAMS, eviction_weight=0.0)
+    view = ram_view(request, backend)
+    scores = [candidate(request, backend, s, 100.0, params, view).score for s in backend.slots]
+    assert scores == [20.0, 20.0, 20.0]
+    d = decided(route(request, f.backends, params, now=100.0, allow_wait=False))
+    assert d.placement == Placement(0, (0,), 0, backend.ram_entries[0])
+
+
+def test_a_loss_cannot_count_as_a_gain() -> None:
+    """A negative eviction weight would make overwriting more worth more, and no bound of a
+    slot's score would hold: the parameters refuse it."""
+    with pytest.raises(ValueError, match="eviction_weight"):
+        RoutingParams(eviction_weight=-1.0)
 
 
 def test_a_spare_strangers_most_counts_an_entry_serving_less_that_destroys_less() -> None:

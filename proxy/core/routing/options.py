@@ -156,7 +156,7 @@ def kin(
         i, offer = backend.index, disk.get(backend.index)
         # its view is read only if an entry may beat top (with no entry sharing the prompt's
         # head, it is a view with nothing in it)
-        if top is not None and params.eviction_weight >= 0:
+        if top is not None:
             if ram.may_load(i):
                 restored = offer.reuse - offer.cost if offer is not None else 0
                 if max(reach[0], ram.most(i), restored) < top:
@@ -168,8 +168,8 @@ def kin(
         else:
             view = ram[i]
             ceiling = kin_ceiling(reach, backend, view, offer)
-        if ceiling.loads is None and params.eviction_weight >= 0:  # (a load nets less than
-            ceiling = kin_loads(ceiling, view, now, params, backend)  # what it serves)
+        if ceiling.loads is None:  # (a load nets less than what it serves)
+            ceiling = kin_loads(ceiling, view, now, params, backend)
         for s in near:
             bound = kin_bound(fp, backend, s, now, params, ceiling)
             heap.append((-bound, next(order), backend, s, None))
@@ -268,11 +268,12 @@ def _cheapest(strangers: Strangers, now: float, params: RoutingParams) -> list[S
     half-life prior, on an index read before (``index.kept_by_loss``), those are among the
     first few of the backend's slots by loss (``index.least_lost``; their losses then ranked
     exactly), else all are ranked. Where the server parks what they hold at no cost (a RAM
-    discount of 0), none loses anything: the spares are the ranking's ties, the least
-    recently used."""
+    discount of 0), or a loss counts nothing (an eviction weight of 0), none loses anything:
+    the spares are the ranking's ties, the least recently used."""
     backend, index, skip = strangers
     empty = next((s for s in index.empty if s.id not in skip), None)
-    parks = params.ram_discount if backend.ram else 1.0  # (one factor for every slot)
+    # (one factor for every slot; none when a loss counts nothing: the ties, least recent first)
+    parks = (params.ram_discount if backend.ram else 1.0) if params.eviction_weight else 0.0
 
     def cost(slot: SlotState) -> tuple[float, float, int]:
         assert slot.content is not None

@@ -74,6 +74,11 @@ class RoutingParams:
     # before any session came back: the half-life prior
     returns: ReturnOdds | None = None
 
+    def __post_init__(self) -> None:
+        # a loss that counts as a gain has no upper bound (``kin_bound``), and means nothing
+        if self.eviction_weight < 0:
+            raise ValueError(f"eviction_weight {self.eviction_weight}: must be at least 0")
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -426,8 +431,8 @@ def stranger_most(bare: KinCeiling, params: RoutingParams, hollow: bool) -> floa
     ``bare``, its ``stranger_ceiling``, is no higher for any such slot of the backend): what a
     restore nets, or an entry's tokens less what loading it destroys, or, where a load is not
     certain or a slot holds no token (``hollow``: an empty slot loads nothing), nothing;
-    ``inf`` when ``bare.loads`` is not worked out (or a loss would count as a gain)."""
-    if bare.loads is None or params.eviction_weight < 0:
+    ``inf`` when ``bare.loads`` is not worked out."""
+    if bare.loads is None:
         return math.inf
     if bare.forced and not hollow:
         most = -math.inf if bare.restored is None else bare.restored

@@ -928,6 +928,35 @@ def test_strangers_with_no_ram_entry_to_load_are_ranked_exactly() -> None:
     assert d.placement == Placement(0, (2,), 2)
 
 
+def test_spare_strangers_holding_raw_and_chat_contents_are_all_scored() -> None:
+    """A disk snapshot nets 140 tokens in any slot. The restore overwrites the two raw
+    prompts' contents undiscounted (40 and 45 tokens lost), the chat one parked in RAM
+    (300 x 0.1 = 30): the chat slot is the cheapest, though ordered by one discount it
+    would lose the most."""
+    from tests.unit.test_snapshots import offer
+
+    def chat(*ids: int, size: int) -> Fingerprint:
+        c = fp(*ids, size=size)
+        return Fingerprint(c.hashes, c.tokens, 2, users=(1,))
+
+    request = chat(1, 2, size=100)
+    f = fleet(3)
+    backend = f.backends[0]
+    hold(f, 0, 0, fp(7, size=40))
+    hold(f, 0, 1, fp(8, size=45))
+    hold(f, 0, 2, chat(9, 10, size=150))
+    snapshot = offer(150, 10.0)
+    view = ram_view(request, backend)
+    scores = [
+        candidate(request, backend, s, 100.0, PARAMS, view, 0, snapshot).score
+        for s in backend.slots
+    ]
+    assert scores == [100.0, 95.0, 110.0]
+    d = decided(route(request, f.backends, PARAMS, now=100.0, disk={0: snapshot}))
+    assert d.placement is not None
+    assert d.placement.slots == (2,)
+
+
 def test_with_no_eviction_weight_the_spare_strangers_are_the_least_recently_used() -> None:
     """A loss that counts nothing (an eviction weight of 0, as ``bench.ablation`` drops it):
     every slot sharing nothing with the prompt scores what the RAM entry loaded into it

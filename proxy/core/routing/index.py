@@ -135,6 +135,13 @@ class BackendIndex:
         )
 
     @cached_property
+    def mixed(self) -> bool:
+        """Whether the idle slots hold both raw prompts' contents (no anchor) and chat
+        prompts' (``options._cheapest``)."""
+        anchors = [s.content.anchor for s in self.idle if s.content is not None]
+        return 0 in anchors and any(anchors)
+
+    @cached_property
     def hollow(self) -> bool:
         """Whether an idle slot may hold no token: empty, or a content whose estimate holds
         none (the server may load no RAM entry into it: ``scoring.stranger_most`` then

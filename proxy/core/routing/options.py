@@ -269,7 +269,11 @@ def _cheapest(strangers: Strangers, now: float, params: RoutingParams) -> list[S
     first few of the backend's slots by loss (``index.least_lost``; their losses then ranked
     exactly), else all are ranked. Where the server parks what they hold at no cost (a RAM
     discount of 0), or a loss counts nothing (an eviction weight of 0), none loses anything:
-    the spares are the ranking's ties, the least recently used."""
+    the spares are the ranking's ties, the least recently used. Where they hold both raw and
+    chat prompts' contents on a backend with the RAM cache, every one is a spare: a raw
+    prompt's content has no anchor, so it counts as the request's own (``scoring.candidate``)
+    and a restore into its slot loses it undiscounted, while a load parks it like any other:
+    one discount does not order them."""
     backend, index, skip = strangers
     empty = next((s for s in index.empty if s.id not in skip), None)
     # (one factor for every slot; none when a loss counts nothing: the ties, least recent first)
@@ -280,6 +284,9 @@ def _cheapest(strangers: Strangers, now: float, params: RoutingParams) -> list[S
         lost = max(slot.content.total, backend.kv_estimate(slot.content, slot.n_tokens))
         return (lost * recency(slot, now, params, backend) * parks, *_lru(slot))
 
+    if backend.ram and index.mixed:  # (the discount may differ from slot to slot: all)
+        held = [s for s in strangers.slots() if s.content is not None]
+        return held + ([empty] if empty is not None else [])
     returns = params.returns is not None and (backend.exact or not backend.ram)
     kept = None
     if not returns and index.latest <= now and parks > 0:

@@ -7,7 +7,8 @@ module adds the waiting. A request that cannot be placed joins a FIFO queue (at 
 
 Waiting is event-driven: a decision changes only when a slot frees, a probe changes what
 a backend can take, or the waiter's own clock runs out (``recheck_at``: the time its
-routing stops waiting for a busy slot; a hold's end comes as a ``wake``). A release asks
+routing stops waiting for a busy slot; ``Awaiting.until``: the end of the first hold it waits
+behind, when it decides again, and the held slot is to the others as if released). A release asks
 only the waiters it can affect, first come first served, and only until the freed slots
 are taken again: from then on every other waiter sees the fleet as it was when it chose to
 wait, so deciding again would only say so. Which waiters a release can affect is an index,
@@ -31,6 +32,8 @@ so no claim leaks.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -43,6 +46,9 @@ from proxy.errors import ServiceUnavailable
 from proxy.metrics import ProxyMetrics
 
 Decide = Callable[[], Placement | NoPlacement | Awaiting]
+# s: uvloop counts whole milliseconds, so a timer may fire up to one early: a hold's timer is
+# set this much later, so as not to fire before the hold has ended
+LATER = 0.001
 SlotRef = tuple[int, int]  # (backend index, slot id)
 Future = asyncio.Future[Placement]
 
@@ -53,6 +59,7 @@ class _Waiter:
     content: Fingerprint | None  # the prompt it brings
     order: int  # its arrival: waiters are asked first come, first served
     keys: frozenset[Key] | None = None  # of its last decision (None: any release)
+    until: float | None = None  # of its last decision: the first hold it waits behind ends
 
 
 class Scheduler:
@@ -74,7 +81,10 @@ class Scheduler:
         self._anchors: Counter[int] = Counter()  # of the conversation keys filed
         self._arrivals = 0
         self._ready: list[asyncio.Future[None]] = []  # requests that use no slot, waiting
-        self._wake_due = 0.0  # when the earliest ``wake_at`` timer pending fires
+        self._wake_due = 0.0  # when the pending timer of the earliest hold end fires
+        # (hold end, filing, held slot, waiter): a heap; stale once the waiter decided again
+        self._hold_ends: list[tuple[float, int, SlotRef, Future]] = []
+        self._filings = itertools.count()  # (the order breaks ties: waiters never compared)
 
     def waiting(self) -> int:
         """Requests waiting for a slot."""
@@ -168,8 +178,13 @@ class Scheduler:
         raise self._expired()
 
     def _file(self, future: Future, waiter: _Waiter, result: NoPlacement | Awaiting) -> None:
-        """Index a waiter by the keys of its last decision (``result``)."""
+        """Index a waiter by the keys of its last decision (``result``), and by the end of
+        the hold it waits behind."""
         self._unfile(future, waiter)
+        waiter.until = None
+        if isinstance(result, Awaiting) and result.until is not None and result.held:
+            waiter.until = result.until
+            self._hold_end(result.until, result.held, future)
         keys = waiter.keys = result.keys if isinstance(result, Awaiting) else None
         if keys is None:
             self._any[future] = None
@@ -272,17 +287,37 @@ class Scheduler:
         waiters = self._waiters
         yield from sorted((f for f in affected if f in waiters), key=lambda f: waiters[f].order)
 
-    def wake_at(self, when: float, now: float) -> None:
-        """Wake waiters at ``when`` (a hold's end), unless a wake no later is pending. The
-        timer may fire up to a millisecond early (uvloop counts whole milliseconds), so a
-        decision still held then asks again, and gets a new timer."""
+    def _hold_end(self, when: float, slot: SlotRef, future: Future) -> None:
+        """File a hold's end, and run one timer, for the earliest hold end pending."""
+        heapq.heappush(self._hold_ends, (when, next(self._filings), slot, future))
+        self._arm(when)
+
+    def _arm(self, when: float) -> None:
+        now = self._clock()
         if not now < self._wake_due <= when:
             self._wake_due = when
-            asyncio.get_running_loop().call_later(max(0.0, when - now), self._timer)
+            delay = max(0.0, when - now) + LATER
+            asyncio.get_running_loop().call_later(delay, self._timer)
 
     def _timer(self) -> None:
-        self._wake_due = 0.0
-        self.wake()
+        """The holds that ended: their slots are as if released (``wake``), and each waiter
+        behind one decides again, asked or not (its slot may have been taken back first)."""
+        self._wake_due, now = 0.0, self._clock()
+        ended: dict[SlotRef, None] = {}
+        due: dict[Future, None] = {}
+        while self._hold_ends and self._hold_ends[0][0] <= now:
+            when, _, slot, future = heapq.heappop(self._hold_ends)
+            waiter = self._waiters.get(future)
+            if waiter is not None and waiter.until == when:  # (else it decided again since)
+                ended[slot], due[future] = None, None
+        if self._hold_ends:  # the next hold end
+            self._arm(self._hold_ends[0][0])
+        if ended:
+            self.wake(list(ended))
+        for future in due:
+            waiter = self._waiters.get(future)
+            if waiter is not None and waiter.until is not None and waiter.until <= now:
+                self._grant(future, waiter)
 
     def _open(self, freed: Collection[SlotRef] | None) -> bool:
         """Whether a waiter could be placed now: a freed slot is still idle (None: any)."""

@@ -216,8 +216,9 @@ class Router:
             if decision.placement is None:
                 plan.waits += 1
                 if decision.until is not None:
-                    self._held(plan, decision.until, now)
-                elif decision.wakes is not None:
+                    self._held(plan)
+                    return Awaiting(None, decision.until, decision.wait_for)
+                if decision.wakes is not None:
                     return Awaiting(decision.wakes)
                 return NoPlacement.BUSY  # (any release may change it)
             self.returns.placed(now)
@@ -225,12 +226,12 @@ class Router:
 
         return decide
 
-    def _held(self, plan: Plan, until: float, now: float) -> None:
-        """A request waits for a held slot: count it, and re-decide when the hold ends."""
+    def _held(self, plan: Plan) -> None:
+        """A request waits for a held slot: count it (the scheduler asks it again when the
+        hold ends)."""
         if not plan.held:
             plan.held = True
             self._metrics.slot_hold_waits.inc()
-        self._scheduler.wake_at(until, now)
 
     def released(self, plan: Plan, content: Fingerprint) -> None:
         """A response ended: the slot now holds ``content`` until its session is back."""

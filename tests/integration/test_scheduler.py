@@ -108,20 +108,27 @@ async def test_a_release_asks_waiters_only_until_the_freed_slot_is_taken() -> No
     scheduler.release(first, clean=True)
 
 
-async def test_a_hold_whose_timer_fires_early_is_woken_again_at_its_end() -> None:
-    """A waiter holds for slot 0 until ``end``. The timer fires early (uvloop counts whole
-    milliseconds; here the injected clock lags), the hold still stands, and the decision asks
-    for its wake again: it gets a new timer, not the one already spent, and takes the slot."""
+def _clocked(slots: int) -> tuple[Scheduler, list[float]]:
+    """One backend of ``slots`` idle slots, and its scheduler on a clock the test sets
+    (``now[0]``, from 10 s)."""
     fleet = Fleet(["b0"])
-    fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, 0, -1),)), now=0.0)
+    probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(slots)))
+    fleet.apply_probe(0, probe, now=0.0)
     now = [10.0]
     scheduler = Scheduler(fleet, QueueSettings(), ProxyMetrics(CollectorRegistry()), lambda: now[0])
+    return scheduler, now
+
+
+async def test_a_hold_whose_timer_fires_before_its_end_is_woken_again_at_its_end() -> None:
+    """A waiter waits behind slot 0, held until ``end``. The timer fires before the end (the
+    injected clock lags; uvloop may fire a millisecond early): the hold still stands, so
+    nobody is asked, and a new timer runs: the waiter takes the slot at the end."""
+    scheduler, now = _clocked(1)
     end = 10.002
 
-    def decide() -> Placement | NoPlacement:
+    def decide() -> Placement | Awaiting:
         if now[0] < end:
-            scheduler.wake_at(end, now[0])
-            return NoPlacement.BUSY
+            return Awaiting(None, end, (0, 0))
         return Placement(0, (0,), 0)
 
     waiter = asyncio.create_task(scheduler.acquire(decide))
@@ -198,3 +205,52 @@ async def test_a_release_of_a_slot_the_backend_no_longer_has_asks_no_one_and_rai
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
     scheduler.release(first, clean=True)
+
+
+async def test_a_holds_end_asks_the_waiters_behind_it_and_those_its_slot_can_affect() -> None:
+    """Slot 0 is held for its session until ``end``; the 31 others are busy. ``k`` waits for
+    busy slot 5, then ``h`` behind the hold. At the end slot 0 is as if released: ``h`` is
+    asked and takes it; ``k``, first to arrive but filed under none of that release's keys,
+    is not asked."""
+    scheduler, now = _clocked(32)
+    running = [await scheduler.acquire(partial(Placement, 0, (i,), i)) for i in range(1, 32)]
+    end, decided = 10.002, []
+
+    def behind() -> Placement | Awaiting:
+        decided.append("h")
+        return Awaiting(None, end, (0, 0)) if now[0] < end else Placement(0, (0,), 0)
+
+    def keyed() -> Awaiting:
+        decided.append("k")
+        return Awaiting(frozenset({("slot", 0, 5)}))
+
+    k = asyncio.create_task(scheduler.acquire(keyed))
+    await until(lambda: scheduler.waiting() == 1, "k waits")
+    h = asyncio.create_task(scheduler.acquire(behind))
+    await until(lambda: scheduler.waiting() == 2, "both wait")
+    decided.clear()
+    now[0] = end
+    assert (await asyncio.wait_for(h, 5)) == Placement(0, (0,), 0)
+    assert decided == ["h"]
+    k.cancel()
+    await asyncio.gather(k, return_exceptions=True)
+    for placement in running:
+        scheduler.release(placement, clean=True)
+
+
+async def test_a_waiter_behind_a_hold_taken_back_first_decides_again_at_its_end() -> None:
+    """``h`` waits behind slot 0, held until ``end``. Its session takes the slot back before
+    then, so at the end no freed slot is idle and no release is asked: ``h`` still decides
+    again (it would else wait on, with no timer), and takes slot 1, idle all along."""
+    scheduler, now = _clocked(2)
+    end = 10.002
+
+    def behind() -> Placement | Awaiting:
+        return Awaiting(None, end, (0, 0)) if now[0] < end else Placement(0, (1,), 1)
+
+    h = asyncio.create_task(scheduler.acquire(behind))
+    await until(lambda: scheduler.waiting() == 1, "h waits")
+    back = await scheduler.acquire(partial(Placement, 0, (0,), 0))  # the session is back
+    now[0] = end
+    assert (await asyncio.wait_for(h, 5)) == Placement(0, (1,), 1)
+    scheduler.release(back, clean=True)

@@ -120,3 +120,64 @@ def test_a_waiter_that_left_backends_out_is_asked_when_its_fleet_leaves_saturati
     assert again.placement is not None  # its fleet left saturation: it places now
     keys = set(release_keys(0, 5, slot.content, {2}, (*_active(f), 1)))
     assert first.wakes is None or first.wakes & keys  # so the release asks it
+
+
+@settings(max_examples=600, deadline=None, database=None)
+@given(
+    st.lists(
+        st.tuples(contents, st.sampled_from(["busy", "left", "idle"])), min_size=4, max_size=6
+    ),
+    st.lists(st.tuples(contents, st.integers(1, 3)), min_size=1, max_size=4),  # waiters
+    st.data(),
+)
+def test_a_holds_end_filed_under_none_of_a_waiters_keys_leaves_it_waiting(
+    slots: list[tuple[tuple[int, int, int, int], str]],
+    prompts: list[tuple[tuple[int, int, int, int], int]],
+    data: st.DataObject,
+) -> None:
+    """On backends that cannot park a slot's content (no RAM cache), a slot its session just
+    left is held from other sessions; when the hold ends, the slot is a choice again, as
+    when it is released: a waiter filed under none of that release's keys
+    (``wakes.release_keys``) decides to wait again (the scheduler asks only the others)."""
+    from unittest import mock
+
+    import proxy.core.routing.decision as decision
+    from proxy.core.routing.returns import held as still
+
+    f = Fleet(["b0", "b1"])
+    half = (len(slots) + 1) // 2
+    for b, count in enumerate((half, len(slots) - half)):
+        probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(count)))
+        f.apply_probe(b, probe, now=0.0)
+        f.backends[b].ram = False
+    every = [s for b in f.backends for s in b.slots]
+    for slot, (content, state) in zip(every, slots, strict=True):
+        slot.content, slot.last_used = chat(*content), 99.9 if state == "left" else 10.0
+        if state == "busy":
+            slot.phase, slot.pending = SlotPhase.BUSY, chat(*content[:3], content[3] + 1)
+    left = [(b.index, s.id) for b in f.backends for s in b.slots if s.last_used > 99.0]
+    if not left:
+        return
+    waiters = [chat(*c[:3], c[3] + more) for c, more in prompts]  # sessions coming back
+    queued = len(waiters)
+
+    def decide(prompt: Fingerprint) -> object:
+        return route(prompt, f.backends, PARAMS, now=100.0, queued=queued, hold=5.0)
+
+    decided = [decide(w) for w in waiters]
+    b, s = data.draw(st.sampled_from(left))
+    ended = f.backends[b].slots[s]
+    keys = set(release_keys(b, s, ended.content, {2}, (*_active(f), queued)))
+
+    def held_but_the_ended(backend, slot, *args):  # type: ignore[no-untyped-def]
+        return slot is not ended and still(backend, slot, *args)
+
+    for prompt, first in zip(waiters, decided, strict=True):
+        if not isinstance(first, Decision) or first.wakes is None or first.placement:
+            continue  # placed, or filed under any release (waiting behind holds among them)
+        if first.wakes & keys:
+            continue  # asked
+        with mock.patch.object(decision, "held", held_but_the_ended):
+            again = decide(prompt)
+        assert isinstance(again, Decision)
+        assert again.placement is None, (first, again)

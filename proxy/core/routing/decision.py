@@ -258,8 +258,8 @@ def route(
             key = KeyOutcome.OUTMATCHED  # another idle slot scores higher: route by prefix
         if spared and len(spared) == idle_count:
             free = [(b, s) for b in ready for s in free_of[b.index]]
-            until = min(held_until(b, s, hold) for b, s in free)
-            wait_for = (free[0][0].index, free[0][1].id)
+            # the slot whose hold ends first (to the others, its end is a release of it)
+            until, wait_for = min((held_until(b, s, hold), (b.index, s.id)) for b, s in free)
             return Decision(None, Reason.WAIT, 0, wait_for, key, until=until)
     pressed = idle_count < queued  # idle slots go to waiters anyway
     fleet = Fleetview(up, free_of, crowded(idle_count, up), pressed, indexes)

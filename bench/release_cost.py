@@ -12,7 +12,13 @@ of another busy session, so N stays. Per N, the table gives the decisions one re
 other one named with ``--checkout NAME=DIR``, in one run; a checkout whose scheduler has no
 index of waiters gets every wait as "any slot".
 
-    python -m bench release_cost [--waiting 16 64 256] [--releases 200] [--checkout base=DIR]
+``--holds``: the same fleet without a RAM cache, so a slot its session just left is held for
+it (``core.routing.returns``, 2 s). Each round a slot no waiter waits for frees, a new session
+arrives and finds every idle slot held, so it waits behind the hold; the hold then ends (the
+scheduler's timer, called directly). The table gives what the hold's end costs instead.
+
+    python -m bench release_cost [--waiting 16 64 256] [--releases 200] [--holds]
+        [--checkout base=DIR]
 """
 
 from __future__ import annotations
@@ -32,8 +38,12 @@ from typing import Any
 BACKENDS, SLOTS, KINDS = 64, 8, 8
 
 
-async def measure(waiting: int, releases: int) -> dict[str, Any]:
-    """One row: ``releases`` slots freed with ``waiting`` requests waiting."""
+HOLD = 2.0  # s: how long a slot its session left is held for it (``--holds``)
+
+
+async def measure(waiting: int, releases: int, holds: bool = False) -> dict[str, Any]:
+    """One row: ``releases`` slots freed with ``waiting`` requests waiting (``holds``: hold
+    ends instead, module docstring)."""
     from prometheus_client import CollectorRegistry
 
     from bench.routing_cost import conversation
@@ -66,6 +76,7 @@ async def measure(waiting: int, releases: int) -> dict[str, Any]:
     for b in range(BACKENDS):
         probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(SLOTS)))
         fleet.apply_probe(b, probe, now=0.0)
+        fleet.backends[b].ram = not holds
         for slot in fleet.backends[b].slots:
             body = conversation(1500, session=f"s{b}/{slot.id}", system=rng.choice(kinds))
             content = fingerprint_chat(body, counter.count)
@@ -73,18 +84,33 @@ async def measure(waiting: int, releases: int) -> dict[str, Any]:
             body["messages"].append({"role": "user", "content": "next"})  # type: ignore[attr-defined]
             turns[(b, slot.id)] = fingerprint_chat(body, counter.count)
     settings = QueueSettings(max_waiting=waiting + 1, max_wait_seconds=3600.0)
-    scheduler = Scheduler(fleet, settings, ProxyMetrics(CollectorRegistry()), lambda: 200.0)
+    now = [200.0]
+    scheduler = Scheduler(fleet, settings, ProxyMetrics(CollectorRegistry()), lambda: now[0])
     params, index, decisions = RoutingParams(), FleetIndex(), [0]
+    behind: list[bool] = [False]  # the last decision waits behind a hold
+    # a hold's end is the scheduler's timer, called here: no timer of its own runs
+    ends_held = Awaiting is not None and "until" in getattr(Awaiting, "_fields", ())
+    scheduler._arm = lambda when: None  # type: ignore[method-assign]  # (where it has one)
+    scheduler.wake_at = lambda *args: None  # type: ignore[attr-defined]  # (where it has that)
 
     def decider(fp: Fingerprint) -> Any:
         def decide() -> Any:
             decisions[0] += 1
             d = route(
-                fp, fleet.backends, params, now=200.0, index=index, queued=scheduler.waiting()
+                fp,
+                fleet.backends,
+                params,
+                now=now[0],
+                index=index,
+                queued=scheduler.waiting(),
+                hold=HOLD if holds else 0.0,
             )
             if isinstance(d, NoPlacement) or d.placement is not None:
                 return d if isinstance(d, NoPlacement) else d.placement
             wakes = getattr(d, "wakes", None)  # (as the router maps a decision to wait)
+            behind[0] = d.until is not None
+            if d.until is not None and ends_held:
+                return Awaiting(None, d.until, d.wait_for)
             if d.until is None and wakes is not None and Awaiting is not None:
                 return Awaiting(wakes)
             return NoPlacement.BUSY
@@ -101,6 +127,10 @@ async def measure(waiting: int, releases: int) -> dict[str, Any]:
     for _ in range(waiting):
         add_waiter()
     await asyncio.sleep(0)  # every waiter decides once, and waits
+    if holds:
+        return await _hold_ends(
+            fleet, scheduler, decider, turns, tasks, (decisions, behind), now, releases
+        )
     counts, seconds = [], []
     for _ in range(releases):
         b, s = rng.choice(
@@ -131,7 +161,67 @@ async def measure(waiting: int, releases: int) -> dict[str, Any]:
     }
 
 
-def _rows(source: str | None, waiting: list[int], releases: int) -> list[dict[str, Any]]:
+async def _hold_ends(
+    fleet: Any,
+    scheduler: Any,
+    decider: Any,
+    turns: dict[tuple[int, int], Any],
+    tasks: dict[Any, tuple[int, int]],
+    counted: tuple[list[int], list[bool]],
+    now: list[float],
+    rounds: int,
+) -> dict[str, Any]:
+    """``rounds`` slots freed for a newcomer (module docstring); each hold's end measured
+    from the timer's call, where the newcomer waits behind the hold (some take another
+    session's slot at once, or wait for a busy one)."""
+    decisions, behind = counted
+    from bench.routing_cost import conversation
+    from proxy.core.prompt.fingerprint import fingerprint_chat
+    from proxy.core.server.fleet import Placement, SlotPhase
+    from proxy.routing.tokenizer import TokenCounter
+
+    rng, counter, counts, seconds = random.Random(2), TokenCounter(), [], []
+    for i in range(rounds):
+        awaited = set(tasks.values())
+        b, s = rng.choice(
+            [
+                r
+                for r in turns
+                if r not in awaited and fleet.backends[r[0]].slots[r[1]].phase is SlotPhase.BUSY
+            ]
+        )
+        slot = fleet.backends[b].slots[s]
+        scheduler.release(Placement(b, (s,), s), clean=True, content=slot.pending)
+        body = conversation(1500, session=f"new{i}", system=f"agent kind {i % 8}: ")
+        fp = fingerprint_chat(body, counter.count)
+        newcomer = asyncio.create_task(scheduler.acquire(decider(fp), fp))
+        await asyncio.sleep(0)  # it waits behind the hold (or took another session's slot)
+        held = behind[0] and not newcomer.done()
+        now[0] += 2 * HOLD  # the hold has ended
+        before, started = decisions[0], time.perf_counter()
+        scheduler._timer()
+        if held:
+            seconds.append(time.perf_counter() - started)
+            counts.append(decisions[0] - before)
+        await asyncio.sleep(0)
+        if not newcomer.done():  # (it would have taken the slot: it goes)
+            newcomer.cancel()
+        if slot.phase is SlotPhase.IDLE:
+            fleet.claim(Placement(b, (s,), s), now[0], slot.content)
+        await asyncio.sleep(0)
+    return {
+        "waiting": len(tasks),
+        "hold_ends": len(counts),
+        "decisions_mean": statistics.mean(counts),
+        "decisions_max": max(counts),
+        "p50_ms": statistics.median(seconds) * 1000,
+        "mean_ms": statistics.mean(seconds) * 1000,
+    }
+
+
+def _rows(
+    source: str | None, waiting: list[int], releases: int, holds: bool
+) -> list[dict[str, Any]]:
     """The rows of one checkout: this one in a child process too, so each starts alike."""
     env = dict(os.environ)
     if source is not None:
@@ -139,6 +229,7 @@ def _rows(source: str | None, waiting: list[int], releases: int) -> list[dict[st
     else:
         env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     args = [sys.executable, __file__, "--child", "--releases", str(releases)]
+    args += ["--holds"] if holds else []
     out = subprocess.run(
         [*args, "--waiting", *map(str, waiting)], env=env, check=True, capture_output=True
     )
@@ -153,16 +244,20 @@ def main() -> None:
     parser.add_argument("--waiting", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--releases", type=int, default=200)
     parser.add_argument("--checkout", action="append", default=[], metavar="NAME=DIR")
+    parser.add_argument("--holds", action="store_true", help="hold ends instead of releases")
     args = parser.parse_args()
     named = checkouts(args.checkout)
-    results = {name: _rows(src, args.waiting, args.releases) for name, src in named.items()}
-    print(f"{machine_line()}; {BACKENDS} x {SLOTS} slots, {args.releases} releases per row")
+    results = {
+        name: _rows(src, args.waiting, args.releases, args.holds) for name, src in named.items()
+    }
+    events = "hold ends" if args.holds else "releases"
+    print(f"{machine_line()}; {BACKENDS} x {SLOTS} slots, {args.releases} {events} per row")
     print_markdown(
         [
             "checkout",
             "waiting",
-            "decisions per release (mean / max)",
-            "ms per release (p50 / mean)",
+            f"decisions per {events[:-1]} (mean / max)",
+            f"ms per {events[:-1]} (p50 / mean)",
         ],
         [
             [
@@ -175,7 +270,7 @@ def main() -> None:
             for r in rows
         ],
     )
-    save("release_cost", {"checkouts": results})
+    save("release_cost", {"events": events, "checkouts": results})
 
 
 def _child() -> None:
@@ -183,8 +278,9 @@ def _child() -> None:
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--waiting", type=int, nargs="+")
     parser.add_argument("--releases", type=int)
+    parser.add_argument("--holds", action="store_true")
     args = parser.parse_args()
-    rows = [asyncio.run(measure(n, args.releases)) for n in args.waiting]
+    rows = [asyncio.run(measure(n, args.releases, args.holds)) for n in args.waiting]
     print(json.dumps(rows))
 
 

@@ -251,7 +251,8 @@ def main() -> None:
         name: _rows(src, args.waiting, args.releases, args.holds) for name, src in named.items()
     }
     events = "hold ends" if args.holds else "releases"
-    print(f"{machine_line()}; {BACKENDS} x {SLOTS} slots, {args.releases} {events} per row")
+    rounds = f"{args.releases} {'slots freed for a newcomer' if args.holds else 'releases'}"
+    print(f"{machine_line()}; {BACKENDS} x {SLOTS} slots, {rounds} per row")
     print_markdown(
         [
             "checkout",
@@ -262,7 +263,7 @@ def main() -> None:
         [
             [
                 name,
-                str(r["waiting"]),
+                str(r["waiting"]) + (f" ({r['hold_ends']} hold ends)" if args.holds else ""),
                 f"{r['decisions_mean']:.1f} / {r['decisions_max']}",
                 f"{r['p50_ms']:.2f} / {r['mean_ms']:.2f}",
             ]

@@ -156,18 +156,14 @@ def kin(
         i, offer = backend.index, disk.get(backend.index)
         # its view is read only if an entry may beat top (with no entry sharing the prompt's
         # head, it is a view with nothing in it)
-        if top is not None:
-            if ram.may_load(i):
-                restored = offer.reuse - offer.cost if offer is not None else 0
-                if max(reach[0], ram.most(i), restored) < top:
-                    continue
-            view = ram[i]
-            ceiling = kin_ceiling(reach, backend, view, offer)
-            if ceiling.gain < top:
+        if top is not None and ram.may_load(i):
+            restored = offer.reuse - offer.cost if offer is not None else 0
+            if max(reach[0], ram.most(i), restored) < top:
                 continue
-        else:
-            view = ram[i]
-            ceiling = kin_ceiling(reach, backend, view, offer)
+        view = ram[i]
+        ceiling = kin_ceiling(reach, backend, view, offer)
+        if top is not None and ceiling.gain < top:
+            continue
         if ceiling.loads is None:  # (a load nets less than what it serves)
             ceiling = kin_loads(ceiling, view, now, params, backend)
         for s in near:
@@ -276,6 +272,9 @@ def _cheapest(strangers: Strangers, now: float, params: RoutingParams) -> list[S
     one discount does not order them."""
     backend, index, skip = strangers
     empty = next((s for s in index.empty if s.id not in skip), None)
+    if backend.ram and index.mixed:  # (the discount may differ from slot to slot: all)
+        held = [s for s in strangers.slots() if s.content is not None]
+        return held + ([empty] if empty is not None else [])
     # (one factor for every slot; none when a loss counts nothing: the ties, least recent first)
     parks = (params.ram_discount if backend.ram else 1.0) if params.eviction_weight else 0.0
 
@@ -284,9 +283,6 @@ def _cheapest(strangers: Strangers, now: float, params: RoutingParams) -> list[S
         lost = max(slot.content.total, backend.kv_estimate(slot.content, slot.n_tokens))
         return (lost * recency(slot, now, params, backend) * parks, *_lru(slot))
 
-    if backend.ram and index.mixed:  # (the discount may differ from slot to slot: all)
-        held = [s for s in strangers.slots() if s.content is not None]
-        return held + ([empty] if empty is not None else [])
     returns = params.returns is not None and (backend.exact or not backend.ram)
     kept = None
     if not returns and index.latest <= now and parks > 0:

@@ -396,8 +396,6 @@ def kin_loads(
     that no other serves as much or more of the prompt for no greater loss: the bound of
     each slot takes the best of them against its own damage, in ``candidate``'s order of
     operations (so it holds in floating point too)."""
-    if not ram.loadable:
-        return ceiling._replace(loads=())
     loads: list[tuple[int, float]] = []
     least = math.inf
     for i in sorted(ram.loadable, key=lambda i: ram.served[i][0], reverse=True):

@@ -19,7 +19,8 @@ import aiohttp
 from testbed.stack import free_port, wait_http
 
 HOME = Path(__file__).parent / ".peers"
-PACKAGES = {"sglang-router": "sglang-router", "smg": "smg", "vllm-router": "vllm-router"}
+# sglang-router pinned: the overhead tables in docs/benchmarks.md compare against 0.3.2
+PACKAGES = {"sglang-router": "sglang-router==0.3.2", "smg": "smg", "vllm-router": "vllm-router"}
 
 
 def _bin(name: str, exe: str) -> Path:

@@ -23,8 +23,10 @@ per backend, per proxied endpoint) is set to 0, so a dashboard shows 0, not "No 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Self
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import prometheus_client
+from prometheus_client import CollectorRegistry
 
 from proxy.core.prompt.usage import Usage
 from proxy.core.routing.decision import KeyOutcome, Reason
@@ -77,6 +79,38 @@ KNOWN: dict[str, tuple[str, ...]] = {
 }
 UPSTREAM_ERRORS = ("connect", "timeout", "failed")
 TTFT_CACHE = ("hit", "miss", "unknown")
+
+
+class _Known:
+    """``labels`` from a dict once a label set has been asked for: prometheus_client checks
+    the values and takes a lock at every call, and a request asks for about ten children.
+    Label sets are bounded (the module docstring), and no child is ever removed."""
+
+    _known: dict[tuple[Any, ...], Self]
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Self:
+        try:
+            return self._known[labelvalues]
+        except AttributeError:
+            self._known = {}
+        except KeyError:
+            pass
+        child: Self = super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
+        if not labelkwargs:
+            self._known[labelvalues] = child
+        return child
+
+
+class Counter(_Known, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_Known, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_Known, prometheus_client.Histogram):
+    pass
 
 
 class ProxyMetrics:

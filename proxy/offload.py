@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
+_FREE: contextlib.AbstractAsyncContextManager[object] = contextlib.nullcontext()
 OFFLOAD_BYTES = 256 * 1024  # a body at least this large is worked on in a worker thread
 WORKERS = 2  # worker threads (the GIL shares one core among them and the loop anyway)
 LARGE_BODIES = 2  # requests: large bodies parsed and routed at once (as many as WORKERS)
@@ -47,14 +48,9 @@ class Offload:
             return work()
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._call, work)
 
-    @contextlib.asynccontextmanager
-    async def admitted(self, size: int) -> AsyncIterator[None]:
+    def admitted(self, size: int) -> contextlib.AbstractAsyncContextManager[object]:
         """Holds one of the ``LARGE_BODIES`` places while a large body is worked on."""
-        if not self.large(size):
-            yield
-            return
-        async with self._bodies:
-            yield
+        return self._bodies if self.large(size) else _FREE
 
     def _call(self, work: Callable[[], T]) -> T:
         self.threads.add(threading.get_ident())

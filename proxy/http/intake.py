@@ -28,9 +28,9 @@ async def read_body(request: web.Request, settings: Settings) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
     try:
-        # a body that came whole with its head has nothing to wait for: no timer is armed
-        bound = None if request.content.is_eof() else settings.timeouts.client_body_seconds
-        async with asyncio.timeout(bound):
+        if request.content.is_eof():  # it came whole with its head: nothing to wait for
+            return await request.read()
+        async with asyncio.timeout(settings.timeouts.client_body_seconds):
             return await request.read()
     except TimeoutError:
         raise RequestTimeout("the request body did not arrive in time") from None

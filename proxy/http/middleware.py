@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -187,7 +187,7 @@ def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middle
         started = clock()
         request_id = request.headers.get("X-Request-Id", "")
         if not SAFE_ID.fullmatch(request_id):
-            request_id = uuid.uuid4().hex[:16]
+            request_id = os.urandom(8).hex()
         record = RequestRecord(request_id, started)
         request[RECORD] = record
         endpoint = request.path if request.path in ROUTES or request.path in _OWN else "other"
@@ -256,5 +256,7 @@ def log_value(value: object) -> str:
     """A value for a ``key=value`` log line: as is when plain, else a JSON string."""
     if value is None:
         return "-"
+    if type(value) is int or type(value) is float:
+        return str(value)  # (plain: digits, a sign, a point, an exponent, inf or nan)
     text = str(value)
     return text if _PLAIN.fullmatch(text) else json.dumps(text)

@@ -47,3 +47,17 @@ def test_zero_creates_every_known_series_at_zero() -> None:
         ('llama_cache_proxy_prompt_tokens_total{backend="gpu1"}', 0.0),
     ]:
         assert f"{name} {wanted}" in page, name
+
+
+def test_a_label_set_asked_again_is_the_same_series() -> None:
+    metrics = ProxyMetrics(CollectorRegistry())
+    first = metrics.requests.labels("/completion", "200")
+    assert metrics.requests.labels("/completion", "200") is first
+    first.inc()
+    metrics.requests.labels("/completion", 200).inc()  # (a value is its text, as before)
+    metrics.requests.labels(endpoint="/completion", status="200").inc()
+    metrics.requests.labels("/completion", "404").inc()
+    page = generate_latest(metrics.registry).decode()
+    total = "llama_cache_proxy_requests_total"
+    assert f'{total}{{endpoint="/completion",status="200"}} 3.0' in page
+    assert f'{total}{{endpoint="/completion",status="404"}} 1.0' in page

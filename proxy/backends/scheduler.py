@@ -5,28 +5,31 @@ or a ``NoPlacement``), built on ``core.server.fleet.place`` or ``core.routing.de
 module adds the waiting. A request that cannot be placed joins a FIFO queue (at most
 ``queue.max_waiting``) and waits at most ``queue.max_wait_seconds``.
 
-Waiting is event-driven: a decision changes only when a slot frees, a probe changes what
-a backend can take, or the waiter's own clock runs out (``recheck_at``: the time its
-routing stops waiting for a busy slot; ``Awaiting.until``: the end of the first hold it waits
-behind, when it decides again, and the held slot is to the others as if released). A release asks
-only the waiters it can affect, first come first served, and only until the freed slots
-are taken again: from then on every other waiter sees the fleet as it was when it chose to
-wait, so deciding again would only say so. Which waiters a release can affect is an index,
-updated whenever a waiter decides: a routed waiter is filed under the keys its decision
-gives (``core.routing.wakes.Awaiting``: the slot it waits for, its conversation, its head
-when a kin slot could serve it nearly as much, the lower bar of a saturated or pressed
-fleet), any other under "any release". A release asks, in arrival order, the waiters filed
-under one of its keys (``core.routing.wakes.release_keys``) or under any release. A waiter
-it does not ask would decide to wait again, so the first waiter to take a freed slot is the
-one asking every waiter in arrival order would find. A release costs the decisions of the
-waiters it can affect that pass the freed slot up (none, when the first one takes it), not
-the number waiting.
+Waiting is event-driven: a decision changes only when a slot frees, a probe changes what a
+backend can take, or the waiter's own clock runs out (``recheck_at``: the time its routing
+stops waiting for a busy slot; ``Awaiting.until``: the end of the first hold among the idle
+slots it could not take, when it decides again, and the held slot is to the others as if
+released). A release asks only the waiters it can affect, first come first served, and only
+until the freed slots are taken again: from then on every other waiter sees the fleet as it
+was when it chose to wait, so deciding again would only say so; but a later waiter that
+waited for a freed slot itself decides again, since that slot will now hold another
+request's prompt. Which waiters a release can affect is an index, updated whenever a waiter
+decides: a routed waiter is filed under the keys its decision gives
+(``core.routing.wakes.Awaiting``: the slot it waits for, its conversation, its head when a
+kin slot could serve it nearly as much, the lower bar of a saturated or pressed fleet), any
+other under "any release". A release asks, in arrival order, the waiters filed under one of
+its keys (``core.routing.wakes.release_keys``) or under any release. A waiter it does not
+ask would decide to wait again, so the first waiter to take a freed slot is the one asking
+every waiter in arrival order would find. A release costs the decisions of the waiters it
+can affect that pass the freed slot up (none, when the first one takes it), not the number
+waiting.
 
 A full queue or an expired wait answers 503 with ``Retry-After``. While no backend is ready
 (start-up, a restart, an outage) requests wait the same way, and go as soon as a probe finds
-a backend ready (``wake``); so do requests that use no slot (``backend``). A waiter
-cancelled (client gone) at the moment it was granted a slot gives the slot straight back,
-so no claim leaks.
+a backend ready (``wake``); so do requests that use no slot (``backend``). A backend that
+fails a request is down until a probe finds it ready, and every waiter decides again
+(``mark_down``). A waiter cancelled (client gone) at the moment it was granted a slot gives
+the slot straight back, so no claim leaks; a waiter whose decision raises fails alone.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class _Waiter:
     content: Fingerprint | None  # the prompt it brings
     order: int  # its arrival: waiters are asked first come, first served
     keys: frozenset[Key] | None = None  # of its last decision (None: any release)
-    until: float | None = None  # of its last decision: the first hold it waits behind ends
+    until: float | None = None  # of its last decision: the first hold it waited beside ends
+    held: SlotRef | None = None  # ... that hold's slot
 
 
 class Scheduler:
@@ -181,10 +185,10 @@ class Scheduler:
         """Index a waiter by the keys of its last decision (``result``), and by the end of
         the hold it waits behind."""
         self._unfile(future, waiter)
-        waiter.until = None
-        if isinstance(result, Awaiting) and result.until is not None and result.held:
-            waiter.until = result.until
-            self._hold_end(result.until, result.held, future)
+        until, held = (result.until, result.held) if isinstance(result, Awaiting) else (None, None)
+        if until is not None and held is not None and (until, held) != (waiter.until, waiter.held):
+            self._hold_end(until, held, future)  # (the same end again: filed already)
+        waiter.until, waiter.held = (until, held) if held is not None else (None, None)
         keys = waiter.keys = result.keys if isinstance(result, Awaiting) else None
         if keys is None:
             self._any[future] = None
@@ -240,8 +244,19 @@ class Scheduler:
         )
         self.wake([(placement.backend, slot) for slot in placement.slots])
 
+    def mark_down(self, index: int) -> None:
+        """Backend ``index`` failed a request: down until a probe finds it ready, and every
+        waiter decides again (one that waited for it may go elsewhere now)."""
+        self.fleet.mark_down(index)
+        self.wake()
+
     def _grant(self, future: Future, waiter: _Waiter) -> None:
-        result = self._try(waiter.decide, waiter.content)
+        try:
+            result = self._try(waiter.decide, waiter.content)
+        except Exception as exc:  # (its own request fails, not the one whose release asked)
+            future.set_exception(exc)
+            self._forget(future)
+            return
         if isinstance(result, Placement):
             future.set_result(result)
             self._forget(future)  # granted: no longer waiting
@@ -253,7 +268,8 @@ class Scheduler:
         the ``freed`` slots, the waiters it can affect (module docstring), only until none
         of those slots is idle any more; otherwise (a probe, a hold's end) every waiter,
         until every slot of the ready backends is taken. Past that point the rest wait as
-        they are: deciding again would only say so."""
+        they are: deciding again would only say so; but a waiter that waited for one of the
+        freed slots decides again (``_retarget``)."""
         if self._ready and self._any_ready():
             for ready in self._ready:
                 if not ready.done():
@@ -263,12 +279,38 @@ class Scheduler:
         if freed is not None:  # (a backend that came back with fewer slots has none of some)
             backends = self.fleet.backends
             freed = [(b, s) for b, s in freed if s < len(backends[b].slots)]
+        asked: set[Future] = set()
         for future in list(self._waiters if freed is None else self._affected(freed)):
             if not self._open(freed):
-                return
+                break
+            asked.add(future)
             waiter = self._waiters.get(future)
             if waiter is not None and not future.done():
                 self._grant(future, waiter)
+        else:
+            return
+        if freed is not None:
+            self._retarget(freed, asked)
+
+    def _retarget(self, freed: Collection[SlotRef], asked: Collection[Future]) -> None:
+        """The freed slots were taken again before every waiter filed under one of them was
+        asked: a later waiter that waited for one of those slots waited for what it would
+        hold, and it will now hold another request's prompt. Each such waiter decides again,
+        in arrival order (the taker changed the slot it chose to wait for)."""
+        for future in self._waiters_of(freed):
+            if future in asked or future.done():
+                continue
+            waiter = self._waiters.get(future)
+            if waiter is not None:
+                self._grant(future, waiter)
+
+    def _waiters_of(self, slots: Collection[SlotRef]) -> list[Future]:
+        """The waiters filed as waiting for one of ``slots`` (not for any slot of its
+        backend), in arrival order."""
+        found: dict[Future, None] = {}
+        for b, s in slots:
+            found.update(self._filed.get(("slot", b, s), {}))
+        return sorted((f for f in found if f in self._waiters), key=self._order)
 
     def _affected(self, freed: Collection[SlotRef]) -> Iterator[Future]:
         """The waiters a release of the ``freed`` slots can affect (module docstring), in
@@ -314,10 +356,14 @@ class Scheduler:
             self._arm(self._hold_ends[0][0])
         if ended:
             self.wake(list(ended))
-        for future in due:
+        for future in sorted(due, key=self._order):  # (first come, first served)
             waiter = self._waiters.get(future)
             if waiter is not None and waiter.until is not None and waiter.until <= now:
                 self._grant(future, waiter)
+
+    def _order(self, future: Future) -> int:
+        waiter = self._waiters.get(future)
+        return waiter.order if waiter is not None else -1
 
     def _open(self, freed: Collection[SlotRef] | None) -> bool:
         """Whether a waiter could be placed now: a freed slot is still idle (None: any)."""

@@ -130,8 +130,7 @@ class ProxyHandlers:
                 return await self._send(request, placement.backend, body, placement, plan)
             except UpstreamConnectError:
                 self._backend_failed(placement.backend, "connect")
-                await self._shared.give_back(placement)  # the lease first, then the slot
-                self._scheduler.release(placement, clean=True, sent=False)
+                await self._unsent(placement)
                 if attempt == 2:
                     raise
                 need = replace(need, avoid=need.avoid | {placement.backend})
@@ -165,10 +164,21 @@ class ProxyHandlers:
                 placement = await self._scheduler.acquire(decide)
             else:
                 placement = await self._scheduler.acquire(decide, plan.fp, plan.wait_until)
-            if await self._shared.take(placement):
+            try:
+                taken = await self._shared.take(placement)
+            except BaseException:  # (the client left meanwhile: nothing was sent)
+                await to_the_end(self._unsent(placement))
+                raise
+            if taken:
                 return placement
             # another replica's: marked so before the release wakes a waiter that would take it
             self._scheduler.release(placement, clean=True, sent=False, remote=True)
+
+    async def _unsent(self, placement: Placement) -> None:
+        """A placement given up before anything was sent: its lease first (no local take
+        under it), then its slot, as it was."""
+        await self._shared.give_back(placement)
+        self._scheduler.release(placement, clean=True, sent=False)
 
     def _decider(self, plan: Plan | None, need: Need) -> Decide:
         if plan is not None:  # (backends another replica schedules: forwarded there)
@@ -191,7 +201,7 @@ class ProxyHandlers:
 
     def _backend_failed(self, index: int, kind: str) -> None:
         self._metrics.upstream_errors.labels(self._fleet.backends[index].label, kind).inc()
-        self._fleet.mark_down(index)
+        self._scheduler.mark_down(index)
 
     async def _send(
         self,

@@ -218,6 +218,8 @@ class Router:
                 if decision.until is not None:
                     self._held(plan)
                     return Awaiting(None, decision.until, decision.wait_for)
+                if decision.hold_end is not None:  # (it decides again when that hold ends)
+                    return Awaiting(decision.wakes, *decision.hold_end)
                 if decision.wakes is not None:
                     return Awaiting(decision.wakes)
                 return NoPlacement.BUSY  # (any release may change it)

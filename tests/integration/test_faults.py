@@ -9,10 +9,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry
 
-from proxy.app import SCHEDULER
+from proxy.app import SCHEDULER, create_app
+from proxy.state.memory import InMemoryStateStore
 from testbed.probes import metric, server_timing
-from tests.conftest import chat
+from testbed.stack import free_port
+from tests.conftest import REPLICA_SECRET, chat, make_settings
 from tests.waiting import ADMIN, admin_view, until, until_down, until_metric, until_ready
 
 
@@ -409,3 +412,42 @@ async def test_no_server_timing_without_route_headers(fakes: Any, proxy: Any) ->
     assert resp.status == 200
     assert "Server-Timing" not in resp.headers
     assert "X-Cache-Route" not in resp.headers
+
+
+class _SlowLeases(InMemoryStateStore):
+    """A shared store whose lease requests answer only once ``answer`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked, self.answer = asyncio.Event(), asyncio.Event()
+
+    async def acquire_lease(self, ref: Any, owner: str, ttl: float, now: float) -> bool:
+        self.asked.set()
+        await self.answer.wait()
+        return await super().acquire_lease(ref, owner, ttl, now)
+
+
+async def test_a_client_gone_while_its_slot_lease_is_asked_for_gives_the_slot_back(
+    fakes: Any, aiohttp_client: Any
+) -> None:
+    """With shared state, a slot is leased after it is chosen. A client that leaves while
+    the store has not yet answered cancels its request there: nothing was sent, and the
+    slot is free for the next request (it stayed busy for good before)."""
+    fake = await fakes(n_slots=1)
+    store, port = _SlowLeases(), free_port()
+    secret = {"secret": REPLICA_SECRET}
+    settings = make_settings(
+        [fake.url], listen=f"127.0.0.1:{port}", redis_url="redis://127.0.0.1:1", replicas=secret
+    )
+    app = create_app(settings, registry=CollectorRegistry(), store=store)
+    client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True, "port": port})
+    url = str(client.make_url("/completion"))
+    async with aiohttp.ClientSession() as session:
+        gone = asyncio.ensure_future(session.post(url, json={"prompt": "a", "n_predict": 2}))
+        await until(store.asked.is_set, "the slot's lease is asked for")
+        gone.cancel()  # the client leaves
+        await asyncio.gather(gone, return_exceptions=True)
+    store.answer.set()
+    again = await client.post("/completion", json={"prompt": "b", "n_predict": 2})
+    assert again.status == 200, await again.text()
+    assert [body["prompt"] for _, body, _ in fake.received] == ["b"]

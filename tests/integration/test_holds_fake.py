@@ -75,3 +75,35 @@ async def test_a_held_slot_goes_to_the_waiter_when_its_session_does_not_come_bac
     await first
     assert b_headers["X-Cache-Route"].startswith("wait")
     assert int(b_headers["X-Cache-Slot"]) == 0
+
+
+async def test_a_request_waiting_beside_a_held_slot_takes_it_when_the_hold_ends(
+    fakes: Any, proxy: Any
+) -> None:
+    """Session A's turn runs on one slot; B's turn ends on another, which is then held for
+    B; the third holds another agent's session. C continues A's conversation: waiting for
+    A's slot beats overwriting the other agent's, but once B's hold ends, B's slot (the same
+    long system prompt) serves nearly as much, so C takes it then rather than waiting for
+    A's turn to end."""
+    backend = await fakes(n_slots=3, ram_cache=False, gen_s_per_token=0.05, prompt_s_per_token=5e-4)
+    client = await proxy(
+        [{"url": backend.url, "ram_cache": False}],
+        routing={"max_slot_wait_seconds": 20},
+        queue={"max_wait_seconds": 30},
+    )
+
+    def body(system: str, *texts: str, tokens: int = 2) -> dict[str, Any]:
+        users = [{"role": "user", "content": text} for text in texts]
+        messages = [{"role": "system", "content": system * 10}, *users]  # most of each prompt
+        return {"messages": messages, "max_tokens": tokens, "temperature": 0}
+
+    _, x_headers = await post(client, body("You review pull requests. " * 8, "X: review"))
+    a_task = await once_placed(post(client, body(SYSTEM, "A: start", tokens=80)), client)  # ~4 s
+    _, b_headers = await post(client, body(SYSTEM, "B: hello " + "detail " * 60))  # held
+    _, c_headers = await post(client, body(SYSTEM, "A: start", "A: and then"))
+    assert not a_task.done()  # placed before A's turn ended
+    assert c_headers["X-Cache-Route"] == "wait+prefix"
+    assert c_headers["X-Cache-Slot"] == b_headers["X-Cache-Slot"]
+    _, a_headers = await a_task
+    slots = {x_headers["X-Cache-Slot"], a_headers["X-Cache-Slot"], b_headers["X-Cache-Slot"]}
+    assert len(slots) == 3

@@ -254,3 +254,159 @@ async def test_a_waiter_behind_a_hold_taken_back_first_decides_again_at_its_end(
     now[0] = end
     assert (await asyncio.wait_for(h, 5)) == Placement(0, (1,), 1)
     scheduler.release(back, clean=True)
+
+
+async def test_a_keyed_waiter_beside_a_held_slot_decides_again_when_the_hold_ends() -> None:
+    """``k`` waits for busy slot 5 (filed under its key) while idle slot 0 is held until
+    ``end``: its decision names that end, and at the end it decides again and takes slot 0,
+    though nothing it is filed under was released."""
+    scheduler, now = _clocked(32)
+    running = [await scheduler.acquire(partial(Placement, 0, (i,), i)) for i in range(1, 32)]
+    end = 10.002
+
+    def keyed() -> Placement | Awaiting:
+        if now[0] < end:
+            return Awaiting(frozenset({("slot", 0, 5)}), end, (0, 0))
+        return Placement(0, (0,), 0)
+
+    k = asyncio.create_task(scheduler.acquire(keyed))
+    await until(lambda: scheduler.waiting() == 1, "k waits")
+    now[0] = end
+    assert (await asyncio.wait_for(k, 5)) == Placement(0, (0,), 0)
+    for placement in running:
+        scheduler.release(placement, clean=True)
+
+
+async def test_the_waiters_behind_a_hold_decide_again_at_its_end_in_arrival_order() -> None:
+    """``w1`` waits for busy slot 1, then ``w2`` behind the holds of slots 0 and 2 (ending
+    together; slot 0's named). Slot 1 frees, given back unsent: ``w1`` is asked and now
+    waits behind the holds too, filed after ``w2``. Slot 0's session takes it back; at the
+    end no freed slot is idle, and both decide again in arrival order: ``w1`` first, so it
+    gets the lower of slots 1 and 2."""
+    scheduler, now = _clocked(3)
+    slots = scheduler.fleet.backends[0].slots
+    end, order, asked = 10.002, [], []
+
+    def behind(name: str, keyed: bool) -> Decide:
+        def decide() -> Placement | Awaiting:
+            asked.append(name)
+            if keyed and asked.count(name) == 1:
+                return Awaiting(frozenset({("slot", 0, 1)}))
+            if now[0] < end:
+                return Awaiting(None, end, (0, 0))
+            order.append(name)
+            slot = next(s.id for s in slots if s.phase is SlotPhase.IDLE)
+            return Placement(0, (slot,), slot)
+
+        return decide
+
+    blocker = await scheduler.acquire(partial(Placement, 0, (1,), 1))
+    w1 = asyncio.create_task(scheduler.acquire(behind("w1", keyed=True)))
+    await until(lambda: scheduler.waiting() == 1, "w1 waits")
+    w2 = asyncio.create_task(scheduler.acquire(behind("w2", keyed=False)))
+    await until(lambda: scheduler.waiting() == 2, "both wait")
+    scheduler.release(blocker, clean=True, sent=False)  # w1 now waits behind the hold too
+    assert asked.count("w1") == 2
+    back = await scheduler.acquire(partial(Placement, 0, (0,), 0))  # the session is back
+    now[0] = end
+    placed = await asyncio.wait_for(asyncio.gather(w1, w2), 5)
+    assert order == ["w1", "w2"]
+    assert list(placed) == [Placement(0, (1,), 1), Placement(0, (2,), 2)]
+    scheduler.release(back, clean=True)
+
+
+async def test_a_backend_marked_down_lets_its_waiters_go_elsewhere() -> None:
+    """``w`` waits for busy slot 0 of backend 1; a request there fails to connect and
+    backend 1 is marked down: ``w`` decides again at once and takes backend 0's slot."""
+    fleet = Fleet(["b0", "b1"])
+    for index in (0, 1):
+        fleet.apply_probe(index, Probe(BackendPhase.READY, (SlotProbe(0, False, 0, -1),)), 0.0)
+    scheduler = Scheduler(fleet, QueueSettings(), ProxyMetrics(CollectorRegistry()), time.monotonic)
+    running = await scheduler.acquire(partial(Placement, 1, (0,), 0))
+
+    def decide() -> Placement | Awaiting:
+        if fleet.backends[1].phase is BackendPhase.READY:
+            return Awaiting(frozenset({("slot", 1, 0)}))
+        return Placement(0, (0,), 0)
+
+    w = asyncio.create_task(scheduler.acquire(decide))
+    await until(lambda: scheduler.waiting() == 1, "w waits")
+    scheduler.mark_down(1)
+    assert (await asyncio.wait_for(w, 5)) == Placement(0, (0,), 0)
+    scheduler.release(running, clean=True, sent=False)
+
+
+async def test_a_waiter_for_a_freed_slot_another_took_decides_again() -> None:
+    """32 busy slots. ``t`` (any release) and then ``v`` (waiting for slot 0, its
+    conversation) wait. Slot 0 frees and ``t``, first to arrive, takes it: slot 0 will hold
+    ``t``'s prompt, so ``v`` decides again at once (and waits for slot 7 now), and takes
+    slot 7 when it frees."""
+    fleet = Fleet(["b0"])
+    probe = Probe(BackendPhase.READY, tuple(SlotProbe(i, False, 0, -1) for i in range(32)))
+    fleet.apply_probe(0, probe, now=0.0)
+    scheduler = Scheduler(fleet, QueueSettings(), ProxyMetrics(CollectorRegistry()), time.monotonic)
+    running = [await scheduler.acquire(partial(Placement, 0, (i,), i)) for i in range(32)]
+    slots, decided = fleet.backends[0].slots, []
+
+    def t_decide() -> Placement | NoPlacement:
+        idle = [s.id for s in slots if s.phase is SlotPhase.IDLE]
+        return Placement(0, (idle[0],), idle[0]) if idle else NoPlacement.BUSY
+
+    def v_decide() -> Placement | Awaiting:
+        decided.append(slots[0].phase)
+        wanted = 0 if not decided[1:] else 7  # (slot 0 lost its conversation to t)
+        if slots[wanted].phase is SlotPhase.IDLE:
+            return Placement(0, (wanted,), wanted)
+        return Awaiting(frozenset({("slot", 0, wanted)}))
+
+    t = asyncio.create_task(scheduler.acquire(t_decide))
+    await until(lambda: scheduler.waiting() == 1, "t waits")
+    v = asyncio.create_task(scheduler.acquire(v_decide))
+    await until(lambda: scheduler.waiting() == 2, "both wait")
+    scheduler.release(running[0], clean=True)
+    assert (await t) == Placement(0, (0,), 0)
+    assert decided == [SlotPhase.BUSY, SlotPhase.BUSY]  # v decided again after t took slot 0
+    scheduler.release(running[7], clean=True)
+    assert (await asyncio.wait_for(v, 5)) == Placement(0, (7,), 7)
+
+
+async def test_deciding_again_behind_the_same_hold_files_its_end_once() -> None:
+    """Fifty waiters behind slot 0's hold decide again at each of a hundred releases of
+    slot 1, still behind the same hold: each end is filed once per waiter."""
+    scheduler, _ = _clocked(2)
+    waiters = [
+        asyncio.create_task(scheduler.acquire(lambda: Awaiting(None, 15.0, (0, 0))))
+        for _ in range(50)
+    ]
+    await until(lambda: scheduler.waiting() == 50, "fifty wait")
+    for _ in range(100):
+        placement = await scheduler.acquire(partial(Placement, 0, (1,), 1))
+        scheduler.release(placement, clean=True)
+    assert len(scheduler._hold_ends) == 50
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def test_a_waiter_whose_decision_fails_fails_alone() -> None:
+    """A release asks ``broken``, whose decision raises, then ``w``: the error goes to
+    ``broken``'s request, not to the release's, and ``w`` still takes the freed slot."""
+    scheduler, _ = _clocked(1)
+    running = await scheduler.acquire(partial(Placement, 0, (0,), 0))
+    calls: list[str] = []
+
+    def broken() -> NoPlacement:
+        calls.append("broken")
+        if len(calls) > 1:
+            raise RuntimeError("a routing bug")
+        return NoPlacement.BUSY
+
+    failing = asyncio.create_task(scheduler.acquire(broken))
+    await until(lambda: scheduler.waiting() == 1, "broken waits")
+    w = asyncio.create_task(scheduler.acquire(lambda: place(scheduler.fleet.backends, Need())))
+    await until(lambda: scheduler.waiting() == 2, "both wait")
+    scheduler.release(running, clean=True)  # (raises not)
+    assert (await w) == Placement(0, (0,), 0)
+    (error,) = await asyncio.gather(failing, return_exceptions=True)
+    assert isinstance(error, RuntimeError)
+    assert scheduler.waiting() == 0

@@ -81,6 +81,25 @@ def test_claiming_a_busy_slot_is_refused() -> None:
         fleet.claim(Placement(0, (0,), 0), now=2.0)
 
 
+def test_a_claim_given_back_unsent_leaves_the_slot_as_it_was() -> None:
+    """Its last use too: a fresh one would hold the slot for a session that left long ago
+    (``core.routing.returns``)."""
+    fleet = ready_fleet(1)
+    slot, placement = fleet.backends[0].slots[0], Placement(0, (0,), 0)
+    slot.content, slot.last_used = Fingerprint((1, 2), (100, 200)), 5.0
+    fleet.claim(placement, now=100.0, content=Fingerprint((7,), (50,)))
+    assert slot.last_used == 100.0
+    fleet.release(placement, now=100.1, clean=True, sent=False)
+    assert (slot.phase, slot.content, slot.last_used) == (
+        SlotPhase.IDLE,
+        Fingerprint((1, 2), (100, 200)),
+        5.0,
+    )
+    fleet.claim(placement, now=200.0)
+    fleet.release(placement, now=201.0, clean=True)  # sent: used then
+    assert slot.last_used == 201.0
+
+
 def test_aborted_slot_drains_until_a_probe_shows_it_idle() -> None:
     fleet = ready_fleet(1)
     placement = Placement(0, (0,), 0)

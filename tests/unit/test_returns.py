@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -171,3 +173,33 @@ def test_a_backend_whose_idle_slots_are_held_is_full_for_a_request_its_ram_cache
     d = decided(route(fp(7, 8, 9), f.backends, PARAMS, now=100.01, hold=0.1))
     assert d.reason is Reason.WAIT  # not cold on b1: b0's RAM copy is worth waiting for
     assert d.predicted == 200
+
+
+def test_a_wait_beside_a_held_slot_names_when_that_hold_ends() -> None:
+    """Slot 0 runs the request's own conversation; slot 1, which another session just left,
+    is held; slot 2 holds a stranger. Waiting for slot 0 beats the stranger, but the held
+    slot would serve nearly as much once its hold ends: the decision says when that is, so
+    the request decides again then rather than when slot 0 frees."""
+    params = replace(PARAMS, wait_min_tokens=400)  # slot 0 saves 100 more than slot 1
+    f = no_ram_fleet(slots=3)
+    system = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # 900 tokens the sessions share
+    left(f, 2, chat(70, 71), at=10.0)
+    left(f, 1, chat(*system, 20, anchor=10), at=100.0)
+    f.claim(Placement(0, (0,), 0), now=99.0, content=chat(*system, 30, anchor=10))
+    d = decided(route(chat(*system, 30, 31, anchor=10), f.backends, params, now=100.01, hold=0.1))
+    assert (d.reason, d.placement, d.wait_for, d.until) == (Reason.WAIT, None, (0, 0), None)
+    assert d.wakes is not None
+    assert d.hold_end is not None
+    assert d.hold_end[0] == pytest.approx(100.1)
+    assert d.hold_end[1] == (0, 1)
+    after = decided(
+        route(chat(*system, 30, 31, anchor=10), f.backends, params, now=100.2, hold=0.1)
+    )
+    assert after.placement == Placement(0, (1,), 1)  # (the hold is over: it takes slot 1)
+    alone = no_ram_fleet(slots=2)  # no slot held: nothing to decide again for
+    left(alone, 1, chat(70, 71), at=10.0)
+    alone.claim(Placement(0, (0,), 0), now=99.0, content=chat(*system, 30, anchor=10))
+    d = decided(
+        route(chat(*system, 30, 31, anchor=10), alone.backends, params, now=100.01, hold=0.1)
+    )
+    assert (d.wait_for, d.hold_end) == ((0, 0), None)

@@ -40,7 +40,9 @@ hint (backend, slot), and ``now``. Output: a ``Decision`` with a reason, or a
 5. *Holds* (``core.routing.returns``): an idle slot its session left less than ``hold`` seconds
    ago (learned from how fast sessions come back) is not taken by another session when the
    server could not park what it holds; if every idle slot is held the request waits, until
-   the session is back or the hold ends (``Decision.until``).
+   the session is back or the hold ends (``Decision.until``). A request that waits for
+   something else while slots are held decides again when the first of those holds ends
+   (``Decision.hold_end``).
 
 *Parameters*, each with its unit and default (what dropping each rule does to the replays:
 ``bench.ablation``, recorded in ``bench/HISTORY.md``):
@@ -128,6 +130,9 @@ class Decision:
     key_outcome: KeyOutcome | None = None  # for keyed requests
     restore: Offer | None = None  # restore this disk snapshot into the slot first
     until: float | None = None  # waiting for a held slot: its hold ends then
+    # waiting for anything else while idle slots are held: the first of those holds to end,
+    # and its slot (the decision may change then: the slot is no longer held)
+    hold_end: tuple[float, tuple[int, int]] | None = None
     # waiting: the releases that may change it (``core.routing.wakes``; None: any)
     wakes: frozenset[Key] | None = None
 
@@ -267,10 +272,12 @@ def route(
     if waiting is not None:
         partial = len(up) < sum(1 for b in backends if b.phase is BackendPhase.READY)
         wakes = wake_keys(fp, *waiting, fleet, params, disk, ram, partial)
-        return Decision(None, Reason.WAIT, waiting[1], waiting[0], key, wakes=wakes)
+        end = _first_hold_end(backends, spared, hold)
+        return Decision(None, Reason.WAIT, waiting[1], waiting[0], key, wakes=wakes, hold_end=end)
     spare = spare_parked(fleet, best) if allow_wait and best is not None else None
     if spare is not None:  # (any release may change it: no keys)
-        return Decision(None, Reason.WAIT, spare[1], spare[0], key)
+        end = _first_hold_end(backends, spared, hold)
+        return Decision(None, Reason.WAIT, spare[1], spare[0], key, hold_end=end)
     if best is None:
         return why_not(backends, avoid)
     if best is keyed:
@@ -278,6 +285,15 @@ def route(
     # every idle slot may hold another conversation: the least bad may still hold the prefix
     reason = Reason.PREFIX if best.reuse >= hit_floor(fp, params) else Reason.COLD
     return _place(best, reason, key)
+
+
+def _first_hold_end(
+    backends: Sequence[BackendState], spared: frozenset[tuple[int, int]], hold: float
+) -> tuple[float, tuple[int, int]] | None:
+    """Of the idle slots held from this request, the one whose hold ends first, and when."""
+    if not spared:
+        return None
+    return min((held_until(backends[b], backends[b].slots[s], hold), (b, s)) for b, s in spared)
 
 
 def _recent(index: BackendIndex, now: float, hold: float) -> Iterator[SlotState]:

@@ -59,9 +59,10 @@ PRESSED: Key = ("pressed", 0, 0)
 
 class Awaiting(NamedTuple):
     """A decision to wait, for the scheduler: the keys of the releases that may change it
-    (None: any release). Waiting behind slots held for their sessions: when the first hold
-    ends (``until``) and whose it is (``held``): the decision changes by itself then, and to
-    the other waiters that slot is as if released."""
+    (None: any release). Made while idle slots were held for their sessions (waiting behind
+    them, or for something else): when the first hold ends (``until``) and whose it is
+    (``held``): the decision may change by itself then, and to the other waiters that slot
+    is as if released."""
 
     keys: frozenset[Key] | None
     until: float | None = None

@@ -107,7 +107,7 @@ class Fleet:
                 parked = _ram_entry_of(backend, slot, content)
                 self._save_to_ram(backend, parked, content)  # (entries the slot now holds go)
                 backend.ram_entries = ram_cache.without(backend.ram_entries, placement.from_ram)
-            slot.last_used = now
+            slot.claimed_from, slot.last_used = slot.last_used, now
         backend.unread = True
         self._save_idle(backend)
 
@@ -137,6 +137,7 @@ class Fleet:
             if not sent:
                 theirs = remote and slot_id == placement.pin
                 slot.phase = SlotPhase.REMOTE if theirs else SlotPhase.IDLE
+                slot.last_used = slot.claimed_from
                 continue
             parked_at, slot.last_used = slot.last_used, now
             slot.phase = SlotPhase.IDLE if clean else SlotPhase.DRAINING

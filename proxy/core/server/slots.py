@@ -84,6 +84,9 @@ class SlotState:
     pending: Fingerprint | None = None  # the prompt in flight on it, while BUSY
     record_at: float = 0.0  # wall time of the shared record this content matches
     owner: str | None = None  # tenant whose request wrote the KV (cache isolation)
+    # its last use before the claim in flight: a claim given back unsent leaves it as it was
+    # (a fresh last use would start a hold for a session long gone)
+    claimed_from: float = field(default=0.0, compare=False, repr=False)
     # (content, RAM cache) as this idle slot was last saved to the cache: the same two
     # objects mean the same save, which changes nothing (``Fleet._save_idle``)
     saved: tuple[Fingerprint, list[RamEntry]] | None = field(

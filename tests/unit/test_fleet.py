@@ -90,14 +90,35 @@ def test_a_claim_given_back_unsent_leaves_the_slot_as_it_was() -> None:
     fleet.claim(placement, now=100.0, content=Fingerprint((7,), (50,)))
     assert slot.last_used == 100.0
     fleet.release(placement, now=100.1, clean=True, sent=False)
-    assert (slot.phase, slot.content, slot.last_used) == (
-        SlotPhase.IDLE,
-        Fingerprint((1, 2), (100, 200)),
-        5.0,
-    )
+    assert (slot.phase, slot.content) == (SlotPhase.IDLE, Fingerprint((1, 2), (100, 200)))
+    assert slot.last_used == 5.0
     fleet.claim(placement, now=200.0)
     fleet.release(placement, now=201.0, clean=True)  # sent: used then
     assert slot.last_used == 201.0
+
+
+def test_a_claim_given_back_unsent_leaves_the_ram_model_as_it_was() -> None:
+    """The claim parked the slot's content and took out the entry the server would load:
+    neither happened, since nothing reached the server. After a later change of the model
+    (another claim), the claim's own changes stay: they cannot be told apart any more."""
+    fleet = ready_fleet(2)
+    backend = fleet.backends[0]
+    parked = RamEntry(Fingerprint((5, 6), (100, 200)), 1.0)
+    backend.ram_entries = [parked]
+    for slot, first in zip(backend.slots, (1, 3), strict=True):
+        slot.content, slot.last_used = Fingerprint((first, first + 1), (100, 200)), 5.0
+    before = backend.ram_entries
+    placement = Placement(0, (0,), 0, parked)
+    fleet.claim(placement, now=100.0, content=Fingerprint((5, 6, 7), (100, 200, 300)))
+    assert parked not in backend.ram_entries  # loaded into the slot
+    fleet.release(placement, now=100.1, clean=True, sent=False)
+    assert backend.ram_entries is before
+    fleet.claim(placement, now=110.0, content=Fingerprint((5, 6, 7), (100, 200, 300)))
+    other = Placement(0, (1,), 1)
+    fleet.claim(other, now=111.0, content=Fingerprint((9,), (100,)))
+    after = backend.ram_entries
+    fleet.release(placement, now=112.0, clean=True, sent=False)
+    assert backend.ram_entries is after
 
 
 def test_aborted_slot_drains_until_a_probe_shows_it_idle() -> None:

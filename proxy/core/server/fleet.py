@@ -43,6 +43,7 @@ from proxy.core.server.slots import (
     SlotPhase,
     SlotProbe,
     SlotState,
+    Undo,
 )
 
 __all__ = [
@@ -97,6 +98,7 @@ class Fleet:
     def claim(self, placement: Placement, now: float, content: Fingerprint | None = None) -> None:
         """Mark the slots busy; the pinned slot will hold ``content`` (the prompt) after."""
         backend = self.backends[placement.backend]
+        before, used = backend.ram_entries, {}
         for slot_id in placement.slots:
             slot = backend.slots[slot_id]
             if slot.phase is not SlotPhase.IDLE:
@@ -107,9 +109,13 @@ class Fleet:
                 parked = _ram_entry_of(backend, slot, content)
                 self._save_to_ram(backend, parked, content)  # (entries the slot now holds go)
                 backend.ram_entries = ram_cache.without(backend.ram_entries, placement.from_ram)
-            slot.claimed_from, slot.last_used = slot.last_used, now
+            used[slot_id], slot.last_used = slot.last_used, now
         backend.unread = True
         self._save_idle(backend)
+        backend.turns += 1
+        for slot_id, last_used in used.items():
+            undo = Undo(last_used, before, backend.ram_entries, backend.turns)
+            backend.slots[slot_id].undo = undo
 
     def release(
         self,
@@ -134,10 +140,15 @@ class Fleet:
             if slot.phase is not SlotPhase.BUSY:
                 continue
             pending, slot.pending = slot.pending, None
+            undo, slot.undo = slot.undo, None
             if not sent:
                 theirs = remote and slot_id == placement.pin
                 slot.phase = SlotPhase.REMOTE if theirs else SlotPhase.IDLE
-                slot.last_used = slot.claimed_from
+                if undo is not None:
+                    slot.last_used = undo.last_used
+                    later = backend.turns != undo.turn or backend.ram_entries is not undo.ram_after
+                    if not later:
+                        backend.ram_entries = undo.ram_before
                 continue
             parked_at, slot.last_used = slot.last_used, now
             slot.phase = SlotPhase.IDLE if clean else SlotPhase.DRAINING
@@ -149,6 +160,8 @@ class Fleet:
                 entry = backend.ram_entry(before, parked_at, slot.n_tokens) if before else None
                 self._save_to_ram(backend, entry, slot.content)
             slot.n_tokens = n_tokens or 0  # a length the response did not report is unknown
+        if sent:
+            backend.turns += 1
 
     def _save_idle(self, backend: BackendState) -> None:
         """A task started: with ``--cache-idle-slots`` the server saves each idle slot (and

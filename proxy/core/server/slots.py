@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.prompt.usage import Usage
@@ -74,6 +75,19 @@ class Probe:
     sleeping: bool = False
 
 
+class Undo(NamedTuple):
+    """What a claim changed, for a claim given back unsent (nothing reached the server):
+    the slot's last use (a fresh one would start a hold for a session long gone), and the
+    backend's RAM-cache model before and after the claim parked the slot's content and
+    took out the entry the server would load (put back only while no other claim or
+    release followed on the backend, and the model is the claim's list)."""
+
+    last_used: float
+    ram_before: list[RamEntry]
+    ram_after: list[RamEntry]
+    turn: int  # the backend's ``turns`` after the claim
+
+
 @dataclass
 class SlotState:
     id: int
@@ -84,9 +98,8 @@ class SlotState:
     pending: Fingerprint | None = None  # the prompt in flight on it, while BUSY
     record_at: float = 0.0  # wall time of the shared record this content matches
     owner: str | None = None  # tenant whose request wrote the KV (cache isolation)
-    # its last use before the claim in flight: a claim given back unsent leaves it as it was
-    # (a fresh last use would start a hold for a session long gone)
-    claimed_from: float = field(default=0.0, compare=False, repr=False)
+    # what the claim in flight changed, undone if it is given back unsent (``Undo``)
+    undo: Undo | None = field(default=None, compare=False, repr=False)
     # (content, RAM cache) as this idle slot was last saved to the cache: the same two
     # objects mean the same save, which changes nothing (``Fleet._save_idle``)
     saved: tuple[Fingerprint, list[RamEntry]] | None = field(
@@ -125,6 +138,7 @@ class BackendState:
     token_scale: float | None = None  # its tokens per fingerprint estimate (EMA)
     slots: list[SlotState] = field(default_factory=list)  # replaced, not mutated
     ram_entries: list[RamEntry] = field(default_factory=list)  # oldest first; replaced, not mutated
+    turns: int = field(default=0, compare=False, repr=False)  # claims and releases of its slots
     # bumped by every change of the backend or of one of its slots: what is derived from them
     # (``core.routing.index``) holds while it is the same
     version: int = field(default=0, compare=False, repr=False)

@@ -43,7 +43,14 @@ from proxy.config.settings import TimeoutSettings
 from proxy.core.prompt.headers import with_credential
 from proxy.core.server.fleet import BackendPhase, Probe, SlotProbe
 from proxy.errors import BadGateway, GatewayTimeout, ProxyError
-from proxy.upstream_http import ConnectFailed, Pool, ReadTimeout, Response, UpstreamBroken
+from proxy.upstream_http import (
+    ConnectFailed,
+    ConnectTimeout,
+    Pool,
+    ReadTimeout,
+    Response,
+    UpstreamBroken,
+)
 
 
 class SlotUse(Enum):
@@ -196,6 +203,8 @@ class LlamaServerClient:
             response = await self._pool.request(base_url, path, method, body, headers)
         except ConnectFailed as exc:
             raise UpstreamConnectError(f"backend unreachable: {exc}") from None
+        except ConnectTimeout:  # (nothing was sent either)
+            raise UpstreamConnectError("backend unreachable: no connection in time") from None
         except TimeoutError:
             raise GatewayTimeout("backend did not answer in time") from None
         except UpstreamBroken as exc:

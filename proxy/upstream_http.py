@@ -7,9 +7,11 @@ needs, on ``asyncio.Protocol``:
 
 - *Connections.* Each backend (scheme, host, port) has a stack of idle keep-alive
   connections; a request takes the most recent one, or opens one (bounded by the connect
-  timeout). One idle for ``IDLE_SECONDS`` is closed rather than reused: the server may be
-  closing it at that moment (llama-server's HTTP library closes an idle connection after
-  5 s), and a request sent on a connection as it closes is lost. A connection carries one
+  timeout). One idle for ``IDLE_SECONDS`` since its last answer's last byte (when the
+  server's own timer starts, however long the relay takes to give it back) is closed rather
+  than reused: the server may be closing it at that moment (llama-server's HTTP library
+  closes an idle connection after 5 s), and a request sent on a connection as it closes is
+  lost. A connection carries one
   exchange at a time and goes back to the stack only when its response was read to its
   end, the server did not ask to close, and no stray byte followed it (a malformed ``204``
   followed by an empty chunked body, as some llama-server endpoints send, is read as
@@ -22,9 +24,12 @@ needs, on ``asyncio.Protocol``:
   as UTF-8 with surrogate escapes, as aiohttp does, so bytes relayed back are the bytes
   received); ``1xx`` interim heads are skipped (a ``101`` ends the exchange, and its
 connection is closed). The body is framed by the method and
-  status (``HEAD``, ``1xx``, ``204``, ``304``: none), else ``Transfer-Encoding: chunked``
-  (chunk extensions and trailers read and dropped), else ``Content-Length``, else it runs
-  to the end of the connection.
+  status (``HEAD``, ``1xx``, ``204``, ``304``: none), else ``Transfer-Encoding`` (chunked
+  when ``chunked`` is the last coding of all its lines, chunk extensions and trailers read
+  and dropped; any other coding runs to the end of the connection), else
+  ``Content-Length`` (lines that differ frame nothing: the answer is broken), else it runs
+  to the end of the connection. A framing error is final: the bytes after it are not read
+  as more of the answer.
 - *Streaming.* Body bytes are handed over as they arrive (``chunks``), so a server-sent
   event stream is relayed event by event; reading pauses while more than ``HIGH_WATER``
   bytes wait for a slow client, and resumes below ``LOW_WATER``.
@@ -111,7 +116,7 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self.response: Response | None = None
         self._paused = False
-        self.idle_since = 0.0  # when it was last given back (the pool's clock)
+        self.idle_since = 0.0  # when its last answer's last byte came (the pool's clock)
         self.answered = False  # a byte of the answer in flight arrived (the request was read)
 
     # -- asyncio.Protocol ----------------------------------------------------------------
@@ -194,9 +199,13 @@ class Response:
 
     # -- parsing (called by the connection as bytes arrive) ------------------------------
     def _feed(self, eof: bool = False, reset: bool = False) -> None:
-        """Parse what arrived; ``eof``: the connection ended (``reset``: abnormally)."""
+        """Parse what arrived; ``eof``: the connection ended (``reset``: abnormally). An error
+        is final: the bytes after it are not parsed (the close it makes feeds the end)."""
         if eof:
             self._eof = True
+        if self._error is not None:
+            return
+        done = self._done
         try:
             if not self._head_read:
                 self._parse_head()
@@ -211,6 +220,8 @@ class Response:
                 self._done = True  # the body ran to the connection's end
             else:
                 self._error = UpstreamBroken("connection closed by the backend")
+        if self._done and not done:  # the server's keep-alive timer starts at its last byte
+            self._conn.idle_since = self._pool.clock()
         if self._buffered > HIGH_WATER:
             self._conn.pause(True)
 
@@ -243,25 +254,36 @@ class Response:
             return
 
     def _frame(self, version: str) -> None:
-        headers = self.headers
-        connection = headers.get("Connection", "").lower()
+        """The body's framing, from every line of the headers that decide it: a transfer
+        coding list whose last is ``chunked`` is chunked, any other runs to the connection's
+        end; ``Content-Length`` lines (or list members) that differ are no framing at all."""
+        connection = self._values("Connection")
         if "close" in connection or (version == "HTTP/1.0" and "keep-alive" not in connection):
             self._reusable = False
+        codings = self._values("Transfer-Encoding")
+        lengths = set(self._values("Content-Length"))
         if self._method == "HEAD" or self.status in (204, 304) or self.status < 200:
             self._framing, self._done = "none", True
             # (a 204 may be followed by an empty chunked body, and a 101 by another protocol:
             # their connections are not reused)
             self._reusable = self._reusable and self.status not in (101, 204)
-        elif "chunked" in headers.get("Transfer-Encoding", "").lower():
-            self._framing = "chunked"
-        elif "Content-Length" in headers:
-            length = headers["Content-Length"].strip()
+        elif codings:
+            chunked = codings[-1] == "chunked"
+            self._framing = "chunked" if chunked else "close"
+            self._reusable = self._reusable and chunked
+        elif lengths:
+            (length,) = lengths if len(lengths) == 1 else ("",)
             if not _DIGITS.fullmatch(length):
                 raise UpstreamBroken("malformed Content-Length")
             self._framing, self._left = "length", int(length)
             self._done = self._left == 0
         else:
             self._framing, self._reusable = "close", False
+
+    def _values(self, name: str) -> list[str]:
+        """The comma-separated members of every ``name`` header line, in order, lowercased."""
+        lines = self.headers.getall(name, ())
+        return [v.strip().lower() for line in lines for v in line.split(",") if v.strip()]
 
     def _take(self, data: bytes) -> None:
         if data:
@@ -389,7 +411,7 @@ class Pool:
         on_open: Callable[[str], None] | None = None,
     ) -> None:
         """``on_open(base_url)``: told of each connection opened (the metrics)."""
-        self.connect_seconds, self.read_seconds, self._clock = connect_seconds, read_seconds, clock
+        self.connect_seconds, self.read_seconds, self.clock = connect_seconds, read_seconds, clock
         self._on_open = on_open
         self._idle: dict[Origin, list[_Connection]] = {}
         self._origins: dict[str, Origin] = {}
@@ -414,7 +436,7 @@ class Pool:
         origin = self.origin(base_url)
         head = _head(origin, method, path, body, headers)
         for attempt in (1, 2):
-            conn, reused = await self._connection(base_url, origin)
+            conn, reused = await self._connection(base_url, origin, reuse=attempt == 1)
             response = Response(conn, self, origin, method)
             conn.response, conn.answered = response, False
             assert conn.transport is not None
@@ -435,10 +457,12 @@ class Pool:
             return response
         raise AssertionError("unreachable")
 
-    async def _connection(self, base_url: str, origin: Origin) -> tuple[_Connection, bool]:
-        idle = self._idle.get(origin)
+    async def _connection(
+        self, base_url: str, origin: Origin, reuse: bool = True
+    ) -> tuple[_Connection, bool]:
+        idle = self._idle.get(origin) if reuse else None
         if idle:
-            fresh = self._clock() - IDLE_SECONDS
+            fresh = self.clock() - IDLE_SECONDS
             while idle:
                 conn = idle.pop()
                 closing = conn.lost or conn.transport is None or conn.transport.is_closing()
@@ -470,8 +494,7 @@ class Pool:
         if self._closed:  # (an answer read to its end after the pool closed)
             conn.close()
             return
-        conn.idle_since = self._clock()
-        self._idle.setdefault(origin, []).append(conn)
+        self._idle.setdefault(origin, []).append(conn)  # (idle since its answer's last byte)
 
     def close(self) -> None:
         self._closed = True

@@ -12,8 +12,8 @@ A client that goes away makes the write fail (or cancels the handler); the upstr
 connection is then closed so llama-server cancels the generation.
 
 ``Outcome.complete`` is true only when the upstream body was read to its end, or to its end
-event (``data: [DONE]``, sent after the server released the slot): the caller frees the slot at
-once then, and otherwise lets it drain.
+event (``data: [DONE]`` and the blank line that dispatches it, sent after the server released
+the slot): the caller frees the slot at once then, and otherwise lets it drain.
 
 A client that has its whole reply may close the connection at once (OpenClaw does, at
 ``[DONE]``), which cancels the handler (``handler_cancellation``). Once the stream's final event
@@ -125,7 +125,7 @@ async def _relay_stream(
                 ready = translator.lines(ready)
             if ready:
                 await response.write(ready)
-            if scanner.done:
+            if scanner.ended:
                 break  # the end event: the server has released the slot; nothing follows
     # (the backend failing, or the client: a write to a client that left fails too)
     except (UpstreamBroken, aiohttp.ClientConnectionError, TimeoutError) as exc:

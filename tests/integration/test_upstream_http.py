@@ -13,12 +13,16 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from proxy.config.sections import TimeoutSettings
+from proxy.upstream import LlamaServerClient, UpstreamConnectError
 from proxy.upstream_http import (
     HIGH_WATER,
     IDLE_SECONDS,
     ConnectFailed,
+    ConnectTimeout,
     Origin,
     Pool,
+    Response,
     UpstreamBroken,
 )
 from testbed.stack import free_port
@@ -318,3 +322,125 @@ def test_the_host_header_and_path_prefix_follow_the_base_url() -> None:
     assert Origin.of("https://llama.example/api").prefix == "/api"
     assert Origin.of("https://llama.example/api").host_header == "llama.example"
     assert Origin.of("https://llama.example/api").port == 443
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        # a chunk-size line that is not hex, then chunks that are: the error stands
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\nzz\r\n3\r\nabc\r\n0\r\n\r\n",
+        # two Content-Length lines that differ
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 4\r\n\r\nokok",
+    ],
+    ids=["bad-chunk-then-good", "two-lengths"],
+)
+async def test_a_framing_error_is_final_whatever_bytes_follow_it(answer: bytes) -> None:
+    async with scripted(lambda _: answer) as (_, url):
+        pool = Pool(5, 1)
+        with pytest.raises(UpstreamBroken):  # (the head, or else reading the body)
+            await exchange(pool, url)
+        pool.close()
+
+
+async def test_a_malformed_head_is_not_followed_by_the_head_after_it() -> None:
+    forged = (
+        b"HTTP/1.1 200 OK\r\nBogus\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 6\r\n\r\nforged"
+    )
+    async with scripted(lambda _: forged) as (_, url):
+        pool = Pool(5, 1)
+        with pytest.raises(UpstreamBroken):
+            await pool.request(url, "/", "POST", b"{}", [])
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    ("codings", "expected", "connections"),
+    [
+        (b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n", b"ok", 1),
+        (b"Transfer-Encoding: chunked, gzip\r\nConnection: close\r\n", b"2\r\nok\r\n0\r\n\r\n", 2),
+    ],
+    ids=["chunked-last-on-its-own-line", "chunked-not-last"],
+)
+async def test_the_transfer_codings_of_every_line_frame_the_body(
+    codings: bytes, expected: bytes, connections: int
+) -> None:
+    """Chunked framing only when ``chunked`` is the last coding, over all the lines; any
+    other coding list runs to the connection's end (and the connection is not reused)."""
+    answer = b"HTTP/1.1 200 OK\r\n" + codings + b"\r\n2\r\nok\r\n0\r\n\r\n"
+    close_after = connections == 2
+    async with scripted(lambda _: answer, close_after=close_after) as (server, url):
+        pool = Pool(5, 5)
+        for _ in range(2):
+            assert await exchange(pool, url) == (200, expected)
+        pool.close()
+    assert server.connections == connections
+
+
+async def test_a_connection_is_idle_from_its_answers_last_byte_not_from_its_release() -> None:
+    """The server's keep-alive timer starts at its last write: an answer read, and its
+    connection given back, seconds later (the relay's bookkeeping) is as old as its last
+    byte."""
+    now = [100.0]
+    async with scripted(lambda _: ok()) as (server, url):
+        pool = Pool(5, 5, clock=lambda: now[0])
+        response = await pool.request(url, "/", "POST", b"{}", [])  # (all of it came)
+        now[0] += IDLE_SECONDS - 1.0
+        await response.read()  # given back now
+        response.release()
+        now[0] += 1.5  # past the bound since the last byte, not since the release
+        assert await exchange(pool, url) == (200, b'{"x": 1}')
+        pool.close()
+    assert server.connections == 2
+
+
+async def test_the_one_retry_goes_out_on_a_new_connection() -> None:
+    """Two kept-alive connections that the server closes as they are reused (its keep-alive
+    timer ran out as each request crossed it): the retry does not take the second one."""
+    connections: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(len(connections))
+        stale, answered = len(connections) <= 2, False  # (the first two go stale)
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                if stale and answered:
+                    break  # closed unanswered
+                writer.write(ok())
+                await writer.drain()
+                answered = True
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    port = free_port()
+    listening = await asyncio.start_server(serve, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+    pool = Pool(5, 5)
+    both = [await pool.request(url, "/", "GET", None, []) for _ in range(2)]
+    for response in both:
+        await response.read()
+        response.release()
+    assert await exchange(pool, url, "GET", None) == (200, b'{"x": 1}')
+    pool.close()
+    listening.close()
+    await listening.wait_closed()
+    assert len(connections) == 3
+
+
+async def test_no_connection_in_time_is_a_connect_error_as_nothing_was_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller then tries another backend and frees the slot clean, as for a refusal
+    (not a 504 with a slot left to drain)."""
+    client = LlamaServerClient(None, TimeoutSettings(connect_seconds=0.5))
+
+    async def no_connection(*args: object) -> Response:
+        raise ConnectTimeout()
+
+    monkeypatch.setattr(client._pool, "request", no_connection)
+    with pytest.raises(UpstreamConnectError):
+        async with client.send("http://127.0.0.1:1", "/", method="POST", body=b"{}", headers=[]):
+            pass

@@ -192,6 +192,12 @@ class SseScanner:
                 return b"".join(ready + b"\n" for ready in lines[:i])
         return b"".join(line + b"\n" for line in lines)
 
+    @property
+    def ended(self) -> bool:
+        """The end event is whole: its line and the blank line after it have arrived (a
+        client that follows the SSE rules dispatches it only then)."""
+        return self.done and (b"\n\n" in self._held or b"\n\r\n" in self._held)
+
     def close(self) -> bytes:
         """End of the stream: read a last unterminated line; return every byte still held."""
         tail, self._held = self._held + self._pending, b""

@@ -53,6 +53,10 @@ from proxy.upstream_http import (
 )
 
 
+class _Unread(Exception):
+    """A healthy backend's ``/props`` answered an error (``probe``)."""
+
+
 class SlotUse(Enum):
     PIN = "pin"  # honours id_slot: pinned to one idle slot
     EXCLUSIVE = "exclusive"  # server picks the slot: needs a whole idle backend
@@ -220,14 +224,18 @@ class LlamaServerClient:
         else:
             response.release()
 
-    async def probe(self, base_url: str, slots: bool = True) -> Probe:
+    async def probe(self, base_url: str, slots: bool = True) -> Probe | None:
         """``/health``, ``/props``, then, if ``slots`` and awake, ``/slots`` (a task: it wakes a
-        sleeping server and restarts its idle timer; the others do neither)."""
+        sleeping server and restarts its idle timer; the others do neither). None: healthy,
+        but ``/props`` answered an error, which tells nothing of its slots (the caller keeps
+        what it knows)."""
         try:
             async with self._http.get(base_url + "/health", **self._short(base_url)) as up:
                 if up.status != 200:
                     return Probe(BackendPhase.LOADING if up.status == 503 else BackendPhase.DOWN)
             return await self._slots(base_url, slots)
+        except _Unread:
+            return None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return Probe(BackendPhase.DOWN)
 
@@ -299,11 +307,14 @@ class LlamaServerClient:
         return [int(t) for t in answer["tokens"]]
 
     async def warm(
-        self, base_url: str, tokens: list[int], slot: int, reuse: bool = True
+        self, base_url: str, tokens: list[int], slot: int, reuse: bool = True, lora: Any = None
     ) -> dict[str, Any]:
         """Prefill ``tokens`` into ``slot`` and nothing else (``n_predict: 0`` leaves exactly
-        the prompt in the KV, reference §7)."""
+        the prompt in the KV, reference §7), under the request's LoRA adapters (``lora``, as
+        it sent them; None: the server's own)."""
         body = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": reuse}
+        if lora is not None:
+            body["lora"] = lora
         answer: dict[str, Any] = await self._call(base_url, "/completion", body)
         return answer
 
@@ -319,6 +330,8 @@ class LlamaServerClient:
         options = self._short(base_url)
         async with self._http.get(base_url + "/props", **options) as resp:
             locked = resp.status == 401  # --api-key and no key here: run it as one slot
+            if resp.status != 200 and not locked:  # (its error body counts no slot)
+                raise _Unread(f"/props answered {resp.status}")
             props = {} if locked else await resp.json()
         sleeping = bool(props.get("is_sleeping"))
         total = int(props.get("total_slots", locked))

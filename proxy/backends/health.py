@@ -73,6 +73,8 @@ class Prober:
         started = self._asked[index] = self._clock()
         url, slots = self._backends[index].base_url, self._fleet.wants_slots(index)
         probe = await self._client.probe(url, slots)
+        if probe is None:  # (healthy, its slots not readable now: the next probe tells)
+            return
         if self.fold(index, probe, started) and self._on_restart is not None:
             await self._on_restart(index)
 

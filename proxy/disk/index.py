@@ -136,16 +136,24 @@ class SnapshotIndex:
         """Add or replace ``snapshot`` (one entry per directory under its key)."""
         await self._replace(snapshot, keep=True)
 
+    async def update(self, snapshot: Snapshot) -> None:
+        """Replace ``snapshot``'s entry (touched, or marked bad) where it is still listed: one
+        evicted meanwhile, its file deleted, is not listed again."""
+        await self._replace(snapshot, keep=True, listed=True)
+
     async def forget(self, snapshot: Snapshot) -> None:
         await self._replace(snapshot, keep=False)
 
-    async def _replace(self, snapshot: Snapshot, *, keep: bool) -> None:
+    async def _replace(self, snapshot: Snapshot, *, keep: bool, listed: bool = False) -> None:
         for chain in snapshot.keys:
             key = index_key(snapshot.layout.model_id, chain)
             got = await self._shared.call("get_snapshots", self._store.get_snapshots([key]), None)
             if got is None:
                 return  # store down: the write would be blind
-            entries = [e for e in unpack_entries(got.get(key)) if e.directory != snapshot.directory]
+            found = unpack_entries(got.get(key))
+            if listed and not any(_same(e, snapshot) for e in found):
+                continue
+            entries = [e for e in found if e.directory != snapshot.directory]
             if keep:
                 entries.append(snapshot)
             if entries:
@@ -224,3 +232,7 @@ class SnapshotIndex:
         if directory is None:
             return None
         return await asyncio.to_thread(is_snapshot_file, directory, snapshot.name)
+
+
+def _same(entry: Snapshot, snapshot: Snapshot) -> bool:
+    return entry.directory == snapshot.directory and entry.name == snapshot.name

@@ -114,6 +114,18 @@ class DiskSteps:
             return None
         whole = kind != "scoped"  # the slot as it is: prompt and reply
         snapshot = self._snapshot(layout, index, content, segments, answer, whole)
+        expected = self._tier.fleet.backends[index].from_estimate(snapshot.estimate)
+        if snapshot.tokens * 2 < expected:
+            # the server's slot held far less than the proxy knew (it lost the content
+            # unseen): not a snapshot of that prefix (its file, unlisted, goes with the budget)
+            log.warning(
+                "[disk-cache] %s save on slot %d held %d tokens of %d expected: not kept",
+                kind,
+                slot,
+                snapshot.tokens,
+                expected,
+            )
+            return None
         if snapshot.estimate > 0:
             self._bytes_per_token[layout.model_id] = snapshot.nbytes / snapshot.estimate
         await self._tier.index.put(snapshot)
@@ -175,9 +187,14 @@ class DiskSteps:
             self._metrics.disk_events.labels("refusal").inc()
             log.warning("[disk-cache] restore of %s failed: %s", snapshot.name, exc)
             self._unsupported(index, exc)
-            await self._tier.index.put(replace(snapshot, bad=True))
+            await self._tier.index.update(replace(snapshot, bad=True))
             return
         restored = int(answer.get("n_restored", 0))
+        if not restored:  # a file holding nothing: judged bad, as a refused restore
+            slot.content, slot.n_tokens = None, 0
+            log.warning("[disk-cache] %s restored no token: marked bad", snapshot.name)
+            await self._tier.index.update(replace(snapshot, bad=True))
+            return
         timings = answer.get("timings") or {}
         self._tier.learn_restore(
             index, int(answer.get("n_read", 0)), float(timings.get("restore_ms", 0))
@@ -218,7 +235,7 @@ class DiskSteps:
                 done.set_result(None)
             return
         await asyncio.wait([other], timeout=self._tier.settings.routing.max_slot_wait_seconds)
-        dp.lookup = await self._tier.lookup(dp.fp)
+        dp.lookup = await self._tier.lookup(dp.fp, dp.tenant)
         offer = dp.lookup.offers.get(index)
         content = self._tier.fleet.backends[index].slots[slot_id].content
         held = common_segments(dp.fp.hashes, content.hashes) if content is not None else 0
@@ -270,7 +287,7 @@ class DiskSteps:
                 reuse = dp.tenant is None or may_reuse(
                     slot.owner, slot.content, slot.n_tokens, fp, dp.tenant
                 )
-                answer = await self._client.warm(url, ids, slot_id, reuse)
+                answer = await self._client.warm(url, ids, slot_id, reuse, body.get("lora"))
                 timings = answer.get("timings") or {}
                 await self._tier.judge_restore(dp, int(timings.get("cache_n", 0)), len(ids))
                 slot.content, slot.n_tokens = prefix_of(fp, k), len(ids)

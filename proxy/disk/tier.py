@@ -52,7 +52,7 @@ from proxy.core.disk.snapshots import (
     touched,
 )
 from proxy.core.prompt.fingerprint import Fingerprint, continues
-from proxy.core.prompt.isolation import ANONYMOUS, tenant_of
+from proxy.core.prompt.isolation import ANONYMOUS, KEEP, tenant_of
 from proxy.core.prompt.usage import Usage
 from proxy.core.request.body import is_chat
 from proxy.core.server.fleet import BackendPhase, Fleet, Placement
@@ -122,20 +122,20 @@ class DiskTier:
 
     # -- layouts ------------------------------------------------------------------------------
     async def refresh_layouts(self) -> None:
-        """Read ``/props`` of every ready backend whose layout is unknown or stale."""
+        """Read ``/props`` of every ready backend whose layout is unknown or stale (of an
+        earlier epoch: it restarted since; a read that failed is tried again)."""
         for backend in self._fleet.backends:
             state = self.backends[backend.index]
             if backend.phase is not BackendPhase.READY or state.epoch == backend.epoch:
                 continue
-            state.epoch, state.supported = backend.epoch, True
+            epoch, state.supported, state.layout = backend.epoch, True, None
             try:
                 props = await self.client.props(self._settings.backends[backend.index].base_url)
             except SlotActionFailed as exc:
                 log.warning("[disk-cache] no layout for %s: %s", backend.label, exc)
-                state.layout = None
                 continue
             unified = self._settings.backends[backend.index].kv_unified
-            state.layout = Layout.from_props(props, unified)
+            state.layout, state.epoch = Layout.from_props(props, unified), epoch
             model = Path(str(props.get("model_path") or props.get("model_alias") or "")).name
             self._metrics.backend_model.labels(backend.label, model[:128] or "unknown").set(1)
             for warning in flag_warnings(props):
@@ -149,9 +149,12 @@ class DiskTier:
         ]
 
     def _layout(self, index: int) -> Layout | None:
-        """Its layout while its snapshots are reusable (not checkpoint-only: ``reuse_probe``)."""
+        """Its layout while its snapshots are reusable (not checkpoint-only: ``reuse_probe``),
+        read since it last restarted (one seen between a request's plan and its disk work
+        may run another model)."""
         b, s = self._fleet.backends[index], self.backends[index]
-        return s.layout if s.supported and b.reuse_known and not b.exact else None
+        current = s.epoch == b.epoch and s.supported and b.reuse_known and not b.exact
+        return s.layout if current else None
 
     # -- 1. before routing ----------------------------------------------------------------------
     async def plan(
@@ -171,7 +174,7 @@ class DiskTier:
         small = fp.total < self._disk.min_tokens
         if not small:
             await self._after_parks(fp)
-        lookup = Lookup({}, 0) if small else await self.lookup(fp)
+        lookup = Lookup({}, 0) if small else await self.lookup(fp, tenant)
         if lookup.refused:
             self._metrics.disk_refusals.labels("layout").inc(lookup.refused)
             self._metrics.disk_events.labels("refusal").inc(lookup.refused)
@@ -185,13 +188,16 @@ class DiskTier:
         dp.client = client or ANONYMOUS
         return dp
 
-    async def lookup(self, fp: Fingerprint) -> Lookup:
-        """The indexed snapshots of the request's prefixes, and each backend's best one."""
+    async def lookup(self, fp: Fingerprint, tenant: str | None = None) -> Lookup:
+        """The indexed snapshots of the request's prefixes, and each backend's best one (of a
+        tenant's request under cache isolation, one it keeps ``KEEP`` of at least: a file it
+        keeps less of would make the server consult its RAM cache)."""
         usable = self._usable()
         models = sorted({b.layout.model_id for b in usable if b.layout is not None})
         # no snapshot holds more than a slot's context; twice it leaves room for estimates
         most = max((2 * b.layout.n_ctx for b in usable if b.layout and b.layout.n_ctx), default=0)
-        return offers(fp, await self.index.find(fp, models, 1, most or None), usable)
+        found = await self.index.find(fp, models, 1, most or None)
+        return offers(fp, found, usable, KEEP if tenant is not None else 0.0)
 
     async def _after_parks(self, fp: Fingerprint) -> None:
         """A park of this request's conversation in flight (another request took its slot as
@@ -268,10 +274,10 @@ class DiskTier:
                 cached,
             )
             self._metrics.disk_events.labels("bad").inc()
-            await self.index.put(replace(restored, bad=True))
+            await self.index.update(replace(restored, bad=True))
         else:
             self._metrics.disk_events.labels("hit").inc()
-            await self.index.put(touched(restored, self._wall()))
+            await self.index.update(touched(restored, self._wall()))
 
     def learn_restore(self, index: int, nbytes: int, ms: float) -> None:
         if ms > 0 and nbytes > 0:

@@ -149,9 +149,10 @@ class ProxyHandlers:
         hold another tenant's tokens; the slot is this tenant's afterwards."""
         if self._settings.isolation.mode == "off":
             return True
-        if plan is None or plan.tenant is None or pin is None:
+        slots = self._fleet.backends[placement.backend].slots
+        if plan is None or plan.tenant is None or pin is None or pin >= len(slots):
             return False  # the server picks slots (n > 1) or the client did: no reuse
-        slot = self._fleet.backends[placement.backend].slots[pin]
+        slot = slots[pin]
         reuse = may_reuse(slot.owner, slot.content, slot.n_tokens, plan.fp, plan.tenant)
         slot.owner = plan.tenant
         return reuse

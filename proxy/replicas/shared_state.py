@@ -194,9 +194,9 @@ class SharedState:
         record = SlotRecord(fp.hashes, fp.tokens, fp.anchor, n_tokens, 0.0, fp.sealed, fp.users)
         put = self.store.put_slot(self._ref(backend, slot), record, self._record_ttl, self.wall())
         stamp = await self.call("put_slot", put, None)  # the store's: a view then leaves it out
-        state = self._fleet.backends[backend].slots[slot]
-        if stamp is not None and stamp > state.record_at:
-            state.record_at = stamp
+        slots = self._fleet.backends[backend].slots  # (it may have come back with fewer)
+        if stamp is not None and slot < len(slots) and stamp > slots[slot].record_at:
+            slots[slot].record_at = stamp
 
     async def refresh(self) -> None:
         """Read the shared view (one round trip) and fold it into the fleet. Requests that arrive

@@ -129,7 +129,7 @@ class Router:
         if segments is not None and self._backend_tokens is not None:
             await self._counter.prepare([s.text for s in segments], self._backend_tokens)
         tenant = self.tenant(request)
-        seed = salt(tenant) if tenant is not None else 0
+        seed = salt(tenant, body.get("lora"))
         fp = await self._offload.run(size, partial(self.fingerprint, body, segments, seed))
         key = cache_key(self._settings.routing.cache_key_sources, body, request.headers)
         if key is not None and tenant is not None:
@@ -280,8 +280,12 @@ class Router:
         if plan.key is not None:
             ttl = self._settings.routing.affinity_ttl_seconds
             await self._shared.set_affinity(plan.key, (label, placement.pin), ttl)
-        slot = self._fleet.backends[placement.backend].slots[placement.pin]
-        await self._shared.publish(placement.backend, placement.pin, content, slot.n_tokens)
+        slots = self._fleet.backends[placement.backend].slots
+        if placement.pin >= len(slots):
+            return  # the backend came back with fewer slots meanwhile
+        await self._shared.publish(
+            placement.backend, placement.pin, content, slots[placement.pin].n_tokens
+        )
 
     def _count(self, decision: Decision, label: str, usage: Usage | None) -> None:
         m = self._metrics

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from proxy.upstream import LlamaServerClient, SlotActionFailed
 from testbed.fake_llama import FakeLlamaServer
 from testbed.probes import metric
 from tests.waiting import scrape, until, until_down, until_metric
@@ -334,3 +335,84 @@ async def test_sessions_arriving_together_save_their_shared_prefix_once_and_rest
     assert actions.count("restore") >= 1
     warm = [b for path, b, _ in fake.received if path == "/completion"]
     assert len(warm) == 1  # the prefix was prefilled once
+
+
+OTHER = "You are a poet. " + " ".join(f"verse{i} rhymes." for i in range(150))
+
+
+def stranger(n: int) -> dict[str, Any]:
+    messages = [{"role": "system", "content": OTHER}, {"role": "user", "content": f"poem {n}"}]
+    return {"messages": messages, "max_tokens": 4}
+
+
+async def test_a_snapshot_is_only_restored_for_the_lora_adapters_it_was_computed_under(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    """llama-server computes a slot's KV under the request's adapters (``lora``); a
+    restored file keeps the KV it holds. The warm-up of a scoped save runs under the
+    request's adapters, and a request asking for other adapters is not offered the file."""
+    fake = await fakes(n_slots=1, save_dir=tmp_path, prompt_s_per_token=0.0005, ram_cache=False)
+    client = await proxy(
+        [{"url": fake.url, "ram_cache": False, "kv_reuse": "prefix"}],
+        disk=disk(tmp_path),
+        health={"interval_seconds": 60},
+    )
+    adapter_on = {"lora": [{"id": 0, "scale": 1.0}]}
+    for s in (0, 1):  # the second saves the system prompt (scoped)
+        resp = await client.post("/v1/chat/completions", json=turn(s, 1, **adapter_on))
+        assert resp.status == 200
+    assert [a[0] for a in fake.slot_actions] == ["save"]
+    warm = [body for path, body, _ in fake.received if path == "/completion"]
+    assert [body.get("lora") for body in warm] == [adapter_on["lora"]]
+    assert (await client.post("/v1/chat/completions", json=stranger(0))).status == 200
+    adapter_off = {"lora": [{"id": 0, "scale": 0.0}]}
+    resp = await client.post("/v1/chat/completions", json=turn(2, 1, **adapter_off))
+    assert resp.status == 200
+    assert "restore" not in [a[0] for a in fake.slot_actions]
+    resp = await client.post("/v1/chat/completions", json=turn(3, 1, **adapter_on))
+    assert resp.status == 200
+    assert [a[0] for a in fake.slot_actions][-1] == "restore"  # the same adapters: restored
+
+
+async def test_a_save_of_a_slot_the_server_had_emptied_is_not_kept(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    """The server lost a slot's content unseen (a restart between probes, a purge): parking
+    it saves a file of no token. Kept, every later turn of that session restored nothing
+    and counted a hit; now it is not listed, and nothing is restored."""
+    fake = await fakes(n_slots=1, save_dir=tmp_path, ram_cache=False, prompt_s_per_token=0.0005)
+    client = await proxy(
+        [{"url": fake.url, "ram_cache": False, "kv_reuse": "prefix"}],
+        disk=disk(tmp_path, prefix_cache="1", park="on", park_min_tokens=64),
+        health={"interval_seconds": 60},
+    )
+    assert (await client.post("/v1/chat/completions", json=turn(7, 1))).status == 200
+    fake.slots[0].tokens = []  # lost, unseen
+    assert (await client.post("/v1/chat/completions", json=stranger(0))).status == 200
+    assert [a[0] for a in fake.slot_actions] == ["save"]  # the park
+    resp = await client.post("/v1/chat/completions", json=turn(7, 2))
+    assert resp.status == 200
+    assert "restore" not in [a[0] for a in fake.slot_actions]
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "llama_cache_proxy_disk_events_total", event="hit") == 0
+
+
+async def test_a_failed_props_read_is_tried_again_by_the_next_request(
+    fakes: Any, proxy: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """One failed read of a backend's layout left its disk tier off until it restarted."""
+    real, calls = LlamaServerClient.props, [0]
+
+    async def blip(self: LlamaServerClient, base_url: str) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise SlotActionFailed("/props: TimeoutError")
+        return await real(self, base_url)
+
+    monkeypatch.setattr(LlamaServerClient, "props", blip)
+    fake = await fakes(n_slots=2, save_dir=tmp_path)
+    client = await proxy([fake], disk=disk(tmp_path), health={"interval_seconds": 60})
+    for s in range(4):
+        assert (await client.post("/v1/chat/completions", json=turn(s, 1))).status == 200
+    assert calls[0] == 2
+    assert "save" in [a[0] for a in fake.slot_actions]

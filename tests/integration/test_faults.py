@@ -9,10 +9,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.app import SCHEDULER, create_app
 from proxy.state.memory import InMemoryStateStore
+from testbed.fake_llama import FakeLlamaServer
 from testbed.probes import metric, server_timing
 from testbed.stack import free_port
 from tests.conftest import REPLICA_SECRET, chat, make_settings
@@ -451,3 +453,36 @@ async def test_a_client_gone_while_its_slot_lease_is_asked_for_gives_the_slot_ba
     again = await client.post("/completion", json={"prompt": "b", "n_predict": 2})
     assert again.status == 200, await again.text()
     assert [body["prompt"] for _, body, _ in fake.received] == ["b"]
+
+
+class _PropsBlip(FakeLlamaServer):
+    """``/props`` answers 503 ``failing`` times while ``/health`` says ok."""
+
+    failing = 0
+
+    async def props(self, request: web.Request) -> web.Response:
+        if self.failing:
+            self.failing -= 1
+            return web.json_response({"error": {"message": "blip"}}, status=503)
+        return await super().props(request)
+
+
+async def test_a_props_error_from_a_healthy_backend_leaves_its_slot_table_as_it_was(
+    proxy: Any,
+) -> None:
+    """A ``/props`` error body counts no slot: read as one, it emptied the slot table (under a
+    request in flight, which then failed with a 500 after its answer had come), and no
+    request was placed until the next probe."""
+    fake = _PropsBlip(n_slots=2, prompt_s_per_token=0.002)
+    await fake.start()
+    try:
+        client = await proxy([fake], health={"interval_seconds": 60})
+        body = {"messages": [{"role": "user", "content": "hello " * 200}], "max_tokens": 4}
+        fake.failing = 1  # the next /props read (the drain poll after a request) answers 503
+        first = await client.post("/v1/chat/completions", json=body)
+        assert first.status == 200, await first.text()
+        await until(lambda: fake.failing == 0, "a probe read /props")
+        again = await client.post("/v1/chat/completions", json=body)  # (no probe for 60 s)
+        assert again.status == 200, await again.text()
+    finally:
+        await fake.stop()

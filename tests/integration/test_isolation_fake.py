@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from tests.conftest import chat
+from tests.integration.test_disk_fake import SYSTEM, disk, stranger
 
 PROMPT = "confidential plan of tenant A: " + "step " * 300
 
@@ -90,3 +92,43 @@ async def test_an_empty_slot_gets_no_reuse_should_the_server_load_its_ram_cache_
     probe = await client.post("/v1/chat/completions", json=body, headers=as_tenant("b"))
     assert fake.received[-1][1]["cache_prompt"] is False
     assert (await probe.json())["timings"]["cache_n"] == 0
+
+
+async def test_a_tenant_is_not_restored_a_file_it_keeps_little_of(
+    fakes: Any, proxy: Any, tmp_path: Path
+) -> None:
+    """A's long session is parked to disk. B's secret, evicted by C, sits in the server's
+    RAM cache. A's guess of B's prompt shares A's file only up to its first user message:
+    restored, the slot would keep too little of it, the server would consult its RAM cache
+    and serve B's secret. Under isolation such a file is not offered."""
+    fake = await fakes(n_slots=1, save_dir=tmp_path, prompt_s_per_token=0.0005, ram_tokens=1200)
+    client = await proxy(
+        [{"url": fake.url, "kv_reuse": "prefix", "ram_cache_tokens": 1200}],
+        isolation={"mode": "tenant"},
+        health={"interval_seconds": 60},
+        disk=disk(tmp_path, prefix_cache="1", park="on", park_min_tokens=64),
+    )
+    system = {"role": "system", "content": SYSTEM}
+    audit = {"role": "user", "content": "audit the repository"}
+    secret = {"role": "user", "content": "secret merger plan " + "detail " * 150}
+    tool = {"role": "user", "content": "tool output " + "line " * 1500}
+
+    def body(*messages: dict[str, Any]) -> dict[str, Any]:
+        return {"messages": [system, *messages], "max_tokens": 4}
+
+    reply = {"role": "assistant", "content": "ok"}
+    for sent, tenant in [
+        (body(audit), "A"),
+        (body(audit, reply, tool), "A"),
+        (body(audit, secret), "B"),  # (A's session parked as B takes the slot)
+        (stranger(0), "C"),  # (B's secret into the server's RAM cache)
+    ]:
+        assert (
+            await client.post("/v1/chat/completions", json=sent, headers=as_tenant(tenant))
+        ).status == 200
+    guess = await client.post(
+        "/v1/chat/completions", json=body(audit, secret), headers=as_tenant("A")
+    )
+    assert guess.status == 200
+    assert "restore" not in [action[0] for action in fake.slot_actions]
+    assert (await guess.json())["usage"]["prompt_tokens_details"]["cached_tokens"] < 100

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import proxy.disk.index
-from proxy.core.disk.snapshots import Layout, Snapshot, file_name
+from proxy.core.disk.snapshots import Layout, Snapshot, file_name, touched
 from proxy.core.server.fleet import Fleet
 from proxy.disk.index import SnapshotIndex
 from proxy.metrics import ProxyMetrics
@@ -113,3 +113,23 @@ async def test_a_failed_reconcile_round_is_logged_and_the_next_one_runs(
     assert len(rounds) >= 2
     assert "reconciling the save directories failed" in caplog.text
     assert "the store answered nonsense" in caplog.text
+
+
+async def test_a_restore_judged_after_its_snapshot_was_evicted_does_not_list_it_again(
+    tmp_path: Path,
+) -> None:
+    """A request restores ``old``; meanwhile another save's budget check evicts it and
+    deletes its file. The restore is then judged a hit: touched, it was listed again as the
+    newest entry, with no file behind it, and the next budget check deleted a real file."""
+    index = make_index(tmp_path, budget=5000)
+    old, new = snapshot(1, 4000, 100.0), snapshot(2, 4000, 200.0)
+    for entry in (old, new):
+        (tmp_path / entry.name).write_bytes(b"x" * 4000)
+    await index.put(old)
+    await index.put(new)
+    assert await index.enforce_budget("dir:save") == 1  # old goes
+    await index.update(touched(old, 300.0))  # the restore's judgement, late
+    assert [e.name for e in await index.all() or []] == [new.name]
+    await index.update(touched(new, 400.0))  # (one still listed is touched)
+    assert [e.last_used for e in await index.all() or []] == [400.0]
+    assert (tmp_path / new.name).exists()

@@ -225,9 +225,15 @@ class Lookup:
 
 
 def offers(
-    fp: Fingerprint, found: Mapping[int, Sequence[Snapshot]], backends: Sequence[BackendDisk]
+    fp: Fingerprint,
+    found: Mapping[int, Sequence[Snapshot]],
+    backends: Sequence[BackendDisk],
+    keep: float = 0.0,
 ) -> Lookup:
-    """Best snapshot per backend from ``found`` (segments -> indexed snapshots)."""
+    """Best snapshot per backend from ``found`` (segments -> indexed snapshots). ``keep``:
+    under cache isolation, the least share of a snapshot the request must keep; of a file
+    it keeps less of (a whole slot matched only up to its first user message), the server
+    would consult its RAM prompt cache, which holds every tenant's sessions."""
     result: dict[int, Offer] = {}
     refused = 0
     for backend in backends:
@@ -237,9 +243,10 @@ def offers(
             usable = [s for s in found[segments] if s.directory == backend.directory]
             fitting = [s for s in usable if not s.bad and not s.layout.refusal(backend.layout)]
             refused += sum(1 for s in usable if not s.bad and s.layout.refusal(backend.layout))
+            reuse = min(fp.tokens_at(segments), fp.total - 1)
+            fitting = [s for s in fitting if reuse >= keep * s.estimate]
             if fitting:
                 snap = fitting[0]
-                reuse = min(fp.tokens_at(segments), fp.total - 1)
                 seconds = snap.nbytes / max(backend.restore_bps, 1.0)
                 cost = seconds * backend.prefill_tps
                 result[backend.index] = Offer(snap, reuse, cost, segments)

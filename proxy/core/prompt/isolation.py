@@ -23,6 +23,7 @@ Tenant ids are hashes; the key itself is never stored.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 import xxhash
@@ -47,8 +48,17 @@ def tenant_of(headers: Mapping[str, str], header: str | None) -> str:
     return xxhash.xxh3_64_hexdigest(value.encode())
 
 
-def salt(tenant: str) -> int:
-    return int(xxhash.xxh3_64_intdigest(b"tenant\x00" + tenant.encode()))
+def salt(tenant: str | None, lora: object = None) -> int:
+    """The seed of a request's hash chain: 0, or salted by its tenant (cache isolation) and by
+    the LoRA adapters it asks for. llama-server computes a slot's KV under the request's
+    adapters and clears the slot for a request that asks for others, so a slot's content or
+    a snapshot is only good for the same adapters."""
+    if tenant is None and lora is None:
+        return 0
+    key = b"tenant\x00" + tenant.encode() if tenant is not None else b""
+    if lora is not None:
+        key += b"\x00lora\x00" + json.dumps(lora, sort_keys=True, separators=(",", ":")).encode()
+    return int(xxhash.xxh3_64_intdigest(key))
 
 
 def may_reuse(

@@ -93,6 +93,8 @@ class ProxyHandlers:
         if route.slot_use is SlotUse.EXCLUSIVE or parsed.completions > 1 or parsed.tasks > 1:
             return Need(exclusive=True)
         wanted = parsed.client_id_slot if self._settings.routing.honor_client_id_slot else None
+        if wanted == -1:
+            wanted = None  # the server's own default: any slot
         if wanted is not None:
             most = max((len(b.slots) for b in self._fleet.backends), default=0)
             if not 0 <= wanted < most:

@@ -38,6 +38,7 @@ from proxy.config.sections import RoutingSettings
 from proxy.core.prompt.usage import Usage
 from proxy.core.request.anthropic_reply import error_body as anthropic_error
 from proxy.errors import (
+    InvalidRequest,
     LlamaShaped,
     MethodNotAllowed,
     NotFound,
@@ -222,6 +223,9 @@ async def _respond(
         if exc.status < 400:
             raise
         return render(_from_http(exc), record.request_id, request.path)
+    except RecursionError:  # (a body the decoder took, nested too deeply for its encoding)
+        deep = InvalidRequest("request body is nested too deeply", code="invalid_json")
+        return render(deep, record.request_id, request.path)
     except Exception:
         if request.transport is None or request.transport.is_closing():
             return web.Response(status=499)  # the client left: nobody to answer, no traceback

@@ -186,7 +186,8 @@ class Router:
         if plan.segments is not None and self._churn is not None:
             self._churn.observe(plan.key, plan.fp, body, plan.segments)
         await self._arrived(plan.fp)
-        if self._disk is not None and self._settings.routing.pin_slots:
+        reuses = body.get("cache_prompt") is not False  # (a client's false: nothing restored)
+        if self._disk is not None and self._settings.routing.pin_slots and reuses:
             plan.disk = await self._disk.plan(plan.fp, body, scope, plan.tenant, plan.client)
 
     async def _arrived(self, fp: Fingerprint) -> None:

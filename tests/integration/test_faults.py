@@ -486,3 +486,29 @@ async def test_a_props_error_from_a_healthy_backend_leaves_its_slot_table_as_it_
         assert again.status == 200, await again.text()
     finally:
         await fake.stop()
+
+
+async def test_a_body_nested_as_deep_as_the_decoder_takes_is_a_400_not_a_500(
+    fakes: Any, proxy: Any
+) -> None:
+    """Nesting the decoder accepts can still be too deep for re-encoding (the prompt's
+    fingerprint, the forwarded body): a clear 400 then, never an internal error."""
+    fake = await fakes(n_slots=1)
+    client = await proxy([fake])
+    for depth in range(850, 1050):
+        schema = '{"a":' * depth + "1" + "}" * depth
+        tools = '[{"type":"function","function":{"name":"f","parameters":' + schema + "}}]"
+        raw = '{"messages":[{"role":"user","content":"x"}],"tools":' + tools + "}"
+        resp = await client.post(
+            "/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}
+        )
+        assert resp.status in (200, 400), (depth, resp.status, await resp.text())
+
+
+async def test_an_id_slot_of_minus_one_is_any_slot_as_for_the_server(
+    fakes: Any, proxy: Any
+) -> None:
+    fake = await fakes(n_slots=2)
+    client = await proxy([fake], routing={"honor_client_id_slot": True})
+    resp = await client.post("/completion", json={"prompt": "x", "n_predict": 1, "id_slot": -1})
+    assert resp.status == 200, await resp.text()

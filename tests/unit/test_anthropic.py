@@ -101,7 +101,8 @@ def test_a_claude_code_turn_becomes_the_chat_the_server_would_render() -> None:
     assert chat["tools"][0]["function"]["parameters"] == {"type": "object"}
     assert (chat["tool_choice"], chat["stop"], chat["max_tokens"]) == ("required", ["END"], 64)
     assert (chat["stream"], chat["top_k"], chat["user"]) == (True, 5, "user_1_session_9")
-    assert not {"model", "metadata"} & set(chat)
+    assert "metadata" not in chat
+    assert chat["model"] == "claude"  # (a llama-server in router mode picks a model by it)
 
 
 @pytest.mark.parametrize(
@@ -368,3 +369,10 @@ def test_any_body_is_converted_or_refused_with_a_400(body: dict[str, Any]) -> No
     told = stream.lines(chunk) + stream.end(b"")
     assert told.startswith(b"event: message_start\n")
     assert told.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+
+
+def test_the_model_asked_for_is_passed_on() -> None:
+    """A llama-server in router mode picks the model a request names."""
+    body = {"model": "qwen-7b", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    assert to_chat(body)["model"] == "qwen-7b"
+    assert "model" not in to_chat({k: v for k, v in body.items() if k != "model"})

@@ -64,7 +64,7 @@ def test_paired_surrogates_and_an_escaped_backslash_are_text() -> None:
 
 
 def test_pin_body_sets_only_owned_fields() -> None:
-    data = {"prompt": "x", "id_slot": 9, "cache_prompt": False, "z": "é"}
+    data = {"prompt": "x", "id_slot": 9, "z": "é"}
     assert json.loads(pin_body(data, 1)) == {
         "prompt": "x",
         "id_slot": 1,
@@ -72,7 +72,49 @@ def test_pin_body_sets_only_owned_fields() -> None:
         "z": "é",
     }
     assert json.loads(pin_body(data, None)) == {"prompt": "x", "cache_prompt": True, "z": "é"}
+    assert json.loads(pin_body(data, 1, reuse=False))["cache_prompt"] is False
     assert data["id_slot"] == 9  # the client's dict is not modified
+
+
+def test_a_clients_cache_prompt_false_is_kept() -> None:
+    """A run that reuses nothing (reused KV may not reproduce it bit for bit)."""
+    data = {"prompt": "x", "cache_prompt": False}
+    assert json.loads(pin_body(data, 1))["cache_prompt"] is False
+    assert json.loads(pin_body({**data, "cache_prompt": True}, 1))["cache_prompt"] is True
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'\xef\xbb\xbf{"prompt": "x"}',  # a byte order mark first
+        b'{"prompt": "x", "stream": null, "cache_prompt": null}',  # a null is absent
+        b'{"prompt": "x", "n_predict": 1.0, "id_slot": 1.0, "n": 1.0}',  # whole numbers
+        b'{"prompt": "x", "n_predict": 1.7}',  # (the server reads its integer part)
+    ],
+    ids=["bom", "nulls", "whole-floats", "fraction"],
+)
+def test_what_llama_server_accepts_the_proxy_accepts(raw: bytes) -> None:
+    parsed = parse_body(raw, chat=False)
+    assert parsed.data["prompt"] == "x"
+    assert parsed.stream is False
+    assert parsed.client_id_slot in (None, 1)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "x", "temperature": NaN}',
+        b'{"prompt": "x", "temperature": Infinity}',
+        b'{"prompt": "x", "temperature": 1e400}',
+        b'{"prompt": "x", "cache_prompt": 0}',
+    ],
+    ids=["nan", "infinity", "overflow", "cache-prompt-not-bool"],
+)
+def test_what_llama_server_refuses_is_refused_before_it_is_re_encoded(raw: bytes) -> None:
+    """Python's decoder reads ``NaN`` and turns ``1e400`` into infinity; re-encoded, the
+    server would get a body the client did not send."""
+    with pytest.raises(InvalidRequest):
+        parse_body(raw, chat=False)
 
 
 def test_prefix_cache_is_parsed_and_stripped() -> None:

@@ -38,7 +38,7 @@ from proxy.errors import InvalidRequest
 
 DEFAULT_MAX_TOKENS = 4096
 _BILLING = "x-anthropic-billing-header:"
-_PASSED = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
+_PASSED = ("model", "temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
 
 
 def chat_body(raw: bytes) -> bytes:

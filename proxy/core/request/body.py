@@ -1,18 +1,19 @@
 """Parse and validate a client's JSON body; rewrite the fields the proxy owns.
 
-The proxy is transparent: it checks only the types of the fields it must understand to
-route the request (``stream``, ``n``/``n_cmpl``, ``id_slot``, ``messages``, ``prompt``,
-token limits, ``model``) and leaves every other field, known or not, to llama-server.
-It owns exactly two fields, ``id_slot`` and ``cache_prompt``: ``pin_body`` sets them and
-nothing else, so the forwarded body is the client's body plus those two keys — minus
-``prefix_cache`` (``{"scope": "auto:8", "window": 8}``), the proxy's own per-request disk
-policy, which is validated here and never forwarded (it may only narrow the operator's:
-``core.disk.scope.narrowed``).
+The proxy is transparent: it checks only the types of the fields it must understand to route
+the request (``stream``, ``cache_prompt``, ``n``/``n_cmpl``, ``id_slot``, ``messages``,
+``prompt``, token limits, ``model``) and leaves every other field, known or not, to llama-
+server. It owns exactly two fields, ``id_slot`` and ``cache_prompt`` (a client's ``false``
+is kept): ``pin_body`` sets them and nothing else, so the forwarded body is the client's
+body plus those two keys — minus ``prefix_cache`` (``{"scope": "auto:8", "window": 8}``),
+the proxy's own per-request disk policy, which is validated here and never forwarded (it may
+only narrow the operator's: ``core.disk.scope.narrowed``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -52,11 +53,11 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise InvalidRequest("request body is empty; a JSON object is required", code="empty_body")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # (a byte order mark first, as llama-server skips it)
     except UnicodeDecodeError:
         raise InvalidRequest("request body is not valid UTF-8", code="invalid_encoding") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
     except ValueError as exc:
@@ -72,6 +73,19 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
             code="invalid_json",
         )
     return data
+
+
+def _no_constant(name: str) -> Any:
+    """``NaN``, ``Infinity``: Python's decoder reads them, JSON (and llama-server) does not;
+    re-encoded they would reach the server as something the client did not send."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # (1e400: out of a double's range, as llama-server says)
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
 
 
 def _holds_lone_surrogate(data: dict[str, Any]) -> bool:
@@ -92,12 +106,13 @@ def _holds_lone_surrogate(data: dict[str, Any]) -> bool:
 
 
 def _check_types(data: dict[str, Any], *, chat: bool, empty_chat: bool = False) -> None:
-    for field in _INT_FIELDS:
+    for field in _INT_FIELDS:  # (a number with a fraction is read as its integer part)
         value = data.get(field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise type_error(field, "an integer")
-    if "stream" in data and not isinstance(data["stream"], bool):
-        raise type_error("stream", "a boolean")
+    for field in ("stream", "cache_prompt"):  # (a null is absent, as for the server)
+        if data.get(field) is not None and not isinstance(data[field], bool):
+            raise type_error(field, "a boolean")
     if "model" in data and data["model"] is not None and not isinstance(data["model"], str):
         raise type_error("model", "a string")
     if chat:
@@ -132,14 +147,15 @@ def parse_body(
     data = decode_json_object(raw)
     _check_types(data, chat=chat, empty_chat=empty_chat)
     # the server reads n_cmpl, else its alias n, and takes a null as absent
-    completions = next((data[k] for k in ("n_cmpl", "n") if data.get(k) is not None), None)
+    completions = next((int(data[k]) for k in ("n_cmpl", "n") if data.get(k) is not None), None)
     if completions is not None and completions < 1:
         raise InvalidRequest("'n' must be at least 1", param="n", code="invalid_value")
+    slot = data.get("id_slot")
     return ParsedBody(
         data=data,
-        stream=bool(data.get("stream", False)),
+        stream=bool(data.get("stream") or False),
         completions=completions or 1,
-        client_id_slot=data.get("id_slot"),
+        client_id_slot=int(slot) if slot is not None else None,
         prefix_cache=_prefix_cache(data.pop("prefix_cache", None)),
         tasks=batch_size(data.get("prompt")) if batches else 1,
     )
@@ -191,11 +207,13 @@ def pin_body(data: dict[str, Any], slot: int | None, reuse: bool = True) -> byte
     """The forwarded body: the client's, with ``id_slot`` and ``cache_prompt`` set by us.
 
     ``slot=None`` (the server picks, e.g. ``n>1``) removes any client ``id_slot``;
-    ``reuse=False`` (cache isolation) makes the server compute the prompt from scratch.
+    ``reuse=False`` (cache isolation) makes the server compute the prompt from scratch, as
+    does a client's own ``cache_prompt: false`` (kept: it asks for a run that reuses
+    nothing, which reused KV may not reproduce bit for bit).
     """
     out = dict(data)
     out.pop("id_slot", None)
     if slot is not None:
         out["id_slot"] = slot
-    out["cache_prompt"] = reuse
+    out["cache_prompt"] = reuse and data.get("cache_prompt") is not False
     return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -141,14 +141,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         ",".join(b.base_url for b in settings.backends),
         "redis" if settings.redis_url else "embedded",
     )
-    web.run_app(
-        create_app(settings),
-        host=list(settings.hosts),
-        port=settings.port,
-        handler_cancellation=True,
-        shutdown_timeout=STOP_GRACE_SECONDS,
-        access_log=None,
-        print=None,
-        loop=event_loop(),
-    )
+    try:
+        web.run_app(
+            create_app(settings),
+            host=list(settings.hosts),
+            port=settings.port,
+            handler_cancellation=True,
+            shutdown_timeout=STOP_GRACE_SECONDS,
+            access_log=None,
+            print=None,
+            loop=event_loop(),
+        )
+    except OSError as exc:  # (the port in use, a host that is not this machine's)
+        reason = exc.strerror or str(exc)
+        print(f"llama-cache-proxy: cannot listen on {settings.listen}: {reason}", file=sys.stderr)
+        return 2
     return 0

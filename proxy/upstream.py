@@ -236,7 +236,8 @@ class LlamaServerClient:
             return await self._slots(base_url, slots)
         except _Unread:
             return None
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+        # (TypeError, KeyError, AttributeError: an answer not shaped as llama-server's)
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, KeyError, AttributeError):
             return Probe(BackendPhase.DOWN)
 
     async def count_tokens(self, base_url: str, text: str) -> int | None:

@@ -114,7 +114,10 @@ class Prober:
 
     async def run(self) -> None:
         while True:
-            await self.probe_all()
+            try:
+                await self.probe_all()
+            except Exception:  # (a round that fails must not end the probing for good)
+                log.exception("probe round failed; the next one runs as usual")
             await asyncio.sleep(self._health.interval_seconds)
 
     def drain_all(self, indexes: list[int], after: float = 0.0) -> None:

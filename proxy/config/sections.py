@@ -18,7 +18,8 @@ from proxy.core.routing.scoring import RoutingParams
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # (an infinite or NaN number of seconds, tokens or bytes is never a setting that works)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class BackendSettings(_Frozen):
@@ -56,6 +57,15 @@ class BackendSettings(_Frozen):
         description="its --api-key: sent on the proxy's own calls and, in place of the "
         "client's key, on every forwarded request; none: clients' keys pass through",
     )
+
+    @field_validator("url")
+    @classmethod
+    def _plain_url(cls, url: AnyHttpUrl) -> AnyHttpUrl:
+        if url.username or url.password:  # (it would be logged, and is never sent)
+            raise ValueError("holds a user or password: give the server's key as api_key")
+        if url.query or url.fragment:
+            raise ValueError("holds a query or fragment: the base URL of a llama-server")
+        return url
 
     @property
     def label(self) -> str:

@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 
@@ -112,7 +113,23 @@ class Settings(_Frozen):
     @classmethod
     def _keys(cls, value: Any) -> Any:
         if isinstance(value, str):
-            value = [part.strip() for part in value.split(",") if part.strip()]
+            value = [part.strip() for part in value.split(",")]
+        if isinstance(value, list | tuple) and any(
+            isinstance(key, str) and not key.strip() for key in value
+        ):  # (an unset shell variable, a stray comma: it would let any request in)
+            raise ValueError("holds an empty key: omit api_key to check no key")
+        return value
+
+    @field_validator("backends")
+    @classmethod
+    def _distinct(cls, value: tuple[BackendSettings, ...]) -> tuple[BackendSettings, ...]:
+        urls = [b.base_url for b in value]
+        twice = next((url for url in urls if urls.count(url) > 1), None)
+        if twice is not None:  # its slots would be modelled twice, and one pinned twice
+            raise ValueError(f"{twice} is listed twice")
+        labels = [b.label for b in value]
+        if len(set(labels)) < len(labels):
+            raise ValueError("two backends have one name (name:, or host:port)")
         return value
 
     @field_validator("listen")
@@ -120,8 +137,10 @@ class Settings(_Frozen):
     def _host_port(cls, value: str) -> str:
         host, sep, port = value.rpartition(":")
         empty = not all(part.strip() for part in host.split(","))
-        if not sep or empty or not port.isdigit() or not 0 < int(port) < 65536:
+        if "/" in value or not sep or empty or not port.isdigit():
             raise ValueError("must be host:port, e.g. 127.0.0.1:8000")
+        if not 0 < int(port) < 65536:
+            raise ValueError(f"port {port} is out of range (1 to 65535)")
         return value
 
     @field_validator("replica_url")
@@ -136,11 +155,17 @@ class Settings(_Frozen):
     def _redis_scheme(cls, value: str | None) -> str | None:
         if value and not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
+        try:
+            urlsplit(value or "").port  # noqa: B018 (a port out of range, or not a number)
+        except ValueError as exc:
+            raise ValueError(f"bad port: {exc}") from None
         return value or None
 
     @property
     def hosts(self) -> tuple[str, ...]:
-        return tuple(part.strip() for part in self.listen.rpartition(":")[0].split(","))
+        """The hosts to listen on (an IPv6 address may be written in brackets)."""
+        parts = self.listen.rpartition(":")[0].split(",")
+        return tuple(part.strip().removeprefix("[").removesuffix("]") for part in parts)
 
     @property
     def host(self) -> str:

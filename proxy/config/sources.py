@@ -25,6 +25,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config: {path} is not UTF-8 text (save it as UTF-8)") from None
     try:
         if path.suffix == ".toml":
             data: Any = tomllib.loads(text)
@@ -52,6 +54,10 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):  # (A=x and A__B=y: one value and one section)
+                raise ConfigError(f"config: {key} and a variable setting all of it conflict")
+        if isinstance(node.get(path[-1]), dict):
+            raise ConfigError(f"config: {key} and a variable setting part of it conflict")
         node[path[-1]] = value
     return out
 

@@ -512,3 +512,26 @@ async def test_an_id_slot_of_minus_one_is_any_slot_as_for_the_server(
     client = await proxy([fake], routing={"honor_client_id_slot": True})
     resp = await client.post("/completion", json={"prompt": "x", "n_predict": 1, "id_slot": -1})
     assert resp.status == 200, await resp.text()
+
+
+async def test_a_backend_that_is_not_llama_server_is_down_and_still_probed(
+    proxy: Any, aiohttp_server: Any
+) -> None:
+    """An answer not shaped as llama-server's (``/props`` a JSON list) is a backend down, not
+    an error that ends the probing for good."""
+    seen: list[str] = []
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def props(request: web.Request) -> web.Response:
+        seen.append("props")
+        return web.json_response([1, 2])
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/props", props)
+    other = await aiohttp_server(app)
+    client = await proxy([str(other.make_url("")).rstrip("/")], health={"interval_seconds": 0.05})
+    await until(lambda: len(seen) >= 3, "the probing goes on")
+    assert (await client.get("/readyz")).status == 503

@@ -90,6 +90,18 @@ def test_settings_are_immutable() -> None:
         ({"backends": ["http://a:1"]}, {"LLAMA_CACHE_PROXY_NOPE": "1"}, "nope"),
         ({"backends": ["http://a:1"], "disk": {"prefix_cache": "auto:0"}}, {},
          "disk.prefix_cache"),
+        # an empty key would let any request in (an unset shell variable, a stray comma)
+        ({"backends": ["http://a:1"], "api_key": ""}, {}, "api_key"),
+        ({"backends": ["http://a:1"], "api_key": ["k", ""]}, {}, "api_key"),
+        # one backend twice: its slots modelled twice, and one pinned twice
+        ({"backends": ["http://a:1", "http://a:1/"]}, {}, "backends"),
+        ({"backends": ["http://user:pass@a:1"]}, {}, "backends.0.url"),  # (logged, never sent)
+        ({"backends": ["http://a:1?x=1"]}, {}, "backends.0.url"),
+        ({"backends": ["http://a:1"], "redis_url": "redis://localhost:99999"}, {}, "redis_url"),
+        ({"backends": ["http://a:1"], "listen": "127.0.0.1:99999"}, {}, "listen"),
+        ({"backends": ["http://a:1"], "listen": "http://127.0.0.1:8000"}, {}, "listen"),
+        ({"backends": ["http://a:1"], "timeouts": {"connect_seconds": float("inf")}}, {},
+         "timeouts.connect_seconds"),
     ],
 )  # fmt: skip
 def test_bad_config_is_one_line_naming_the_field(
@@ -211,3 +223,38 @@ def test_an_allowed_origin_with_a_port_that_is_not_one_is_refused(rule: str) -> 
     """It passed, and checking a replica URL against it raised ValueError."""
     with pytest.raises(ConfigError, match=r"^config: replicas\.allow: "):
         load_settings(cli={"backends": ["http://a:1"], "replicas": {"allow": [rule]}}, environ={})
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    utf16 = tmp_path / "proxy.yaml"
+    utf16.write_text("listen: 127.0.0.1:8000\n", encoding="utf-16")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_settings(cli={}, environ={}, config_file=utf16)
+
+
+def test_environment_variables_that_set_a_value_and_a_part_of_it_conflict() -> None:
+    env = {
+        "LLAMA_CACHE_PROXY_DISK": "x",
+        "LLAMA_CACHE_PROXY_DISK__PARK": "on",
+    }
+    with pytest.raises(ConfigError, match="conflict"):
+        load_settings(cli={"backends": ["http://a:1"]}, environ=env)
+
+
+def test_an_ipv6_host_may_be_written_in_brackets() -> None:
+    settings = load_settings(cli={"backends": ["http://a:1"], "listen": "[::1]:8000"}, environ={})
+    assert (settings.hosts, settings.port) == (("::1",), 8000)
+
+
+def test_a_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", "--backend", "http://127.0.0.1:1", "--listen", f"127.0.0.1:{port}"]
+        assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot listen on" in err
+    assert err.count("\n") == 0

@@ -66,5 +66,14 @@ def run_report(url: str, token: str | None, out: TextIO = sys.stdout) -> int:
     except (urllib.error.URLError, OSError) as exc:
         print(f"llama-cache-proxy report: cannot reach {url}: {exc}", file=sys.stderr)
         return 2
-    render(status, out)
+    except ValueError:  # (not JSON)
+        status = {}
+    try:
+        render(status, out)
+    except (TypeError, KeyError, AttributeError, ValueError):  # (not the proxy's answer)
+        print(
+            f"llama-cache-proxy report: {url}/admin/churn is not a llama-cache-proxy's answer",
+            file=sys.stderr,
+        )
+        return 2
     return 0

@@ -85,7 +85,7 @@ class Prober:
         invalidated = self._fleet.apply_probe(index, probe, started)
         if invalidated and probe.sleeping:
             log.info("backend=%s sleeping: its slot and RAM caches are gone", backend.label)
-        elif invalidated and before is not BackendPhase.UNKNOWN:
+        elif invalidated and before is not BackendPhase.UNKNOWN and backend.epoch > 1:
             self._metrics.backend_restarts.labels(backend.label).inc()
             log.warning("backend=%s restarted: its slot state is invalidated", backend.label)
         elif before is BackendPhase.DOWN and backend.phase is BackendPhase.READY:

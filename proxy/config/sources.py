@@ -36,6 +36,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
             data = yaml.safe_load(text)
     except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        mark = getattr(exc, "problem_mark", None)  # (YAML: where, and what went wrong)
+        if mark is not None:
+            problem = getattr(exc, "problem", None) or first
+            first = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
         raise ConfigError(f"config: {path} is not valid: {first}") from None
     if data is None:
         return {}

@@ -61,3 +61,19 @@ async def test_churn_shows_no_prompt_text_or_session_key_by_default(fakes: Any, 
     (top,) = status["top_sessions"]
     assert top["session"].startswith("key-hash:")
     assert status["recent"][-1]["session"] == top["session"]
+
+
+async def test_the_report_of_something_that_is_not_the_proxy_is_one_line(
+    aiohttp_server: Any, capsys: Any
+) -> None:
+    from aiohttp import web
+
+    async def churn(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})  # (JSON, but not the proxy's)
+
+    app = web.Application()
+    app.router.add_get("/admin/churn", churn)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    assert await asyncio.to_thread(run_report, url, None, io.StringIO()) == 2
+    assert "not a llama-cache-proxy" in capsys.readouterr().err

@@ -535,3 +535,15 @@ async def test_a_backend_that_is_not_llama_server_is_down_and_still_probed(
     client = await proxy([str(other.make_url("")).rstrip("/")], health={"interval_seconds": 0.05})
     await until(lambda: len(seen) >= 3, "the probing goes on")
     assert (await client.get("/readyz")).status == 503
+
+
+async def test_a_backend_first_seen_after_the_proxy_started_is_no_restart(
+    fakes: Any, proxy: Any
+) -> None:
+    port = free_port()
+    client = await proxy([f"http://127.0.0.1:{port}"], health={"interval_seconds": 0.05})
+    await until_metric(client, "llama_cache_proxy_backend_ready", lambda v: v == 0)
+    await fakes(port=port)
+    await until_ready(client)
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_backend_restarts_total") == 0

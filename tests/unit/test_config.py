@@ -258,3 +258,10 @@ def test_a_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err.strip()
     assert "cannot listen on" in err
     assert err.count("\n") == 0
+
+
+def test_a_yaml_error_names_its_line_and_column(tmp_path: Path) -> None:
+    bad = tmp_path / "proxy.yaml"
+    bad.write_text("listen: 127.0.0.1:8000\nbackends: [http://a:1\n")
+    with pytest.raises(ConfigError, match=r"line \d+, column \d+"):
+        load_settings(cli={}, environ={}, config_file=bad)

@@ -188,7 +188,8 @@ class ProxyMetrics:
         self.store_up = gauge("state_store_up", "1 when the state store answers")
         self.store_conflicts = counter(
             "state_store_conflicts",
-            "Slots this replica pinned while the store was down that another replica also held",
+            "Slots this replica held, pinned while the store was down or after it lost their "
+            "leases, that another replica also held",
         )
         self.forwards = counter(
             "forwarded_requests",

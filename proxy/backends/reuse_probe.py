@@ -139,9 +139,10 @@ class ReuseProber:
             except ServiceUnavailable:
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
-            if await self._shared.take(placement):
+            theirs = await self._shared.take(placement)
+            if theirs is None:
                 return placement
-            self._scheduler.release(placement, clean=True, sent=False, remote=True)
+            self._scheduler.release(placement, clean=True, sent=False, remote=theirs)
 
     def _spare(self, index: int) -> bool:
         """Whether the backend has a slot to spare: no request waits in the proxy and, with

@@ -231,8 +231,10 @@ class Scheduler:
         sent: bool = True,
         content: Fingerprint | None = None,
         n_tokens: int | None = None,
-        remote: bool = False,
+        remote: int | None = None,
     ) -> None:
+        """End a claim (``core.server.fleet.Fleet.release``; ``remote``: a slot of it whose
+        lease another replica holds), and ask the waiters the release can affect."""
         self.fleet.release(
             placement,
             self._clock(),

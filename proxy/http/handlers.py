@@ -168,14 +168,14 @@ class ProxyHandlers:
             else:
                 placement = await self._scheduler.acquire(decide, plan.fp, plan.wait_until)
             try:
-                taken = await self._shared.take(placement)
+                theirs = await self._shared.take(placement)
             except BaseException:  # (the client left meanwhile: nothing was sent)
                 await to_the_end(self._unsent(placement))
                 raise
-            if taken:
+            if theirs is None:
                 return placement
             # another replica's: marked so before the release wakes a waiter that would take it
-            self._scheduler.release(placement, clean=True, sent=False, remote=True)
+            self._scheduler.release(placement, clean=True, sent=False, remote=theirs)
 
     async def _unsent(self, placement: Placement) -> None:
         """A placement given up before anything was sent: its lease first (no local take

@@ -120,21 +120,32 @@ class SharedState:
             return default
         return result
 
-    async def take(self, placement: Placement) -> bool:
-        """Lease the pinned slot; False when another replica holds it, or (store down) when
-        it is another replica's part of the fleet: the caller marks it REMOTE."""
-        if not self.enabled or placement.pin is None:
-            return True
-        backend, slot = placement.backend, placement.pin
+    async def take(self, placement: Placement) -> int | None:
+        """Lease the placement's slots (the pinned one, or every slot of a request that
+        needs the whole backend), all or none. None: leased; else the slot another replica
+        holds, or (store down) that is another replica's part of the fleet: the caller marks
+        it REMOTE."""
+        if not self.enabled:
+            return None
+        taken: list[int] = []
+        for slot in _slots_of(placement):
+            if not await self._take(placement.backend, slot):
+                for done in taken:  # (all or none)
+                    await self._give_back(placement.backend, done)
+                return slot
+            taken.append(slot)
+        return None
+
+    async def _take(self, backend: int, slot: int) -> bool:
         if self.peers.keep_off(backend, slot, self._counts(), self._clock()):
             return False  # a part another replica may pin without a lease
         if not self.up:
-            return await self._claim(placement)
+            return await self._claim(backend, slot)
         ref = self._ref(backend, slot)
         taken = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self.wall())
         result = await self.call("acquire_lease", taken, None)
         if result is None:  # the store went away just now
-            return await self._claim(placement)
+            return await self._claim(backend, slot)
         if result:
             self._held.add(ref)
             log.debug("lease taken %s by %s", ref, self.owner)
@@ -142,18 +153,18 @@ class SharedState:
         log.debug("lease refused %s for %s", ref, self.owner)
         return False
 
-    async def _claim(self, placement: Placement) -> bool:
+    async def _claim(self, backend: int, slot: int) -> bool:
         """The store is down: pin only slots whose leases still stand in it and this
         replica's part, and remember the pin (no lease records it) to lease it when the
         store is back. Peers that still reach the store lease any other slot until they see
         this replica's heartbeat lapse and fence its part, so that waits for it."""
-        ref, counts = self._ref(placement.backend, placement.pin or 0), self._counts()
-        claim = self.peers.may_claim(ref, placement.backend, counts, self._clock())
+        ref, counts = self._ref(backend, slot), self._counts()
+        claim = self.peers.may_claim(ref, backend, counts, self._clock())
         while claim is None:  # not yet (a timer may fire up to a millisecond early)
             await asyncio.sleep(max(self.peers.claim_from() - self._clock(), CLAIM_POLL))
             if self.up:  # back meanwhile: lease it as usual
-                return await self.take(placement)
-            claim = self.peers.may_claim(ref, placement.backend, counts, self._clock())
+                return await self._take(backend, slot)
+            claim = self.peers.may_claim(ref, backend, counts, self._clock())
         if claim:
             self._local.add(ref)
         return bool(claim)
@@ -165,9 +176,12 @@ class SharedState:
         return [len(b.slots) for b in self._fleet.backends]
 
     async def give_back(self, placement: Placement) -> None:
-        if not self.enabled or placement.pin is None:
-            return
-        ref = self._ref(placement.backend, placement.pin)
+        if self.enabled:
+            for slot in _slots_of(placement):
+                await self._give_back(placement.backend, slot)
+
+    async def _give_back(self, backend: int, slot: int) -> None:
+        ref = self._ref(backend, slot)
         self._local.discard(ref)
         if ref in self._held:  # (held until released: it stands if the store is gone)
             log.debug("lease given back %s by %s", ref, self.owner)
@@ -175,12 +189,13 @@ class SharedState:
             self._held.discard(ref)
 
     def abandon(self, placement: Placement) -> None:
-        """Stop renewing the lease of a slot an aborted request may still be using upstream:
-        other replicas get it when the lease expires (this replica drains it meanwhile)."""
-        if self.enabled and placement.pin is not None:
-            ref = self._ref(placement.backend, placement.pin)
-            self._held.discard(ref)
-            self._local.discard(ref)
+        """Stop renewing the leases of slots an aborted request may still be using upstream:
+        other replicas get them when the leases expire (this replica drains them meanwhile)."""
+        if self.enabled:
+            for slot in _slots_of(placement):
+                ref = self._ref(placement.backend, slot)
+                self._held.discard(ref)
+                self._local.discard(ref)
 
     async def get_affinity(self, key: str) -> SlotRef | None:
         return await self.call("get_affinity", self.store.get_affinity(key, self.wall()), None)
@@ -254,8 +269,7 @@ class SharedState:
                     await self._recover()
                     continue
                 for ref in list(self._held):
-                    renew = self.store.renew_lease(ref, self.owner, self._lease_ttl, self.wall())
-                    await self.call("renew_lease", renew, True)
+                    await self._renew(ref)
                 await self.refresh()
                 on_change()
                 await self.heartbeat()  # after: two round trips first cost 2-replica hit rate
@@ -264,6 +278,18 @@ class SharedState:
                 if repr(exc) != failed:
                     log.exception("shared-state maintenance round failed: retrying")
                 failed = repr(exc)
+
+    async def _renew(self, ref: SlotRef) -> None:
+        """Renew a held lease. One that is gone (the store lost it: flushed, failed over,
+        evicted) is taken again while it is free, so peers do not see its slot idle while
+        its request runs; one another replica took meanwhile is a conflict."""
+        renew = self.store.renew_lease(ref, self.owner, self._lease_ttl, self.wall())
+        if await self.call("renew_lease", renew, True) or ref not in self._held:
+            return
+        again = self.store.acquire_lease(ref, self.owner, self._lease_ttl, self.wall())
+        if await self.call("acquire_lease", again, True) is False:
+            log.warning("lease %s was lost and another replica holds it now", ref)
+            self._metrics.store_conflicts.inc()
 
     async def heartbeat(self) -> None:
         entry, expires = self.roster.entry(HEARTBEAT_TTL)
@@ -323,3 +349,9 @@ class SharedState:
                 self._metrics.store_conflicts.inc()
                 log.warning("slot %s was pinned by another replica during the outage", ref)
             self._local.discard(ref)
+
+
+def _slots_of(placement: Placement) -> tuple[int, ...]:
+    """The slots a placement runs on: its pinned one, or every slot of a request that needs
+    the whole backend (``n`` > 1, a batch, an embedding): the server picks among them."""
+    return placement.slots if placement.pin is None else (placement.pin,)

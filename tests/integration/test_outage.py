@@ -70,6 +70,11 @@ def replica(
     return SharedState(store, fleet, metrics, clock, enabled=True, clock=clock, url=url)
 
 
+async def took(state: Any, slot: int) -> bool:
+    """Whether ``state`` (a replica's shared state) leased slot ``slot`` of backend 0."""
+    return await state.take(Placement(0, (slot,), slot)) is None
+
+
 async def test_a_replica_back_first_keeps_off_the_slot_another_pinned_in_the_outage(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -88,24 +93,24 @@ async def test_a_replica_back_first_keeps_off_the_slot_another_pinned_in_the_out
     await a.refresh()
     await b.refresh()  # both notice
     now[0] += HEARTBEAT_TTL + FENCE_MARGIN  # claims start once peers must see a lapse
-    mine = {r: [await r.take(Placement(0, (s,), s)) for s in range(2)] for r in (a, b)}
+    mine = {r: [await took(r, s) for s in range(2)] for r in (a, b)}
     assert sorted([mine[a], mine[b]]) == [[False, True], [True, False]]  # a split
     theirs = mine[a].index(False)  # B runs a request there, with no lease in the store
 
     store.restart()
     await a._recover()
     await a.heartbeat()  # the store lists only A until B's next heartbeat
-    assert not await a.take(Placement(0, (theirs,), theirs))
+    assert not await took(a, theirs)
     await b._recover()  # B leases the slot its request still runs on
     now[0] += HEARTBEAT_TTL
     await b.heartbeat()  # live again: A lifts the fence it put on B's part
     await a.heartbeat()
     assert not a.peers.fences
-    assert not await a.take(Placement(0, (theirs,), theirs))
+    assert not await took(a, theirs)
     assert registry.get_sample_value("llama_cache_proxy_replicas_fenced") == 0
     assert "lapsed" not in caplog.text
     await b.give_back(Placement(0, (theirs,), theirs))
-    assert await a.take(Placement(0, (theirs,), theirs))
+    assert await took(a, theirs)
 
 
 async def test_a_slot_pinned_by_two_replicas_in_an_outage_is_counted_when_it_returns() -> None:
@@ -120,8 +125,8 @@ async def test_a_slot_pinned_by_two_replicas_in_an_outage_is_counted_when_it_ret
     await a.refresh()
     await b.refresh()
     now[0] += HEARTBEAT_TTL + FENCE_MARGIN
-    (both,) = [s for s in range(2) if await a.take(Placement(0, (s,), s))]  # A's part
-    assert await b.take(Placement(0, (both,), both))  # B's part is every slot
+    (both,) = [s for s in range(2) if await took(a, s)]  # A's part
+    assert await took(b, both)  # B's part is every slot
     store.restart()
     await b._recover()
     await a._recover()
@@ -169,9 +174,9 @@ async def test_a_replica_that_alone_loses_the_store_keeps_its_part_and_others_ke
     assert b.peers.fences
     assert fenced_gauge(b) == 0
     now[0] += FENCE_MARGIN
-    (ours,) = [s for s in range(2) if await a.take(Placement(0, (s,), s))]
-    assert not await b.take(Placement(0, (ours,), ours))  # fenced: A may be running there
-    assert await b.take(Placement(0, (1 - ours,), 1 - ours))
+    (ours,) = [s for s in range(2) if await took(a, s)]
+    assert not await took(b, ours)  # fenced: A may be running there
+    assert await took(b, 1 - ours)
     now[0] += HEARTBEAT_TTL
     await b.heartbeat()
     assert fenced_gauge(b) == 1
@@ -183,9 +188,9 @@ async def test_a_replica_that_alone_loses_the_store_keeps_its_part_and_others_ke
     await b.heartbeat()
     assert not b.peers.fences
     assert fenced_gauge(b) == 0
-    assert not await b.take(Placement(0, (ours,), ours))  # now A's lease keeps B off
+    assert not await took(b, ours)  # now A's lease keeps B off
     await a.give_back(Placement(0, (ours,), ours))
-    assert await b.take(Placement(0, (ours,), ours))
+    assert await took(b, ours)
 
 
 async def test_a_fence_ends_after_the_lease_ttl_and_holds_through_the_fencers_own_outage() -> None:
@@ -198,12 +203,12 @@ async def test_a_fence_ends_after_the_lease_ttl_and_holds_through_the_fencers_ow
     cut(b, True)
     await b.refresh()
     now[0] += FENCE_MARGIN
-    assert not await b.take(Placement(0, (ours,), ours))
+    assert not await took(b, ours)
     cut(b, False)
     await b._recover()
     now[0] += 30.0  # lease_ttl_seconds
     await b.heartbeat()
-    assert await b.take(Placement(0, (ours,), ours))
+    assert await took(b, ours)
 
 
 async def test_a_replica_that_shut_down_is_not_fenced() -> None:
@@ -215,7 +220,7 @@ async def test_a_replica_that_shut_down_is_not_fenced() -> None:
     await a.leave()
     await b.heartbeat()
     assert not b.peers.fences
-    assert all([await b.take(Placement(0, (s,), s)) for s in range(2)])
+    assert all([await took(b, s) for s in range(2)])
 
 
 async def test_a_replica_restarted_at_its_address_lifts_the_fence_on_its_predecessor() -> None:
@@ -228,12 +233,12 @@ async def test_a_replica_restarted_at_its_address_lifts_the_fence_on_its_predece
     (theirs,) = [s for s in range(2) if b.peers.owns(0, s, [2])]
     now[0] += HEARTBEAT_TTL + 0.1  # b crashed: no heartbeat, no leave
     await a.heartbeat()
-    assert not await a.take(Placement(0, (theirs,), theirs))
+    assert not await took(a, theirs)
     restarted = replica(store, now, url="http://10.0.0.2:8000")
     await restarted.heartbeat()
     await a.heartbeat()
     assert not a.peers.fences
-    assert await a.take(Placement(0, (theirs,), theirs))
+    assert await took(a, theirs)
 
 
 async def test_a_lease_held_as_the_store_went_down_keeps_its_slot_until_it_expires() -> None:
@@ -246,13 +251,13 @@ async def test_a_lease_held_as_the_store_went_down_keeps_its_slot_until_it_expir
     for r in (a, b, a):
         await r.heartbeat()
     theirs = next(s for s in range(2) if not a.peers.owns(0, s, [2]))
-    assert await a.take(Placement(0, (theirs,), theirs))
+    assert await took(a, theirs)
     store.down = True
     await a.give_back(Placement(0, (theirs,), theirs))  # the release fails: an outage
-    assert await a.take(Placement(0, (theirs,), theirs))  # no wait: its lease stands
+    assert await took(a, theirs)  # no wait: its lease stands
     await a.give_back(Placement(0, (theirs,), theirs))
     now[0] += 30.0 - STALE_MARGIN  # lease_ttl_seconds
-    assert not await a.take(Placement(0, (theirs,), theirs))
+    assert not await took(a, theirs)
 
 
 async def test_a_claim_woken_before_its_start_waits_on_and_takes_its_part() -> None:
@@ -274,7 +279,7 @@ async def test_a_claim_woken_before_its_start_waits_on_and_takes_its_part() -> N
         now[0] = a.peers.claim_from()
 
     catch_up = asyncio.create_task(start())
-    assert await a.take(Placement(0, (ours,), ours))
+    assert await took(a, ours)
     await catch_up
 
 
@@ -294,8 +299,8 @@ async def test_a_replica_its_peer_has_not_read_yet_pins_nothing_in_an_outage() -
     for r in (a, b):
         await r.refresh()  # noticed
     now[0] += HEARTBEAT_TTL + FENCE_MARGIN
-    assert [await a.take(Placement(0, (s,), s)) for s in range(2)] == [True, True]
-    assert [await b.take(Placement(0, (s,), s)) for s in range(2)] == [False, False]
+    assert [await took(a, s) for s in range(2)] == [True, True]
+    assert [await took(b, s) for s in range(2)] == [False, False]
     for s in range(2):
         await a.give_back(Placement(0, (s,), s))  # A's requests end
 
@@ -311,5 +316,5 @@ async def test_a_replica_its_peer_has_not_read_yet_pins_nothing_in_an_outage() -
     for r in (a, b):
         await r.refresh()
     now[0] += HEARTBEAT_TTL + FENCE_MARGIN
-    mine = [[await r.take(Placement(0, (s,), s)) for s in range(2)] for r in (a, b)]
+    mine = [[await took(r, s) for s in range(2)] for r in (a, b)]
     assert sorted(mine) == [[False, True], [True, False]]  # a split

@@ -92,6 +92,54 @@ async def test_replicas_never_pin_one_slot_at_once(
     assert all(f.violations == [] for f in backends)
 
 
+async def test_a_request_that_needs_the_whole_backend_leases_every_slot_of_it(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """``n`` = 2: the server picks the slots, so the request holds the whole backend. It
+    leased none of them: another replica pinned one while it ran."""
+    backend = await fakes(n_slots=2, gen_s_per_token=0.05)
+    a = await proxy([backend], redis_url=redis_server.url)
+    b = await proxy([backend], redis_url=redis_server.url)
+    both = await once_placed(
+        a.post("/v1/chat/completions", json=chat("two", n=2, max_tokens=40)), a, b
+    )
+    other = await b.post("/v1/chat/completions", json=chat("other", max_tokens=4))
+    assert other.status == 200
+    assert (await both).status == 200
+    assert backend.violations == []
+
+
+async def test_a_lease_the_store_lost_is_taken_again_while_its_request_runs(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Redis loses its keys (flushed, failed over, evicted) while replica A runs a request:
+    A's renewal finds the lease gone and takes it again, so B does not pin the running slot."""
+    import redis.asyncio as aioredis
+
+    backend = await fakes(n_slots=1, gen_s_per_token=0.05)
+    no_forwarding = {"secret": None}
+    a = await proxy([backend], redis_url=redis_server.url, replicas=no_forwarding)
+    b = await proxy([backend], redis_url=redis_server.url, replicas=no_forwarding)
+    store = aioredis.from_url(redis_server.url)
+    try:
+        running = await once_placed(
+            a.post("/v1/chat/completions", json=chat("long", max_tokens=60)), a
+        )
+
+        async def leased() -> bool:
+            return bool(await store.keys("*lease*"))
+
+        await until(leased, "A's lease")
+        await store.flushall()
+        await until(leased, "A's lease taken again")
+        other = await b.post("/v1/chat/completions", json=chat("other", max_tokens=4))
+        assert other.status == 200
+        assert (await running).status == 200
+        assert backend.violations == []
+    finally:
+        await store.aclose()
+
+
 async def test_a_refused_lease_does_not_hand_its_slot_to_a_waiter_as_another_replicas(
     fakes: Any, proxy: Any, redis_server: Any, monkeypatch: Any
 ) -> None:

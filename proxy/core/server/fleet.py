@@ -126,9 +126,9 @@ class Fleet:
         sent: bool = True,
         content: Fingerprint | None = None,
         n_tokens: int | None = None,
-        remote: bool = False,
+        remote: int | None = None,
     ) -> None:
-        """End a claim. ``sent=False``: the slot is as before (``remote``: the pinned one is
+        """End a claim. ``sent=False``: the slot is as before (``remote``: a slot that is
         another replica's, its lease refused; so marked before a waiter wakes). ``clean=False``
         (aborted upstream) drains and forgets the content. Otherwise the pinned slot holds
         ``content`` (prompt and reply) or, without it, the prompt that was in flight."""
@@ -142,8 +142,7 @@ class Fleet:
             pending, slot.pending = slot.pending, None
             undo, slot.undo = slot.undo, None
             if not sent:
-                theirs = remote and slot_id == placement.pin
-                slot.phase = SlotPhase.REMOTE if theirs else SlotPhase.IDLE
+                slot.phase = SlotPhase.REMOTE if slot_id == remote else SlotPhase.IDLE
                 if undo is not None:
                     slot.last_used = undo.last_used
                     later = backend.turns != undo.turn or backend.ram_entries is not undo.ram_after

@@ -23,12 +23,11 @@ Tenant ids are hashes; the key itself is never stored.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
 import xxhash
 
-from proxy.core.prompt.fingerprint import Fingerprint, common_segments
+from proxy.core.prompt.fingerprint import Fingerprint, canonical, common_segments
 from proxy.core.prompt.headers import header_text
 
 KEEP = 0.6
@@ -57,7 +56,7 @@ def salt(tenant: str | None, lora: object = None) -> int:
         return 0
     key = b"tenant\x00" + tenant.encode() if tenant is not None else b""
     if lora is not None:
-        key += b"\x00lora\x00" + json.dumps(lora, sort_keys=True, separators=(",", ":")).encode()
+        key += b"\x00lora\x00" + canonical(lora)
     return int(xxhash.xxh3_64_intdigest(key))
 
 

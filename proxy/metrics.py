@@ -69,6 +69,7 @@ KNOWN: dict[str, tuple[str, ...]] = {
     ),
     "disk_saves": ("scoped", "full", "park"),
     "disk_refusals": ("layout", "failed"),
+    "ram_primers": ("sent", "failed"),
     "divergences": ("preamble", *(str(i) for i in range(10)), "10+"),
     "store_errors": (
         *("view", "window", "push_window", "get_affinity", "set_affinity", "claimed"),
@@ -223,6 +224,12 @@ class ProxyMetrics:
             "prefill_seconds",
             "Seconds backends spent on prompt tokens they computed (timings.prompt_ms)",
             ["backend"],
+        )
+        self.ram_primers = counter(
+            "ram_primers",
+            "Primers sent to a slot so that the server loads the request's session from its RAM"
+            " prompt cache (sent), and those the server failed (failed: the request went on)",
+            ["outcome"],
         )
         self.disk_events = counter(
             "disk_events",

@@ -24,9 +24,10 @@ session. Errors are translated here: a failed connect (no byte sent) is
 that breaks off (``GatewayTimeout`` when it goes silent; a stream's relay reports its own,
 as its status line has gone).
 
-The disk tier's calls (``props``, ``render``, ``tokenize``, ``warm``, ``slot_action``) are
-here too: each returns the decoded JSON answer, or raises ``SlotActionFailed`` with the
-server's message, so the caller never handles aiohttp errors.
+The disk tier's calls (``props``, ``render``, ``tokenize``, ``warm``, ``slot_action``) and
+the RAM cache's primer (``prime``) are here too: each returns the decoded JSON answer (the
+primer nothing), or raises ``SlotActionFailed`` with the server's message, so the caller
+never handles aiohttp errors.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import aiohttp
 from proxy.config.settings import TimeoutSettings
 from proxy.core.prompt.headers import with_credential
 from proxy.core.server.fleet import BackendPhase, Probe, SlotProbe
+from proxy.core.server.ram_cache import PRIMER
 from proxy.errors import BadGateway, GatewayTimeout, ProxyError
 from proxy.upstream_http import (
     ConnectFailed,
@@ -308,7 +310,12 @@ class LlamaServerClient:
         return [int(t) for t in answer["tokens"]]
 
     async def warm(
-        self, base_url: str, tokens: list[int], slot: int, reuse: bool = True, lora: Any = None
+        self,
+        base_url: str,
+        tokens: list[int] | str,
+        slot: int,
+        reuse: bool = True,
+        lora: Any = None,
     ) -> dict[str, Any]:
         """Prefill ``tokens`` into ``slot`` and nothing else (``n_predict: 0`` leaves exactly
         the prompt in the KV, reference §7), under the request's LoRA adapters (``lora``, as
@@ -318,6 +325,11 @@ class LlamaServerClient:
             body["lora"] = lora
         answer: dict[str, Any] = await self._call(base_url, "/completion", body)
         return answer
+
+    async def prime(self, base_url: str, slot: int, lora: Any = None) -> None:
+        """Prefill the primer (``core.server.ram_cache.PRIMER``) into ``slot``: its RAM-cache
+        hook parks what the slot holds, and the next request pinned there loads its session."""
+        await self.warm(base_url, PRIMER, slot, True, lora)
 
     async def slot_action(
         self, base_url: str, slot: int, action: str, filename: str

@@ -142,10 +142,17 @@ class DiskSteps:
         return snapshot
 
     async def park(
-        self, dp: DiskPlan, fp: Fingerprint, index: int, slot_id: int, layout: Layout
+        self,
+        dp: DiskPlan,
+        fp: Fingerprint,
+        index: int,
+        slot_id: int,
+        layout: Layout,
+        primed: bool = False,
     ) -> None:
         """Save another conversation's long, recently used content before it is overwritten
-        where the server will not bring it back itself (``ram_cache.needs_park``)."""
+        where the server will not bring it back itself (``ram_cache.needs_park``; ``primed``:
+        a primer's hook parks it in RAM)."""
         disk = self._tier.settings.disk
         backend = self._tier.fleet.backends[index]
         slot = backend.slots[slot_id]
@@ -153,7 +160,7 @@ class DiskSteps:
         if disk.park == "off" or content is None or content.total < disk.park_min_tokens:
             return
         length = backend.kv_estimate(content, slot.n_tokens)
-        if not needs_park(content, fp, length, backend.ram, always=disk.park == "on"):
+        if not needs_park(content, fp, length, backend.ram, disk.park == "on", primed):
             return
         half_life = self._tier.settings.routing.value_half_life_seconds
         if self._tier.now() - slot.last_used > half_life:

@@ -223,7 +223,7 @@ class DiskTier:
         assert placement.pin is not None
         index, slot_id = placement.backend, placement.pin
         if (layout := self._layout(index)) is not None:
-            await self.steps.park(dp, fp, index, slot_id, layout)
+            await self.steps.park(dp, fp, index, slot_id, layout, placement.primed)
             if restore is not None:
                 await self.steps.restore(dp, restore, index, slot_id)
                 predicted = (dp.restored_tokens and restore.reuse) or predicted
@@ -239,7 +239,9 @@ class DiskTier:
                     choice.candidates,
                     choice.tokens,
                 )
-                if choice.segments and predicted <= choice.tokens:
+                # (not into a primed slot: the warm-up would load the session the primer is
+                # for, then cut it to the prefix)
+                if choice.segments and predicted <= choice.tokens and not placement.primed:
                     args = (dp, fp, choice.segments, index, slot_id, body, layout)
                     save = partial(self.steps.scoped_save, *args)
                     await self.steps.save_once(dp, choice.segments, index, slot_id, save)

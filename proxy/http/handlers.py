@@ -8,6 +8,7 @@ another backend; every other failure is reported, and an unfinished request's sl
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -33,7 +34,16 @@ from proxy.metrics import ProxyMetrics
 from proxy.offload import Offload
 from proxy.replicas.shared_state import SharedState
 from proxy.routing.router import Plan, Router
-from proxy.upstream import ROUTES, LlamaServerClient, Route, SlotUse, UpstreamConnectError
+from proxy.upstream import (
+    ROUTES,
+    LlamaServerClient,
+    Route,
+    SlotActionFailed,
+    SlotUse,
+    UpstreamConnectError,
+)
+
+log = logging.getLogger(__name__)
 
 
 class ProxyHandlers:
@@ -139,12 +149,21 @@ class ProxyHandlers:
         raise AssertionError("unreachable")
 
     async def _prepare(self, plan: Plan | None, placement: Placement, parsed: ParsedBody) -> None:
-        """Disk-tier work on the slot before the request is sent (save, restore, park)."""
-        if plan is None or plan.disk is None or plan.decision is None:
-            return
-        d = plan.decision
-        args = (plan.disk, plan.fp, d.restore, d.predicted, placement, parsed.data, plan.chat)
-        await self._disk.before(*args)
+        """Work on the slot before the request is sent: the disk tier's (save, restore, park),
+        then the primer that makes the server load the session from its RAM cache."""
+        if plan is not None and plan.disk is not None and plan.decision is not None:
+            d = plan.decision
+            args = (plan.disk, plan.fp, d.restore, d.predicted, placement, parsed.data, plan.chat)
+            await self._disk.before(*args)
+        if placement.primed and placement.pin is not None:
+            url = self._settings.backends[placement.backend].base_url
+            try:
+                await self._client.prime(url, placement.pin, parsed.data.get("lora"))
+            except SlotActionFailed as exc:  # (the request goes on: it reuses less)
+                log.warning("primer to %s slot %d failed: %s", url, placement.pin, exc)
+                self._metrics.ram_primers.labels("failed").inc()
+            else:
+                self._metrics.ram_primers.labels("sent").inc()
 
     def _may_reuse(self, plan: Plan | None, placement: Placement, pin: int | None) -> bool:
         """Cache isolation (``core.prompt.isolation``): reuse the slot's KV only when it cannot

@@ -94,7 +94,9 @@ class Router:
         self._counter, self._offload = counter, offload
         self._metrics, self._clock = metrics, clock
         self._index = FleetIndex()  # the fleet's slots grouped for routing, kept while unchanged
-        self.params = settings.routing.params()
+        # (under cache isolation a request keeping under half of its slot reuses nothing)
+        prime = settings.isolation.mode == "off"
+        self.params = replace(settings.routing.params(), prime=prime)
         self._labels = {b.label: b.index for b in fleet.backends}
         self._scheduler = scheduler
         self._churn, self._backend_tokens = churn, backend_tokens

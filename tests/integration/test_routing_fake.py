@@ -175,3 +175,31 @@ async def test_backend_tokenizer_counts_segments_with_the_backend(fakes: Any, pr
     predicted = int(again.headers["X-Cache-Predicted-Tokens"])
     actual = (await again.json())["timings"]["cache_n"]
     assert abs(predicted - actual) <= 16  # backend counts plus template overhead
+
+
+async def test_a_session_parked_in_ram_comes_back_through_a_primer(fakes: Any, proxy: Any) -> None:
+    """Three sessions sharing a long system prompt take turns on one backend of two slots,
+    with the RAM cache and no disk tier: each returning turn finds its slot holding another
+    session, which keeps over half of it, so the server would not consult its cache. The
+    proxy sends a primer first; the server parks the other session and loads this one, and
+    every returning turn reuses its own history, as predicted."""
+    fake = await fakes(n_slots=2)
+    client = await proxy([fake])
+    histories: dict[int, list[dict[str, Any]]] = {s: [] for s in range(3)}
+    previous: dict[int, int] = {}
+    for turn in range(3):
+        for session in range(3):
+            # (the system prompt is most of each session's content, as in agent fleets)
+            user = {"role": "user", "content": f"session {session} turn {turn}: " + "log " * 100}
+            messages = [{"role": "system", "content": SYSTEM * 4}, *histories[session], user]
+            body = {"messages": messages, "max_tokens": 8, "stream": False}
+            reply, timings, headers = await _run_turn(client, body)
+            if session in previous:
+                assert timings["cache_n"] >= 0.95 * previous[session], (session, turn, timings)
+                predicted = int(headers["X-Cache-Predicted-Tokens"])
+                assert abs(predicted - timings["cache_n"]) <= 0.1 * timings["cache_n"]
+            previous[session] = timings["prompt_n"] + timings["cache_n"]
+            histories[session] += [user, {"role": "assistant", "content": reply}]
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent") >= 4
+    assert fake.violations == []

@@ -600,14 +600,61 @@ def test_a_load_is_counted_on_only_when_the_slot_keeps_well_under_half() -> None
         f.backends[0].ram_entries = [
             RamEntry(Fingerprint(fp(1, 2, 3, 4, 5).hashes, prompt.tokens[:5]), 50.0)
         ]
-        d = decided(route(prompt, f.backends, PARAMS, now=100.0))
+        unprimed = replace(PARAMS, prime=False)
+        d = decided(route(prompt, f.backends, unprimed, now=100.0))
         assert (d.reason, d.placement is not None, d.predicted) == (Reason.PREFIX, True, predicted)
+        assert d.placement is not None
+        assert not d.placement.primed
+        # with a primer the load is certain: the server then consults its cache whatever the
+        # slot keeps
+        d = decided(route(prompt, f.backends, PARAMS, now=100.0))
+        assert d.placement is not None
+        assert d.predicted == 320
+        assert d.placement.primed is (predicted == 64)
+
+
+def test_a_slot_keeping_half_of_what_it_holds_is_primed_to_load_the_session() -> None:
+    """The slot keeps half of what it holds, so the server would not consult its RAM cache,
+    which holds the request's own session: a primer first, and the session loads; a primer
+    is not worth it for another session's entry, nor for an entry serving no more than the
+    slot's own content (by more than the primer's own tokens)."""
+    f = fleet(1, 1)
+    hold(f, 0, 0, fp(1, 90, size=40))
+    own = RamEntry(fp(1, 2, 3, 4, 5, 6, size=40), 50.0)
+    f.backends[0].ram_entries = [own]
+    prompt = fp(1, 2, 3, 4, 5, 6, 7, 8, size=40)
+    d = decided(route(prompt, f.backends, PARAMS, now=100.0))
+    assert d.placement is not None
+    assert d.placement.primed
+    assert d.placement.from_ram is own
+    assert d.predicted == 240
+    f.claim(d.placement, now=100.0, content=prompt)
+    entries = f.backends[0].ram_entries
+    assert [e.content for e in entries] == [fp(1, 90, size=40)]  # the primer's hook parked it
+
+    # conversations (anchored at their third segment) under one system prompt of two: a
+    # parked entry of another is not loaded, nor one serving no more than the slot does
+    def chat(*segments: int) -> Fingerprint:
+        return replace(fp(*segments, size=40), anchor=3)
+
+    for entry, content, predicted in (
+        (chat(1, 2, 50), chat(1, 91), 40),  # keeps half of it: no consult
+        (chat(1, 2, 3), chat(1, 2, 3, 90), 120),
+    ):
+        f = fleet(1)
+        hold(f, 0, 0, content)
+        f.backends[0].ram_entries = [RamEntry(entry, 50.0)]
+        d = decided(route(chat(1, 2, 3, 4), f.backends, PARAMS, now=100.0))
+        assert d.placement is not None
+        assert not d.placement.primed, entry
+        assert d.predicted == predicted
 
 
 def test_a_backend_whose_free_slots_cannot_load_its_ram_copy_is_waited_for() -> None:
     """b0's RAM cache holds most of the prompt, but its one free slot keeps half of what it
-    holds (the server would not consult the cache): the request waits for b0's busy slot,
-    which will load the copy once done, rather than take the free slot or an empty one."""
+    holds (the server would not consult the cache): without a primer the request waits for
+    b0's busy slot, which will load the copy once done, rather than take the free slot or an
+    empty one; with one, it primes the free slot at once."""
     f = fleet(2, 1)
     hold(f, 0, 0, fp(1, 2, 3, 4, 5, 6, size=40))
     f.claim(Placement(0, (0,), 0), now=100.0, content=fp(1, 90, size=40))  # parks fp(1..6)
@@ -615,6 +662,10 @@ def test_a_backend_whose_free_slots_cannot_load_its_ram_copy_is_waited_for() -> 
     f.claim(Placement(0, (1,), 1), now=100.0, content=fp(70, 71, 72, size=40))
     prompt = fp(1, 2, 3, 4, 5, 6, 7, 8, size=40)
     d = decided(route(prompt, f.backends, PARAMS, now=100.0))
+    assert d.placement is not None
+    assert d.placement.primed
+    assert (d.placement.backend, d.placement.pin, d.predicted) == (0, 0, 240)
+    d = decided(route(prompt, f.backends, replace(PARAMS, prime=False), now=100.0))
     assert (d.reason, d.wait_for, d.predicted) == (Reason.WAIT, (0, -1), 240)
     f.release(Placement(0, (1,), 1), now=101.0, clean=True, content=fp(70, 71, 72, size=40))
     d = decided(route(prompt, f.backends, PARAMS, now=101.0))

@@ -154,7 +154,7 @@ def _ranking(remote: frozenset[int]) -> Callable[[Candidate], Rank]:
 
 def _place(candidate: Candidate, reason: Reason, key: KeyOutcome | None = None) -> Decision:
     c = candidate
-    placement = Placement(c.backend.index, (c.slot.id,), c.slot.id, c.from_ram)
+    placement = Placement(c.backend.index, (c.slot.id,), c.slot.id, c.from_ram, c.primed)
     if candidate.restore is not None and reason is Reason.PREFIX:
         reason = Reason.DISK
     return Decision(placement, reason, candidate.reuse, key_outcome=key, restore=candidate.restore)

@@ -55,7 +55,7 @@ from proxy.core.routing.index import BackendIndex
 from proxy.core.routing.return_odds import ReturnOdds
 from proxy.core.server import ram_cache
 from proxy.core.server.fleet import BackendState, SlotPhase, SlotState
-from proxy.core.server.ram_cache import RamEntry
+from proxy.core.server.ram_cache import PRIMER_TOKENS, RamEntry
 from proxy.core.server.reuse_rules import checkpoint_reuse
 from proxy.core.server.slots import kv_length
 
@@ -73,6 +73,9 @@ class RoutingParams:
     # the measured odds that a slot's content is used again (``core.routing.return_odds``); None
     # before any session came back: the half-life prior
     returns: ReturnOdds | None = None
+    # a primer may make the server load a session's parked content (off under cache isolation,
+    # where a request keeping under half of its slot reuses nothing)
+    prime: bool = True
 
     def __post_init__(self) -> None:
         # a loss that counts as a gain has no upper bound (``kin_bound``), and means nothing
@@ -90,6 +93,7 @@ class Candidate:
     restore: Offer | None = None  # restore this snapshot into the slot first
     from_ram: RamEntry | None = None  # the RAM-cache entry the server will load into the slot
     extends: bool = False  # the prompt extends all of what it reuses: a session continuing
+    primed: bool = False  # a primer first makes the server load ``from_ram`` (``PRIMER_TOKENS``)
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,12 @@ class RamView:
             [self.served[i] for i in at], kept, content_tokens, self.prompt_tokens, ties
         )
         return at[found] if found is not None else None
+
+    def own(self, index: int) -> bool:
+        """Whether entry ``index`` holds the request's own conversation (the prompt shares it
+        past its anchor: a session's parked content, not another's under the same system
+        prompt)."""
+        return self.entries[index].content.same_conversation(self.shared[index])
 
     @cached_property
     def best(self) -> int:
@@ -309,24 +319,35 @@ def candidate(
 ) -> Candidate:
     content = slot.content  # an idle slot: what its KV holds
     live, direct, shared, consulted, from_ram, destroyed = 0, 0, 0, False, None, 0.0
-    length = 0
+    length, primed = 0, False
     if content is not None and fp.hashes:
         shared = shared_segments(fp, content)
         live = direct = _reuse(fp, content, backend.exact, shared)
         length = backend.kv_estimate(content, slot.n_tokens)
         consulted = backend.ram and ram_cache.consulted(live, length)
         surely = consulted and ram_cache.consulted(live, length, ram_cache.SURE_CONSULT)
-        if ram is not None and surely:
+        primes = not surely and ram is not None and bool(ram.loadable) and _primes(backend, params)
+        if ram is not None and (surely or primes):
             skip = 0  # saving the slot first pushes out the oldest entries only under a budget
             if backend.ram_tokens is not None:
                 saved = backend.ram_entry(content, now, slot.n_tokens)
                 skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
-            i = ram.pick(live, length, skip, ties=True)
+            if surely:
+                i = ram.pick(live, length, skip, ties=True)
+            else:  # the slot would hold the primer, of which the prompt keeps nothing
+                i = ram.pick(0, PRIMER_TOKENS, skip)
+                if i is not None and (not ram.own(i) or ram.served[i][0] - PRIMER_TOKENS <= live):
+                    i = None  # (only a session's own parked content is worth a primer)
             if i is not None:
-                live, from_ram = ram.served[i][0], ram.entries[i]
+                live, from_ram, primed = ram.served[i][0], ram.entries[i], not surely
                 destroyed = ram.damage(i, now, params, backend)
-    restore = offer if offer is not None and offer.reuse - offer.cost > live else None
-    reuse, gain = (restore.reuse, restore.reuse - restore.cost) if restore else (live, live)
+                consulted = True  # (primed: the primer's own hook parks the slot's content)
+    spent = PRIMER_TOKENS if primed else 0
+    restore = offer if offer is not None and offer.reuse - offer.cost > live - spent else None
+    if restore is not None:
+        reuse, gain, primed = restore.reuse, restore.reuse - restore.cost, False
+    else:
+        reuse, gain = live, live - spent
     if content is None or not fp.hashes:
         return Candidate(backend, slot, reuse, gain, load, restore)
     if restore is not None:
@@ -343,7 +364,14 @@ def candidate(
     damage = lost * recency(slot, now, params, backend) * discount + destroyed
     score = gain - params.eviction_weight * damage
     extends = restore is None and reuse > 0 and _extends(fp, content, shared, from_ram)
-    return Candidate(backend, slot, reuse, score, load, restore, from_ram, extends)
+    return Candidate(backend, slot, reuse, score, load, restore, from_ram, extends, primed)
+
+
+def _primes(backend: BackendState, params: RoutingParams) -> bool:
+    """Whether a primer can make ``backend`` load from its RAM cache: it has one, and keeps
+    an idle slot's KV until the next task (with unified KV any task launched in between
+    would clear the primer, and an empty pinned slot skips the cache)."""
+    return params.prime and backend.ram and not backend.unified
 
 
 class KinCeiling(NamedTuple):
@@ -361,6 +389,9 @@ class KinCeiling(NamedTuple):
 
     # a RAM load is certain for a slot holding anything: only a restore netting more avoids it
     forced: bool = False
+    # a primer may load the request's own parked session into a slot whatever it keeps of it
+    # (``candidate``), whose content the primer's hook then parks
+    primes: bool = False
 
 
 def kin_reach(fp: Fingerprint) -> tuple[int, int]:
@@ -403,7 +434,8 @@ def kin_loads(
         if destroyed < least:  # (else one serving as much destroys no more: it bounds this)
             loads.append((ram.served[i][0], destroyed))
             least = destroyed
-    return ceiling._replace(loads=tuple(loads))
+    primes = _primes(backend, params) and any(ram.own(i) for i in ram.loadable)
+    return ceiling._replace(loads=tuple(loads), primes=primes)
 
 
 def stranger_ceiling(
@@ -472,7 +504,8 @@ def kin_bound(
     else:
         lost = max(0, content.total - ceiling.before)
     restorable = ceiling.restored is not None
-    parks = backend.ram and (restorable or ram_cache.consulted(ceiling.floor, length))
+    primes = ceiling.primes or ceiling.loads is None
+    parks = backend.ram and (restorable or primes or ram_cache.consulted(ceiling.floor, length))
     discount = min(params.ram_discount, 1.0) if parks else 1.0
     damage = lost * recency(slot, now, params, backend) * discount
     w = params.eviction_weight

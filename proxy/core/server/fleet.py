@@ -106,7 +106,7 @@ class Fleet:
             slot.phase = SlotPhase.BUSY
             slot.pending = content if slot_id == placement.pin else None
             if backend.ram and slot_id == placement.pin and content is not None:
-                parked = _ram_entry_of(backend, slot, content)
+                parked = _ram_entry_of(backend, slot, content, placement.primed)
                 self._save_to_ram(backend, parked, content)  # (entries the slot now holds go)
                 backend.ram_entries = ram_cache.without(backend.ram_entries, placement.from_ram)
             used[slot_id], slot.last_used = slot.last_used, now
@@ -308,13 +308,17 @@ class Fleet:
         slot.n_tokens = seen.n_tokens
 
 
-def _ram_entry_of(backend: BackendState, slot: SlotState, prompt: Fingerprint) -> RamEntry | None:
+def _ram_entry_of(
+    backend: BackendState, slot: SlotState, prompt: Fingerprint, primed: bool = False
+) -> RamEntry | None:
     """What the server parks in RAM as a task with ``prompt`` starts on ``slot``: the slot's
-    content, when the prompt keeps less than half of it (else its hook does not run); it
-    also moves the entry it loads into the slot, so an evicted session finds its content
-    in RAM now."""
+    content, when the prompt keeps less than half of it (else its hook does not run) or a
+    primer ran the hook first (``primed``); it also moves the entry it loads into the slot,
+    so an evicted session finds its content in RAM now."""
     old = slot.content
-    if old is None or not ram_cache.hook_runs(old, prompt, backend.kv_estimate(old, slot.n_tokens)):
+    if old is None:
+        return None
+    if not primed and not ram_cache.hook_runs(old, prompt, backend.kv_estimate(old, slot.n_tokens)):
         return None
     return backend.ram_entry(old, slot.last_used, slot.n_tokens)
 

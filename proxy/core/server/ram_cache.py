@@ -46,6 +46,16 @@ from proxy.core.prompt.fingerprint import Fingerprint, common_segments
 # tokens where 200-900 were predicted, a few times per run.
 SURE_CONSULT = 0.4
 
+# *Primer*: a pinned slot the prompt keeps half of or more (another session under the same
+# long system prompt) does not run the hook, so a session parked in RAM would not come back
+# into it. A short request sharing nothing with the slot (``PRIMER``, prefilled alone) runs
+# the hook first: the slot's content is saved, nothing is loaded (no entry keeps a quarter of
+# the primer), and the slot holds the primer, of which the request then keeps under half
+# (a token at most), so the request's own hook loads its session. ``PRIMER_TOKENS``: what it
+# costs, the primer's prefill (about ten tokens in the usual tokenizers, BOS included).
+PRIMER = "Primer: the next request loads its session from the prompt cache."
+PRIMER_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class RamEntry:
@@ -193,18 +203,24 @@ def hook_runs(content: Fingerprint, prompt: Fingerprint, length: int | None = No
 
 
 def needs_park(
-    content: Fingerprint, prompt: Fingerprint, length: int, ram: bool, always: bool = False
+    content: Fingerprint,
+    prompt: Fingerprint,
+    length: int,
+    ram: bool,
+    always: bool = False,
+    primed: bool = False,
 ) -> bool:
     """Whether ``prompt``, pinned to a slot holding ``content`` (``length`` as in
     ``hook_runs``), loses a session that only a disk snapshot brings back: the prompt does not
     continue its conversation nor keep all of it, and the server does not park it in RAM
     itself (no RAM cache, or the prompt keeps at least half of it, so the hook does not run:
-    agent sessions sharing a long system prompt). ``always``: also where the server does."""
+    agent sessions sharing a long system prompt; unless a primer runs it first, ``primed``).
+    ``always``: also where the server does."""
     shared = common_segments(prompt.hashes, content.hashes)
     kept = prompt.tokens_at(shared)
     if content.same_conversation(shared) or kept >= content.total:
         return False
-    return always or not ram or not consulted(kept, length)
+    return always or not ram or not (primed or consulted(kept, length))
 
 
 def park(

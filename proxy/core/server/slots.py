@@ -196,6 +196,7 @@ class Placement:
     slots: tuple[int, ...]
     pin: int | None  # the id_slot to send; None when the server must choose
     from_ram: RamEntry | None = None  # the RAM-cache entry the server is predicted to load
+    primed: bool = False  # a primer is sent first, so that the server loads ``from_ram``
 
 
 class NoPlacement(StrEnum):

@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.core.server.ram_cache import PRIMER
 from testbed.fake_llama import FakeLlamaServer
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
@@ -48,6 +49,7 @@ async def _observations(url: str) -> dict[str, Any]:
     seen["ram_cache_restores_parked_prompt"] = back["timings"]["cache_n"] >= prompt - 1
     seen["ram_cache_scans_oldest_first"] = await _older_entry_shadows_newer(url)
     seen["ram_load_moves_entry_out"] = await _loaded_entry_leaves_the_cache(url)
+    seen["primer_loads_a_parked_session"] = await _primer_loads_a_parked_session(url)
     async with aiohttp.ClientSession() as session, session.get(url + "/slots") as resp:
         slots = await resp.json()
     seen["slots_fields"] = all({"id", "n_ctx", "is_processing"} <= s.keys() for s in slots)
@@ -96,6 +98,34 @@ async def _loaded_entry_leaves_the_cache(url: str) -> bool:
     return bool(back["timings"]["cache_n"] < len(tokens["tokens"]) / 2)
 
 
+async def _primer_loads_a_parked_session(url: str) -> tuple[bool, bool]:
+    """A session parked in RAM (an idle slot saved as another task starts) does not come back
+    into a slot holding another session under the same long header: the request keeps over
+    half of it, so the hook does not run, and only the header is reused. After a primer
+    (``ram_cache.PRIMER``, ``n_predict: 0``) in that slot, it comes back whole."""
+    header = "Long shared header about ports, ships and their cargo manifests. " * 12
+    session = header + "Session alpha asks about cranes."
+    other = header + "Session beta asks about tugs."
+    unrelated = {"prompt": "Unrelated words about deserts. " * 4, "n_predict": 2, "id_slot": 0}
+
+    def body(prompt: str) -> dict[str, Any]:
+        return {"prompt": prompt, "n_predict": 2, "temperature": 0, "id_slot": 1}
+
+    _, tokens = await _post(url + "/tokenize", {"content": session})
+    whole = len(tokens["tokens"])
+    found = []
+    for primed in (False, True):
+        await _post(url + "/completion", body(session))
+        await _post(url + "/completion", unrelated)  # a task starts: the idle slot 1 is saved
+        await _post(url + "/completion", body(other))  # keeps over half: no hook
+        if primed:
+            primer = {"prompt": PRIMER, "n_predict": 0, "id_slot": 1}
+            await _post(url + "/completion", primer)
+        _, back = await _post(url + "/completion", body(session))
+        found.append(back["timings"]["cache_n"] >= whole - 1)
+    return found[0], found[1]
+
+
 async def _same_on_both(
     observe: Callable[[str], Awaitable[dict[str, Any]]], real_url: str, fake: FakeLlamaServer
 ) -> dict[str, Any]:
@@ -119,6 +149,7 @@ async def test_fake_matches_real_server(llama_servers: Any) -> None:
     assert expected["ram_cache_restores_parked_prompt"] is True
     assert expected["ram_cache_scans_oldest_first"] is True
     assert expected["ram_load_moves_entry_out"] is True
+    assert expected["primer_loads_a_parked_session"] == (False, True)
 
 
 async def _ram_budget_observations(url: str) -> dict[str, bool]:

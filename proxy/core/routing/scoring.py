@@ -14,7 +14,13 @@
    back whole (``RamView``, ``candidate``); the load is counted on only when the slot keeps
    under 0.4 of its content (``ram_cache.SURE_CONSULT``: the shares are estimates), and an
    entry serving the prompt as far as the slot's content does, by segments, counts as loaded
-   (the server's exact tokens may favour it; ``ram_cache.pick``'s ``ties``).
+   (the server's exact tokens may favour it; ``ram_cache.pick``'s ``ties``). Where the slot
+   keeps more (another session under the same long system prompt) and the cache holds the
+   request's own conversation, a *primer* sent first (``ram_cache.PRIMER``) makes the server
+   park the slot's content and load that entry: the candidate is ``primed`` when that serves
+   more than the slot's own content by more than the primer's ``PRIMER_TOKENS``, which it
+   costs (never another session's entry, which loading would destroy; not with unified KV,
+   which clears an idle slot at the next task; not under cache isolation: ``prime``).
 2. *Disk*: a snapshot of a prefix of the request restorable on the backend (``Offer`` from
    ``core.disk.snapshots``) serves its tokens in any idle slot, at the restore's cost in
    prefill-token equivalents; the candidate restores when that nets more than the slot's
@@ -106,6 +112,7 @@ class RamView:
     shared: tuple[int, ...] = ()  # segments each entry shares with the request
     scale: float = 1.0  # the backend's tokens per estimate when ``served`` was measured
     loadable: tuple[int, ...] = ()  # the entries serving the prompt a token, in order
+    owned: bool = False  # one of them holds the request's own conversation (``own``)
     # (backend version, ``index.BackendIndex.holds`` as of it): whether a slot holds a chain
     holds: tuple[int, Callable[[tuple[int, ...]], bool]] | None = None
 
@@ -245,7 +252,7 @@ def ram_view(
     # their length is not worked out (``UNSHARED``); the length is the real KV's, as for a
     # slot's own content (``candidate``), whatever the model
     served, shared = [UNSHARED] * len(entries), [0] * len(entries)
-    loadable = []
+    loadable, owned = [], False
     tokens, cap, exact = fp.tokens, fp.total - 1, backend.exact
     for i, n in zip(at, ram_cache.shared_segments(fp, [entries[i] for i in at]), strict=True):
         if not n:
@@ -256,7 +263,10 @@ def ram_view(
         served[i], shared[i] = (reuse, kv_length(entry.content, entry.size, scale)), n
         if reuse > 0:
             loadable.append(i)
-    return RamView(fp.total, entries, tuple(served), tuple(shared), scale, tuple(loadable), known)
+            owned = owned or entry.content.same_conversation(n)
+    return RamView(
+        fp.total, entries, tuple(served), tuple(shared), scale, tuple(loadable), owned, known
+    )
 
 
 class RamViews:
@@ -326,7 +336,7 @@ def candidate(
         length = backend.kv_estimate(content, slot.n_tokens)
         consulted = backend.ram and ram_cache.consulted(live, length)
         surely = consulted and ram_cache.consulted(live, length, ram_cache.SURE_CONSULT)
-        primes = not surely and ram is not None and bool(ram.loadable) and _primes(backend, params)
+        primes = not surely and ram is not None and ram.owned and _primes(backend, params)
         if ram is not None and (surely or primes):
             skip = 0  # saving the slot first pushes out the oldest entries only under a budget
             if backend.ram_tokens is not None:
@@ -434,7 +444,7 @@ def kin_loads(
         if destroyed < least:  # (else one serving as much destroys no more: it bounds this)
             loads.append((ram.served[i][0], destroyed))
             least = destroyed
-    primes = _primes(backend, params) and any(ram.own(i) for i in ram.loadable)
+    primes = ram.owned and _primes(backend, params)
     return ceiling._replace(loads=tuple(loads), primes=primes)
 
 

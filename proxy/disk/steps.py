@@ -20,7 +20,7 @@ from proxy.core.disk.quota import WriteQuota
 from proxy.core.disk.snapshots import Layout, Offer, Snapshot, file_name
 from proxy.core.prompt.fingerprint import Fingerprint, common_segments
 from proxy.core.prompt.isolation import may_reuse
-from proxy.core.server.ram_cache import needs_park
+from proxy.core.server.ram_cache import held, needs_park
 from proxy.disk.plan import DiskPlan, Tier
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import LlamaServerClient, SlotActionFailed
@@ -151,16 +151,20 @@ class DiskSteps:
         primed: bool = False,
     ) -> None:
         """Save another conversation's long, recently used content before it is overwritten
-        where the server will not bring it back itself (``ram_cache.needs_park``; ``primed``:
-        a primer's hook parks it in RAM)."""
-        disk = self._tier.settings.disk
+        where the server will not bring it back itself (``ram_cache.needs_park``): not when its
+        RAM cache will hold it where a primer brings it back (``primed``: the primer's hook
+        parks it; or an idle save left a copy there)."""
+        settings = self._tier.settings
+        disk = settings.disk
         backend = self._tier.fleet.backends[index]
         slot = backend.slots[slot_id]
         content = slot.content
         if disk.park == "off" or content is None or content.total < disk.park_min_tokens:
             return
         length = backend.kv_estimate(content, slot.n_tokens)
-        if not needs_park(content, fp, length, backend.ram, disk.park == "on", primed):
+        primes = backend.ram and not backend.unified and settings.isolation.mode == "off"
+        in_ram = primed or (primes and held(backend.ram_entries, content))
+        if not needs_park(content, fp, length, backend.ram, disk.park == "on", in_ram):
             return
         half_life = self._tier.settings.routing.value_half_life_seconds
         if self._tier.now() - slot.last_used > half_life:

@@ -196,6 +196,11 @@ def test_needs_park_where_the_server_will_not_bring_the_session_back() -> None:
     stranger = Fingerprint((9,), (300,), anchor=1)  # keeps nothing: the server parks it in RAM
     onward = Fingerprint((1, 2, 3, 4), (2000, 2500, 2600, 2650), anchor=2)  # its next turn
     assert ram_cache.needs_park(session, other, 2600, ram=True)  # keeps 0.77: no RAM hook
+    # ... unless the server's RAM cache will hold it where a primer brings it back
+    assert not ram_cache.needs_park(session, other, 2600, ram=True, in_ram=True)
+    assert ram_cache.needs_park(session, other, 2600, ram=True, always=True, in_ram=True)
+    assert ram_cache.held([RamEntry(session, 0.0)], session)
+    assert not ram_cache.held([RamEntry(other, 0.0)], session)
     assert not ram_cache.needs_park(session, stranger, 2600, ram=True)
     assert ram_cache.needs_park(session, stranger, 2600, ram=False)
     assert ram_cache.needs_park(session, stranger, 2600, ram=True, always=True)

@@ -208,19 +208,25 @@ def needs_park(
     length: int,
     ram: bool,
     always: bool = False,
-    primed: bool = False,
+    in_ram: bool = False,
 ) -> bool:
     """Whether ``prompt``, pinned to a slot holding ``content`` (``length`` as in
     ``hook_runs``), loses a session that only a disk snapshot brings back: the prompt does not
     continue its conversation nor keep all of it, and the server does not park it in RAM
     itself (no RAM cache, or the prompt keeps at least half of it, so the hook does not run:
-    agent sessions sharing a long system prompt; unless a primer runs it first, ``primed``).
+    agent sessions sharing a long system prompt), nor holds it there already where a primer
+    can bring it back (``in_ram``: a primer runs the hook first, or an idle save made a copy).
     ``always``: also where the server does."""
     shared = common_segments(prompt.hashes, content.hashes)
     kept = prompt.tokens_at(shared)
     if content.same_conversation(shared) or kept >= content.total:
         return False
-    return always or not ram or not (primed or consulted(kept, length))
+    return always or not ram or not (in_ram or consulted(kept, length))
+
+
+def held(entries: Sequence[RamEntry], content: Fingerprint) -> bool:
+    """Whether one of ``entries`` contains ``content`` (a copy the server may load back)."""
+    return any(contains(entry.content, content) for entry in entries)
 
 
 def park(

@@ -310,12 +310,7 @@ class LlamaServerClient:
         return [int(t) for t in answer["tokens"]]
 
     async def warm(
-        self,
-        base_url: str,
-        tokens: list[int] | str,
-        slot: int,
-        reuse: bool = True,
-        lora: Any = None,
+        self, base_url: str, tokens: list[int], slot: int, reuse: bool = True, lora: Any = None
     ) -> dict[str, Any]:
         """Prefill ``tokens`` into ``slot`` and nothing else (``n_predict: 0`` leaves exactly
         the prompt in the KV, reference §7), under the request's LoRA adapters (``lora``, as
@@ -326,10 +321,14 @@ class LlamaServerClient:
         answer: dict[str, Any] = await self._call(base_url, "/completion", body)
         return answer
 
-    async def prime(self, base_url: str, slot: int, lora: Any = None) -> None:
+    async def prime(self, base_url: str, slot: int, request: Mapping[str, Any]) -> None:
         """Prefill the primer (``core.server.ram_cache.PRIMER``) into ``slot``: its RAM-cache
-        hook parks what the slot holds, and the next request pinned there loads its session."""
-        await self.warm(base_url, PRIMER, slot, True, lora)
+        hook parks what the slot holds, and the next request pinned there loads its session.
+        Under the ``request``'s LoRA adapters (a change of adapters clears the slot) and for
+        its ``model`` (a server in router mode picks the model by it)."""
+        body = {"prompt": PRIMER, "n_predict": 0, "id_slot": slot, "cache_prompt": True}
+        body.update((k, request[k]) for k in ("lora", "model") if request.get(k) is not None)
+        await self._call(base_url, "/completion", body)
 
     async def slot_action(
         self, base_url: str, slot: int, action: str, filename: str

@@ -158,7 +158,7 @@ class ProxyHandlers:
         if placement.primed and placement.pin is not None:
             url = self._settings.backends[placement.backend].base_url
             try:
-                await self._client.prime(url, placement.pin, parsed.data.get("lora"))
+                await self._client.prime(url, placement.pin, parsed.data)
             except SlotActionFailed as exc:  # (the request goes on: it reuses less)
                 log.warning("primer to %s slot %d failed: %s", url, placement.pin, exc)
                 self._metrics.ram_primers.labels("failed").inc()

@@ -203,3 +203,29 @@ async def test_a_session_parked_in_ram_comes_back_through_a_primer(fakes: Any, p
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent") >= 4
     assert fake.violations == []
+
+
+async def test_a_failed_primer_is_counted_and_the_request_goes_on(
+    fakes: Any, proxy: Any, monkeypatch: Any
+) -> None:
+    """The primer fails (the server answers an error): the request is sent all the same, and
+    reuses what the slot itself holds."""
+    from proxy.upstream import LlamaServerClient, SlotActionFailed
+
+    async def failing(*args: Any) -> None:
+        raise SlotActionFailed("/completion: 500 no")
+
+    monkeypatch.setattr(LlamaServerClient, "prime", failing)
+    fake = await fakes(n_slots=2)
+    client = await proxy([fake])
+    histories: dict[int, list[dict[str, Any]]] = {s: [] for s in range(3)}
+    for turn in range(2):
+        for session in range(3):
+            user = {"role": "user", "content": f"session {session} turn {turn}: " + "log " * 100}
+            messages = [{"role": "system", "content": SYSTEM * 4}, *histories[session], user]
+            body = {"messages": messages, "max_tokens": 8, "stream": False}
+            reply, _, _ = await _run_turn(client, body)
+            histories[session] += [user, {"role": "assistant", "content": reply}]
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="failed") >= 1
+    assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent") == 0

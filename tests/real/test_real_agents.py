@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from proxy.app import SCHEDULER
+from testbed.probes import metric
 from testbed.stack import LlamaServer
 from tests.real.test_real_swa import probed
 
@@ -151,7 +152,15 @@ async def proxied(proxy: Any, servers: list[LlamaServer], sessions: int) -> list
         assert resp.status == 200, await resp.text()
         return await resp.json(), resp.headers
 
-    return await run_agents(send, sessions)
+    turns = await run_agents(send, sessions)
+    page = await (await client.get("/metrics")).text()
+    counts = {
+        "primers": metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent"),
+        "parks": metric(page, "llama_cache_proxy_disk_saves_total", kind="park"),
+        "restores": metric(page, "llama_cache_proxy_disk_events_total", event="restore"),
+    }
+    print("\nthrough the proxy: " + ", ".join(f"{k} {v:.0f}" for k, v in counts.items()))
+    return turns
 
 
 def shared_servers(llama_servers: Any, count: int) -> list[LlamaServer]:

@@ -69,6 +69,7 @@ class Plan:
     after: Fingerprint | None = None  # what the slot holds after the reply (content_after)
     views: dict[int, RamView] = field(default_factory=dict)  # route's memo while it waits
     segments: list[Segment] | None = None  # a chat prompt's
+    reuses: bool = True  # False: the client's ``cache_prompt: false`` (nothing is reused)
 
 
 class Router:
@@ -144,7 +145,18 @@ class Router:
                 hint = (self._labels[ref[0]], ref[1])
         wait_until = self._clock() + self._settings.routing.max_slot_wait_seconds
         who = self._disk.client_id(request.headers, tenant) if self._disk else None
-        return Plan(fp, chat, key, hint, wait_until, tenant=tenant, segments=segments, client=who)
+        reuses = body.get("cache_prompt") is not False
+        return Plan(
+            fp,
+            chat,
+            key,
+            hint,
+            wait_until,
+            tenant=tenant,
+            segments=segments,
+            client=who,
+            reuses=reuses,
+        )
 
     def target(self, plan: Plan, remote: frozenset[int]) -> int | None:
         """The backend the request would be placed on, or wait for, now (disk offers aside;
@@ -167,10 +179,12 @@ class Router:
             odds = self.returns.odds(now, sum(len(b.slots) for b in backends))
             if odds is not self.params.returns:
                 self.params = replace(self.params, returns=odds)
+        # (a request that reuses nothing gains nothing from a primer)
+        params = self.params if plan.reuses else replace(self.params, prime=False)
         return route(
             plan.fp,
             self._fleet.backends,
-            self.params,
+            params,
             now=now,
             affinity=plan.hint,
             allow_wait=allow_wait,
@@ -188,8 +202,7 @@ class Router:
         if plan.segments is not None and self._churn is not None:
             self._churn.observe(plan.key, plan.fp, body, plan.segments)
         await self._arrived(plan.fp)
-        reuses = body.get("cache_prompt") is not False  # (a client's false: nothing restored)
-        if self._disk is not None and self._settings.routing.pin_slots and reuses:
+        if self._disk is not None and self._settings.routing.pin_slots and plan.reuses:
             plan.disk = await self._disk.plan(plan.fp, body, scope, plan.tenant, plan.client)
 
     async def _arrived(self, fp: Fingerprint) -> None:

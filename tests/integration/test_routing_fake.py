@@ -229,3 +229,20 @@ async def test_a_failed_primer_is_counted_and_the_request_goes_on(
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="failed") >= 1
     assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent") == 0
+
+
+async def test_no_primer_for_a_request_that_reuses_nothing(fakes: Any, proxy: Any) -> None:
+    """A client's ``cache_prompt: false`` reuses nothing: no primer is sent for it."""
+    fake = await fakes(n_slots=2)
+    client = await proxy([fake])
+    histories: dict[int, list[dict[str, Any]]] = {s: [] for s in range(3)}
+    for turn in range(2):
+        for session in range(3):
+            user = {"role": "user", "content": f"session {session} turn {turn}: " + "log " * 100}
+            messages = [{"role": "system", "content": SYSTEM * 4}, *histories[session], user]
+            body = {"messages": messages, "max_tokens": 8, "stream": False}
+            reply, timings, _ = await _run_turn(client, {**body, "cache_prompt": turn == 0})
+            assert turn == 0 or timings["cache_n"] == 0
+            histories[session] += [user, {"role": "assistant", "content": reply}]
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent") == 0

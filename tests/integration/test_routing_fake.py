@@ -177,6 +177,26 @@ async def test_backend_tokenizer_counts_segments_with_the_backend(fakes: Any, pr
     assert abs(predicted - actual) <= 16  # backend counts plus template overhead
 
 
+async def _agents(
+    client: Any, turns: int, **extra: Any
+) -> list[tuple[int, int, dict[str, Any], Any]]:
+    """Three sessions sharing a long system prompt, most of each one's content as in agent
+    fleets, taking ``turns`` interleaved turns (``extra``: body fields, or a callable of the
+    turn giving them); each turn's (session, turn, timings, headers)."""
+    histories: dict[int, list[dict[str, Any]]] = {s: [] for s in range(3)}
+    out = []
+    for turn in range(turns):
+        for session in range(3):
+            user = {"role": "user", "content": f"session {session} turn {turn}: " + "log " * 100}
+            messages = [{"role": "system", "content": SYSTEM * 4}, *histories[session], user]
+            fields = {k: v(turn) if callable(v) else v for k, v in extra.items()}
+            body = {"messages": messages, "max_tokens": 8, "stream": False, **fields}
+            reply, timings, headers = await _run_turn(client, body)
+            out.append((session, turn, timings, headers))
+            histories[session] += [user, {"role": "assistant", "content": reply}]
+    return out
+
+
 async def test_a_session_parked_in_ram_comes_back_through_a_primer(fakes: Any, proxy: Any) -> None:
     """Three sessions sharing a long system prompt take turns on one backend of two slots,
     with the RAM cache and no disk tier: each returning turn finds its slot holding another
@@ -185,21 +205,13 @@ async def test_a_session_parked_in_ram_comes_back_through_a_primer(fakes: Any, p
     every returning turn reuses its own history, as predicted."""
     fake = await fakes(n_slots=2)
     client = await proxy([fake])
-    histories: dict[int, list[dict[str, Any]]] = {s: [] for s in range(3)}
     previous: dict[int, int] = {}
-    for turn in range(3):
-        for session in range(3):
-            # (the system prompt is most of each session's content, as in agent fleets)
-            user = {"role": "user", "content": f"session {session} turn {turn}: " + "log " * 100}
-            messages = [{"role": "system", "content": SYSTEM * 4}, *histories[session], user]
-            body = {"messages": messages, "max_tokens": 8, "stream": False}
-            reply, timings, headers = await _run_turn(client, body)
-            if session in previous:
-                assert timings["cache_n"] >= 0.95 * previous[session], (session, turn, timings)
-                predicted = int(headers["X-Cache-Predicted-Tokens"])
-                assert abs(predicted - timings["cache_n"]) <= 0.1 * timings["cache_n"]
-            previous[session] = timings["prompt_n"] + timings["cache_n"]
-            histories[session] += [user, {"role": "assistant", "content": reply}]
+    for session, turn, timings, headers in await _agents(client, 3):
+        if session in previous:
+            assert timings["cache_n"] >= 0.95 * previous[session], (session, turn, timings)
+            predicted = int(headers["X-Cache-Predicted-Tokens"])
+            assert abs(predicted - timings["cache_n"]) <= 0.1 * timings["cache_n"]
+        previous[session] = timings["prompt_n"] + timings["cache_n"]
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent") >= 4
     assert fake.violations == []
@@ -216,16 +228,8 @@ async def test_a_failed_primer_is_counted_and_the_request_goes_on(
         raise SlotActionFailed("/completion: 500 no")
 
     monkeypatch.setattr(LlamaServerClient, "prime", failing)
-    fake = await fakes(n_slots=2)
-    client = await proxy([fake])
-    histories: dict[int, list[dict[str, Any]]] = {s: [] for s in range(3)}
-    for turn in range(2):
-        for session in range(3):
-            user = {"role": "user", "content": f"session {session} turn {turn}: " + "log " * 100}
-            messages = [{"role": "system", "content": SYSTEM * 4}, *histories[session], user]
-            body = {"messages": messages, "max_tokens": 8, "stream": False}
-            reply, _, _ = await _run_turn(client, body)
-            histories[session] += [user, {"role": "assistant", "content": reply}]
+    client = await proxy([await fakes(n_slots=2)])
+    assert len(await _agents(client, 2)) == 6
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="failed") >= 1
     assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent") == 0
@@ -233,16 +237,8 @@ async def test_a_failed_primer_is_counted_and_the_request_goes_on(
 
 async def test_no_primer_for_a_request_that_reuses_nothing(fakes: Any, proxy: Any) -> None:
     """A client's ``cache_prompt: false`` reuses nothing: no primer is sent for it."""
-    fake = await fakes(n_slots=2)
-    client = await proxy([fake])
-    histories: dict[int, list[dict[str, Any]]] = {s: [] for s in range(3)}
-    for turn in range(2):
-        for session in range(3):
-            user = {"role": "user", "content": f"session {session} turn {turn}: " + "log " * 100}
-            messages = [{"role": "system", "content": SYSTEM * 4}, *histories[session], user]
-            body = {"messages": messages, "max_tokens": 8, "stream": False}
-            reply, timings, _ = await _run_turn(client, {**body, "cache_prompt": turn == 0})
-            assert turn == 0 or timings["cache_n"] == 0
-            histories[session] += [user, {"role": "assistant", "content": reply}]
+    client = await proxy([await fakes(n_slots=2)])
+    for _, turn, timings, _ in await _agents(client, 2, cache_prompt=lambda turn: turn == 0):
+        assert turn == 0 or timings["cache_n"] == 0
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent") == 0

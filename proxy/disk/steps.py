@@ -162,8 +162,10 @@ class DiskSteps:
         if disk.park == "off" or content is None or content.total < disk.park_min_tokens:
             return
         length = backend.kv_estimate(content, slot.n_tokens)
+        # (a copy under a RAM budget may be pushed out before its session is back)
         primes = backend.ram and not backend.unified and settings.isolation.mode == "off"
-        in_ram = primed or (primes and held(backend.ram_entries, content))
+        copied = primes and backend.ram_tokens is None and held(backend.ram_entries, content)
+        in_ram = primed or copied
         if not needs_park(content, fp, length, backend.ram, disk.park == "on", in_ram):
             return
         half_life = self._tier.settings.routing.value_half_life_seconds

@@ -219,11 +219,13 @@ class DiskTier:
         placement: Placement,
         body: dict[str, Any],
         chat: bool,
+        primed: bool = False,
     ) -> None:
+        """``primed``: a primer reached the slot (its hook parked the content in RAM)."""
         assert placement.pin is not None
         index, slot_id = placement.backend, placement.pin
         if (layout := self._layout(index)) is not None:
-            await self.steps.park(dp, fp, index, slot_id, layout, placement.primed)
+            await self.steps.park(dp, fp, index, slot_id, layout, primed)
             if restore is not None:
                 await self.steps.restore(dp, restore, index, slot_id)
                 predicted = (dp.restored_tokens and restore.reuse) or predicted
@@ -241,7 +243,7 @@ class DiskTier:
                 )
                 # (not into a primed slot: the warm-up would load the session the primer is
                 # for, then cut it to the prefix)
-                if choice.segments and predicted <= choice.tokens and not placement.primed:
+                if choice.segments and predicted <= choice.tokens and not primed:
                     args = (dp, fp, choice.segments, index, slot_id, body, layout)
                     save = partial(self.steps.scoped_save, *args)
                     await self.steps.save_once(dp, choice.segments, index, slot_id, save)

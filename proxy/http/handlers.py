@@ -149,21 +149,30 @@ class ProxyHandlers:
         raise AssertionError("unreachable")
 
     async def _prepare(self, plan: Plan | None, placement: Placement, parsed: ParsedBody) -> None:
-        """Work on the slot before the request is sent: the disk tier's (save, restore, park),
-        then the primer that makes the server load the session from its RAM cache."""
+        """Work on the slot before the request is sent: the primer that makes the server park
+        the slot's content and load the session from its RAM cache, then the disk tier's
+        (park, restore, save: a slot the primer did not reach is parked on disk as any)."""
+        primed = placement.primed and await self._prime(placement, parsed)
         if plan is not None and plan.disk is not None and plan.decision is not None:
             d = plan.decision
             args = (plan.disk, plan.fp, d.restore, d.predicted, placement, parsed.data, plan.chat)
-            await self._disk.before(*args)
-        if placement.primed and placement.pin is not None:
-            url = self._settings.backends[placement.backend].base_url
-            try:
-                await self._client.prime(url, placement.pin, parsed.data)
-            except SlotActionFailed as exc:  # (the request goes on: it reuses less)
-                log.warning("primer to %s slot %d failed: %s", url, placement.pin, exc)
-                self._metrics.ram_primers.labels("failed").inc()
-            else:
-                self._metrics.ram_primers.labels("sent").inc()
+            await self._disk.before(*args, primed)
+
+    async def _prime(self, placement: Placement, parsed: ParsedBody) -> bool:
+        """Send a primed placement's primer; whether it was. A failure is logged and counted,
+        the fleet's model put back (nothing parked, nothing loaded), and the request goes on,
+        reusing less."""
+        assert placement.pin is not None
+        url = self._settings.backends[placement.backend].base_url
+        try:
+            await self._client.prime(url, placement.pin, parsed.data)
+        except SlotActionFailed as exc:
+            log.warning("primer to %s slot %d failed: %s", url, placement.pin, exc)
+            self._metrics.ram_primers.labels("failed").inc()
+            self._fleet.unprimed(placement)
+            return False
+        self._metrics.ram_primers.labels("sent").inc()
+        return True
 
     def _may_reuse(self, plan: Plan | None, placement: Placement, pin: int | None) -> bool:
         """Cache isolation (``core.prompt.isolation``): reuse the slot's KV only when it cannot

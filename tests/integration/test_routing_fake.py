@@ -242,3 +242,12 @@ async def test_no_primer_for_a_request_that_reuses_nothing(fakes: Any, proxy: An
         assert turn == 0 or timings["cache_n"] == 0
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent") == 0
+
+
+async def test_no_primer_where_slots_are_not_pinned(fakes: Any, proxy: Any) -> None:
+    """With ``routing.pin_slots: false`` the server picks the slot, maybe another than the
+    primer's: no primer is sent."""
+    client = await proxy([await fakes(n_slots=2)], routing={"pin_slots": False})
+    assert len(await _agents(client, 2)) == 6
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent") == 0

@@ -516,3 +516,46 @@ def test_with_unified_kv_an_idle_slot_saved_as_a_task_starts_is_cleared(unified:
     slot0 = fleet.backends[0].slots[0]
     assert [g.content for g in fleet.backends[0].ram_entries] == [_fp("a ")]
     assert (slot0.content, slot0.n_tokens) == ((None, 0) if unified else (_fp("a "), 40))
+
+
+def _chain(*segments: int, anchor: int = 2) -> Fingerprint:
+    """A chat chain of 100-token segments (system prompt, then the session's messages)."""
+    hashes = tuple(hash(segments[: i + 1]) for i in range(len(segments)))
+    return Fingerprint(hashes, tuple(100 * (i + 1) for i in range(len(segments))), anchor)
+
+
+def test_a_primed_claim_whose_primer_failed_is_modelled_as_unprimed() -> None:
+    """A primed claim parks the slot's content and takes the session's entry out of the RAM
+    model; when the primer fails, neither happened: the model is as before the claim."""
+    fleet = ready_fleet(2)
+    backend = fleet.backends[0]
+    other, session = _chain(1, 2, 3), _chain(1, 5, 6)
+    backend.slots[0].content = other
+    entry = RamEntry(session, 1.0)
+    backend.ram_entries = [entry]
+    placement = Placement(0, (0,), 0, entry, primed=True)
+    fleet.claim(placement, now=2.0, content=_chain(1, 5, 6, 7))
+    assert [e.content for e in backend.ram_entries] == [other]
+    fleet.unprimed(placement)
+    assert backend.ram_entries == [entry]
+    fleet.release(placement, now=3.0, clean=True, content=_chain(1, 5, 6, 7, 8))
+    assert backend.ram_entries == [entry]
+
+
+def test_another_replicas_primed_request_is_folded_in_as_a_load() -> None:
+    """Another replica primed slot 0, holding another session under the same system prompt,
+    and its request loaded its session from RAM: the slot's old content is parked and the
+    loaded entry gone, as for our own primed claim."""
+    fleet = ready_fleet(2)
+    backend = fleet.backends[0]
+    # a two-segment system prompt: the request keeps two thirds of the other session
+    other, session = _chain(1, 2, 3, anchor=3), _chain(1, 2, 5, 6, anchor=3)
+    backend.slots[0].content, backend.slots[0].record_at = other, 900.0
+    backend.ram_entries = [RamEntry(session, 1.0)]
+    after = _chain(1, 2, 5, 6, 7, anchor=3)
+    fleet.fold_shared(0, set(), {0: (after, 500, 1000.0)}, now=5.0, wall=1000.0)
+    assert [e.content for e in backend.ram_entries] == [other]
+    # a request continuing the slot's own content took nothing from RAM
+    onward = _chain(1, 2, 5, 6, 7, 8, anchor=3)
+    fleet.fold_shared(0, set(), {0: (onward, 600, 1001.0)}, now=6.0, wall=1001.0)
+    assert [e.content for e in backend.ram_entries] == [other]

@@ -1324,3 +1324,18 @@ def test_property_a_spare_strangers_bound_is_never_below_its_score(
         if slot.content is None or not slot.content.total:
             score = candidate(request, backend, slot, 100.0, params, ram, 0, offer).score
             assert stranger_most(bare, params, hollow) >= score
+
+
+def test_no_primer_when_its_saves_push_the_session_out_of_a_ram_budget() -> None:
+    """Under a RAM budget the primer's hook saves the slot's content, and the request's own
+    hook saves the primer, before the session loads: when those push the session's entry
+    out (it is the oldest), the primer would load nothing of it."""
+    for budget, primed in ((330, False), (400, True)):
+        f = Fleet(["b0"], ram_tokens=[budget])
+        probe = Probe(BackendPhase.READY, (SlotProbe(0, False, 0, -1),))
+        f.apply_probe(0, probe, now=0.0)
+        hold(f, 0, 0, fp(1, 90, size=40))  # 80 tokens, half of them the prompt's
+        f.backends[0].ram_entries = [RamEntry(fp(1, 2, 3, 4, 5, 6, size=40), 50.0)]  # 240
+        d = decided(route(fp(1, 2, 3, 4, 5, 6, 7, size=40), f.backends, PARAMS, now=100.0))
+        assert d.placement is not None
+        assert d.placement.primed is primed, budget

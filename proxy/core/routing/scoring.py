@@ -341,7 +341,9 @@ def candidate(
             skip = 0  # saving the slot first pushes out the oldest entries only under a budget
             if backend.ram_tokens is not None:
                 saved = backend.ram_entry(content, now, slot.n_tokens)
-                skip = ram_cache.evicted_by(ram.entries, saved, backend.ram_tokens)
+                # (primed: the request's own hook saves the primer too, before it loads)
+                room = backend.ram_tokens - (0 if surely else PRIMER_TOKENS)
+                skip = ram_cache.evicted_by(ram.entries, saved, room)
             if surely:
                 i = ram.pick(live, length, skip, ties=True)
             else:  # the slot would hold the primer, of which the prompt keeps nothing

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.prompt.fingerprint import Fingerprint, common_segments
 from proxy.core.server import ram_cache
 from proxy.core.server.ram_cache import RamEntry
 from proxy.core.server.slots import (
@@ -162,6 +162,21 @@ class Fleet:
         if sent:
             backend.turns += 1
 
+    def unprimed(self, placement: Placement) -> None:
+        """The primer of a primed claim failed: the server neither parked the slot's content
+        nor will load the entry, so the RAM-cache model is put back as before the claim
+        (while no other claim or release followed on the backend), with its idle saves."""
+        backend = self.backends[placement.backend]
+        slot = backend.slots[placement.pin] if placement.pin is not None else None
+        undo = slot.undo if slot is not None else None
+        if slot is None or undo is None:
+            return
+        if backend.turns != undo.turn or backend.ram_entries is not undo.ram_after:
+            return
+        backend.ram_entries = undo.ram_before
+        self._save_idle(backend)
+        slot.undo = undo._replace(ram_after=backend.ram_entries)
+
     def _save_idle(self, backend: BackendState) -> None:
         """A task started: with ``--cache-idle-slots`` the server saves each idle slot (and
         clears it too with unified KV, where its cells are room for the others)."""
@@ -217,7 +232,8 @@ class Fleet:
                 slot.phase, slot.last_used = SlotPhase.IDLE, max(slot.last_used, now)
             found = records.get(slot.id)
             if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
-                parked = _ram_entry_of(backend, slot, found[0]) if backend.ram else None
+                primed = backend.ram and _loaded(backend, slot.content, found[0])
+                parked = _ram_entry_of(backend, slot, found[0], primed) if backend.ram else None
                 if parked is not None:
                     self._save_to_ram(backend, parked, found[0])
                 if slot.content is None or slot.content.hashes != found[0].hashes:
@@ -321,6 +337,18 @@ def _ram_entry_of(
     if not primed and not ram_cache.hook_runs(old, prompt, backend.kv_estimate(old, slot.n_tokens)):
         return None
     return backend.ram_entry(old, slot.last_used, slot.n_tokens)
+
+
+def _loaded(backend: BackendState, old: Fingerprint | None, new: Fingerprint) -> bool:
+    """Whether a slot that held ``old`` and now holds ``new`` (another replica's request) took
+    a RAM entry the new content continues beyond what the old content shares with it: the
+    server's hook ran, as only a primer makes it run for a request keeping half of the slot
+    (``ram_cache.PRIMER``), and the old content was parked."""
+    shared = common_segments(old.hashes, new.hashes) if old is not None else 0
+    return any(
+        len(e.content.hashes) > shared and ram_cache.covers(new, e.content)
+        for e in backend.ram_entries
+    )
 
 
 def _reconcile(slot: SlotState, seen_tokens: int) -> None:

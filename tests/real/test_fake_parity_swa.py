@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.core.server.ram_cache import PRIMER
 from testbed.fake_llama import FakeLlamaServer, render_chat, tokenize
 from testbed.fake_memory import SWA, Memory
 
@@ -143,3 +144,60 @@ async def test_fake_swa_mode_reuses_what_gemma_reuses(gemma_servers: Any, swa_fu
     # more than n_swa tokens before its end is not reused even then (its SWA layers were
     # saved for the last n_swa positions only)
     assert kinds == ["none", "prefix", window, window, live, live, "none"]
+
+
+PRIMED_SYSTEM = SYSTEM * 3  # ~900 tokens: most of each session, as in agent fleets
+
+
+async def _primed_sequence(url: str, fake: bool) -> list[str]:
+    """Two slots, the RAM cache on: A on slot 0; an unrelated task on slot 1 (slot 0 is
+    saved to RAM as it starts); B, sharing the system prompt, on slot 0 (it keeps over half of
+    A: no RAM hook); the primer on slot 0; A's next turn on slot 0. The kinds of the chat
+    steps' ``cache_n``; for A's return, ``end`` when it is the checkpoint 4 tokens before the
+    end of A's previous prompt, restored one token short (what a RAM load brings back on a
+    sliding-window model without ``--swa-full``)."""
+    a = [{"role": "system", "content": PRIMED_SYSTEM}, {"role": "user", "content": "session alpha"}]
+    b = [{"role": "system", "content": PRIMED_SYSTEM}, {"role": "user", "content": "session beta"}]
+    kinds: list[str] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        tokens = Tokens(url, session, fake)
+
+        async def chat(messages: list[dict[str, str]], slot: int) -> tuple[int, str]:
+            body = {"messages": messages, "max_tokens": 3, "temperature": 0, "id_slot": slot}
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                reply = await resp.json()
+            return reply["timings"]["cache_n"], reply["choices"][0]["message"]["content"]
+
+        async def raw(prompt: str, slot: int, n_predict: int) -> None:
+            body = {"prompt": prompt, "n_predict": n_predict, "id_slot": slot}
+            async with session.post(url + "/completion", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+
+        held, users = await tokens(a)
+        cache_n, reply = await chat(a, 0)
+        kinds.append(_kind(cache_n, 0, len(held), users))
+        await raw("tides and moons over the quiet bay", 1, 3)
+        pieces, users = await tokens(b)
+        cache_n, _ = await chat(b, 0)
+        kinds.append(_kind(cache_n, _lcp(held, pieces), len(pieces), users))
+        await raw(PRIMER, 0, 0)
+        again = _turn(a, reply, "which came last")
+        pieces, users = await tokens(again)
+        cache_n, _ = await chat(again, 0)
+        end = cache_n == len(held) - 5
+        kinds.append("end" if end else _kind(cache_n, _lcp(held, pieces), len(pieces), users))
+    return kinds
+
+
+async def test_fake_swa_mode_loads_a_primed_session_as_gemma_does(gemma_servers: Any) -> None:
+    real = gemma_servers(slots=2, ctx_per_slot=4096)  # without --swa-full, the RAM cache on
+    expected = await _primed_sequence(real.url, fake=False)
+    memory = Memory(kind=SWA, n_swa=512, swa_full=False)
+    fake = FakeLlamaServer(n_slots=2, memory=memory)
+    await fake.start()
+    try:
+        assert await _primed_sequence(fake.url, fake=True) == expected
+    finally:
+        await fake.stop()
+    # B diverges from A within the last n_ubatch tokens: reused up to there
+    assert expected == ["none", "prefix", "end"]

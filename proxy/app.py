@@ -68,6 +68,9 @@ def create_app(
         ram_tokens=[b.ram_cache_tokens for b in settings.backends],
         idle_saves=[b.cache_idle_slots for b in settings.backends],
         unified=[b.kv_unified is True for b in settings.backends],
+        # (under cache isolation a request keeping under half of its slot reuses nothing; with
+        # slots not pinned the server may run the request in another slot than the primer's)
+        primes=settings.isolation.mode == "off" and settings.routing.pin_slots,
     )
     for state, backend in zip(fleet.backends, settings.backends, strict=True):
         state.reuse_known = backend.kv_reuse != "auto"  # probed (``reuse_probe``)

@@ -152,21 +152,20 @@ class DiskSteps:
     ) -> None:
         """Save another conversation's long, recently used content before it is overwritten
         where the server will not bring it back itself (``ram_cache.needs_park``): not when its
-        RAM cache will hold it where a primer brings it back (``primed``: the primer's hook
-        parks it; or an idle save left a copy there)."""
-        settings = self._tier.settings
-        disk = settings.disk
+        RAM cache will hold it where a primer brings it back (an idle save left a copy there),
+        nor once a primer reached the slot (``primed``: its hook parked the content, and the
+        slot holds the primer: ``DiskTier.before`` parks first where ``park: on`` asks)."""
+        disk = self._tier.settings.disk
         backend = self._tier.fleet.backends[index]
         slot = backend.slots[slot_id]
         content = slot.content
-        if disk.park == "off" or content is None or content.total < disk.park_min_tokens:
+        if disk.park == "off" or primed or content is None or content.total < disk.park_min_tokens:
             return
         length = backend.kv_estimate(content, slot.n_tokens)
         # (a copy under a RAM budget may be pushed out before its session is back)
-        primes = backend.ram and not backend.unified and settings.isolation.mode == "off"
+        primes = self._tier.fleet.primes and backend.ram and not backend.unified
         copied = primes and backend.ram_tokens is None and held(backend.ram_entries, content)
-        in_ram = primed or copied
-        if not needs_park(content, fp, length, backend.ram, disk.park == "on", in_ram):
+        if not needs_park(content, fp, length, backend.ram, disk.park == "on", copied):
             return
         half_life = self._tier.settings.routing.value_half_life_seconds
         if self._tier.now() - slot.last_used > half_life:

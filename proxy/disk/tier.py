@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -219,13 +219,22 @@ class DiskTier:
         placement: Placement,
         body: dict[str, Any],
         chat: bool,
-        primed: bool = False,
+        primer: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
-        """``primed``: a primer reached the slot (its hook parked the content in RAM)."""
+        """``primer``: a primed placement's, sent here, before the rest: it replaces the slot's
+        content, so ``park: on`` parks first; a primer that failed leaves the slot to be parked
+        as for any request."""
         assert placement.pin is not None
         index, slot_id = placement.backend, placement.pin
-        if (layout := self._layout(index)) is not None:
-            await self.steps.park(dp, fp, index, slot_id, layout, primed)
+        layout, primed, first = self._layout(index), False, False
+        if primer is not None:
+            first = layout is not None and self._disk.park == "on"
+            if first:
+                assert layout is not None
+                await self.steps.park(dp, fp, index, slot_id, layout)
+            primed = await primer()
+        if layout is not None:
+            await self.steps.park(dp, fp, index, slot_id, layout, primed or first)
             if restore is not None:
                 await self.steps.restore(dp, restore, index, slot_id)
                 predicted = (dp.restored_tokens and restore.reuse) or predicted

@@ -149,14 +149,17 @@ class ProxyHandlers:
         raise AssertionError("unreachable")
 
     async def _prepare(self, plan: Plan | None, placement: Placement, parsed: ParsedBody) -> None:
-        """Work on the slot before the request is sent: the primer that makes the server park
-        the slot's content and load the session from its RAM cache, then the disk tier's
-        (park, restore, save: a slot the primer did not reach is parked on disk as any)."""
-        primed = placement.primed and await self._prime(placement, parsed)
+        """Work on the slot before the request is sent: the disk tier's (park, restore, save)
+        and the primer that makes the server park the slot's content and load the session
+        from its RAM cache, which the disk tier sends in its order (a slot the primer did not
+        reach is parked on disk as any)."""
+        primer = partial(self._prime, placement, parsed) if placement.primed else None
         if plan is not None and plan.disk is not None and plan.decision is not None:
             d = plan.decision
             args = (plan.disk, plan.fp, d.restore, d.predicted, placement, parsed.data, plan.chat)
-            await self._disk.before(*args, primed)
+            await self._disk.before(*args, primer)  # (it sends the primer, in its order)
+        elif primer is not None:
+            await primer()
 
     async def _prime(self, placement: Placement, parsed: ParsedBody) -> bool:
         """Send a primed placement's primer; whether it was. A failure is logged and counted,

@@ -95,10 +95,7 @@ class Router:
         self._counter, self._offload = counter, offload
         self._metrics, self._clock = metrics, clock
         self._index = FleetIndex()  # the fleet's slots grouped for routing, kept while unchanged
-        # (under cache isolation a request keeping under half of its slot reuses nothing; with
-        # slots not pinned the server may run the request in another slot than the primer's)
-        prime = settings.isolation.mode == "off" and settings.routing.pin_slots
-        self.params = replace(settings.routing.params(), prime=prime)
+        self.params = replace(settings.routing.params(), prime=fleet.primes)
         self._labels = {b.label: b.index for b in fleet.backends}
         self._scheduler = scheduler
         self._churn, self._backend_tokens = churn, backend_tokens

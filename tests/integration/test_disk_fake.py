@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from proxy.core.disk.snapshots import Lookup
+from proxy.disk.tier import DiskTier
 from proxy.upstream import LlamaServerClient, SlotActionFailed
 from testbed.fake_llama import FakeLlamaServer
 from testbed.probes import metric
@@ -342,6 +344,32 @@ async def test_park_auto_leaves_a_session_with_a_ram_copy_to_a_primer(
     assert (parks == 0) is (budget is None)
     if budget is None:
         assert metric(text, "llama_cache_proxy_ram_primers_total", outcome="sent") >= 1
+
+
+async def test_park_on_saves_a_primed_slots_content_before_the_primer(
+    fakes: Any, proxy: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: Any
+) -> None:
+    """``park: on`` parks even what the server keeps in RAM: for a primed slot the park comes
+    before the primer, which replaces the slot's content (parked after it, the file would
+    hold the primer). No snapshot is offered here, so the returning session is primed."""
+
+    async def nothing(self: Any, fp: Any, tenant: Any = None) -> Lookup:
+        return Lookup({}, 0)
+
+    monkeypatch.setattr(DiskTier, "lookup", nothing)
+    fake = await fakes(n_slots=2, save_dir=tmp_path)
+    client = await proxy([fake], disk=disk(tmp_path, park_min_tokens=200, park="on"))
+    a1 = turn(0, 1)
+    reply = await (await client.post("/v1/chat/completions", json=a1)).json()
+    for session in (1, 2):
+        assert (await client.post("/v1/chat/completions", json=turn(session, 1))).status == 200
+    messages = [*a1["messages"], reply["choices"][0]["message"], {"role": "user", "content": "?"}]
+    back = await client.post("/v1/chat/completions", json={**a1, "messages": messages})
+    assert back.status == 200
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "llama_cache_proxy_ram_primers_total", outcome="sent") >= 1
+    assert metric(text, "llama_cache_proxy_disk_saves_total", kind="park") >= 1
+    assert "not kept" not in caplog.text
 
 
 async def test_sessions_arriving_together_save_their_shared_prefix_once_and_restore_it(

@@ -540,6 +540,14 @@ def test_a_primed_claim_whose_primer_failed_is_modelled_as_unprimed() -> None:
     assert backend.ram_entries == [entry]
     fleet.release(placement, now=3.0, clean=True, content=_chain(1, 5, 6, 7, 8))
     assert backend.ram_entries == [entry]
+    # another task claimed and released slot 1 while the primer was out: only the claim's own
+    # changes are taken back
+    backend.slots[0].content, backend.ram_entries = other, [entry]
+    fleet.claim(placement, now=4.0, content=_chain(1, 5, 6, 7))
+    fleet.claim(Placement(0, (1,), 1), now=4.0, content=_chain(9))
+    fleet.release(Placement(0, (1,), 1), now=4.5, clean=True, content=_chain(9, 10))
+    fleet.unprimed(placement)
+    assert [e.content for e in backend.ram_entries] == [session]
 
 
 def test_another_replicas_primed_request_is_folded_in_as_a_load() -> None:
@@ -559,3 +567,11 @@ def test_another_replicas_primed_request_is_folded_in_as_a_load() -> None:
     onward = _chain(1, 2, 5, 6, 7, 8, anchor=3)
     fleet.fold_shared(0, set(), {0: (onward, 600, 1001.0)}, now=6.0, wall=1001.0)
     assert [e.content for e in backend.ram_entries] == [other]
+    # where the replicas prime no slot (cache isolation), such a record is no load
+    fleet = ready_fleet(2)
+    fleet.primes = False
+    backend = fleet.backends[0]
+    backend.slots[0].content, backend.slots[0].record_at = other, 900.0
+    backend.ram_entries = [RamEntry(session, 1.0)]
+    fleet.fold_shared(0, set(), {0: (after, 500, 1000.0)}, now=5.0, wall=1000.0)
+    assert [e.content for e in backend.ram_entries] == [session]

@@ -74,6 +74,7 @@ class Fleet:
         ram_tokens: Sequence[int | None] = (),
         idle_saves: Sequence[bool] = (),
         unified: Sequence[bool] = (),
+        primes: bool = True,
     ) -> None:
         self.backends = [
             BackendState(
@@ -88,6 +89,9 @@ class Fleet:
             for i, label in enumerate(labels)
         ]
         self._ram_entry_limit = ram_entry_limit
+        # the router may prime slots (``ram_cache.PRIMER``): not under cache isolation, nor
+        # with slots not pinned
+        self.primes = primes
 
     def full(self) -> bool:
         """Some backend is READY and none of those has an IDLE slot: nothing can be placed
@@ -164,17 +168,25 @@ class Fleet:
 
     def unprimed(self, placement: Placement) -> None:
         """The primer of a primed claim failed: the server neither parked the slot's content
-        nor will load the entry, so the RAM-cache model is put back as before the claim
-        (while no other claim or release followed on the backend), with its idle saves."""
+        nor will load the entry. The RAM-cache model is put back as before the claim, with
+        its idle saves; or, when other tasks changed it since, the claim's park of the content
+        is taken out (unless a copy was there before) and the entry put back where it was."""
         backend = self.backends[placement.backend]
         slot = backend.slots[placement.pin] if placement.pin is not None else None
         undo = slot.undo if slot is not None else None
         if slot is None or undo is None:
             return
-        if backend.turns != undo.turn or backend.ram_entries is not undo.ram_after:
-            return
-        backend.ram_entries = undo.ram_before
-        self._save_idle(backend)
+        if backend.turns == undo.turn and backend.ram_entries is undo.ram_after:
+            backend.ram_entries = undo.ram_before
+            self._save_idle(backend)
+        else:
+            entries, old, loaded = list(backend.ram_entries), slot.content, placement.from_ram
+            if old is not None and not ram_cache.held(undo.ram_before, old):
+                entries = [e for e in entries if e.content is not old]
+            if loaded is not None and loaded not in entries:
+                before = undo.ram_before
+                entries.insert(before.index(loaded) if loaded in before else 0, loaded)
+            backend.ram_entries = entries
         slot.undo = undo._replace(ram_after=backend.ram_entries)
 
     def _save_idle(self, backend: BackendState) -> None:
@@ -232,7 +244,8 @@ class Fleet:
                 slot.phase, slot.last_used = SlotPhase.IDLE, max(slot.last_used, now)
             found = records.get(slot.id)
             if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
-                primed = backend.ram and _loaded(backend, slot.content, found[0])
+                primes = self.primes and backend.ram and not backend.unified
+                primed = primes and _loaded(backend, slot.content, found[0])
                 parked = _ram_entry_of(backend, slot, found[0], primed) if backend.ram else None
                 if parked is not None:
                     self._save_to_ram(backend, parked, found[0])
@@ -341,12 +354,15 @@ def _ram_entry_of(
 
 def _loaded(backend: BackendState, old: Fingerprint | None, new: Fingerprint) -> bool:
     """Whether a slot that held ``old`` and now holds ``new`` (another replica's request) took
-    a RAM entry the new content continues beyond what the old content shares with it: the
-    server's hook ran, as only a primer makes it run for a request keeping half of the slot
-    (``ram_cache.PRIMER``), and the old content was parked."""
-    shared = common_segments(old.hashes, new.hashes) if old is not None else 0
+    a RAM entry the new content continues beyond what the old content shares with it, by more
+    than a primer costs: the server's hook ran, as only a primer makes it run for a request
+    keeping half of the slot (``ram_cache.PRIMER``), and the old content was parked."""
+    if old is None:
+        return False  # (an empty slot parks nothing)
+    shared = new.tokens_at(common_segments(old.hashes, new.hashes))
     return any(
-        len(e.content.hashes) > shared and ram_cache.covers(new, e.content)
+        new.tokens_at(len(e.content.hashes)) - shared > ram_cache.PRIMER_TOKENS
+        and ram_cache.contains(new, e.content)
         for e in backend.ram_entries
     )
 

@@ -163,7 +163,7 @@ class DiskSteps:
             return
         length = backend.kv_estimate(content, slot.n_tokens)
         # (a copy under a RAM budget may be pushed out before its session is back)
-        primes = self._tier.fleet.primes and backend.ram and not backend.unified
+        primes = self._tier.fleet.primes and backend.primable
         copied = primes and backend.ram_tokens is None and held(backend.ram_entries, content)
         if not needs_park(content, fp, length, backend.ram, disk.park == "on", copied):
             return

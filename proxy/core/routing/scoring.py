@@ -79,8 +79,8 @@ class RoutingParams:
     # the measured odds that a slot's content is used again (``core.routing.return_odds``); None
     # before any session came back: the half-life prior
     returns: ReturnOdds | None = None
-    # a primer may make the server load a session's parked content (off under cache isolation,
-    # where a request keeping under half of its slot reuses nothing)
+    # a primer may make the server load a session's parked content (``Fleet.primes``: off under
+    # cache isolation and with slots not pinned; off for a request that reuses nothing)
     prime: bool = True
 
     def __post_init__(self) -> None:
@@ -336,7 +336,7 @@ def candidate(
         length = backend.kv_estimate(content, slot.n_tokens)
         consulted = backend.ram and ram_cache.consulted(live, length)
         surely = consulted and ram_cache.consulted(live, length, ram_cache.SURE_CONSULT)
-        primes = not surely and ram is not None and ram.owned and _primes(backend, params)
+        primes = not surely and ram is not None and ram.owned and params.prime and backend.primable
         if ram is not None and (surely or primes):
             skip = 0  # saving the slot first pushes out the oldest entries only under a budget
             if backend.ram_tokens is not None:
@@ -377,13 +377,6 @@ def candidate(
     score = gain - params.eviction_weight * damage
     extends = restore is None and reuse > 0 and _extends(fp, content, shared, from_ram)
     return Candidate(backend, slot, reuse, score, load, restore, from_ram, extends, primed)
-
-
-def _primes(backend: BackendState, params: RoutingParams) -> bool:
-    """Whether a primer can make ``backend`` load from its RAM cache: it has one, and keeps
-    an idle slot's KV until the next task (with unified KV any task launched in between
-    would clear the primer, and an empty pinned slot skips the cache)."""
-    return params.prime and backend.ram and not backend.unified
 
 
 class KinCeiling(NamedTuple):
@@ -446,7 +439,7 @@ def kin_loads(
         if destroyed < least:  # (else one serving as much destroys no more: it bounds this)
             loads.append((ram.served[i][0], destroyed))
             least = destroyed
-    primes = ram.owned and _primes(backend, params)
+    primes = ram.owned and params.prime and backend.primable
     return ceiling._replace(loads=tuple(loads), primes=primes)
 
 

@@ -244,7 +244,7 @@ class Fleet:
                 slot.phase, slot.last_used = SlotPhase.IDLE, max(slot.last_used, now)
             found = records.get(slot.id)
             if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
-                primes = self.primes and backend.ram and not backend.unified
+                primes = self.primes and backend.primable
                 primed = primes and _loaded(backend, slot.content, found[0])
                 parked = _ram_entry_of(backend, slot, found[0], primed) if backend.ram else None
                 if parked is not None:

@@ -163,6 +163,14 @@ class BackendState:
     def kv_tokens(self, content: Fingerprint, n_tokens: int = 0) -> int:
         return n_tokens if n_tokens > 0 else self.from_estimate(content.total)  # known, or est.
 
+    @property
+    def primable(self) -> bool:
+        """Whether a primer (``ram_cache.PRIMER``) can make the server load from its RAM cache:
+        it has one, and keeps an idle slot's KV until the next task (with unified KV any task
+        started in between would clear the primer, and an empty pinned slot skips the
+        cache)."""
+        return self.ram and not self.unified
+
     def kv_estimate(self, content: Fingerprint, n_tokens: int = 0) -> int:
         """What ``content`` takes in the KV, in estimate units: for a raw prompt kept with its
         reply (``sealed``), its real length (``n_tokens``) when known; else the fingerprint's

@@ -75,7 +75,7 @@ KNOWN: dict[str, tuple[str, ...]] = {
         *("view", "window", "push_window", "get_affinity", "set_affinity", "claimed"),
         *("put_slot", "clear_slots", "put_release", "claim_release", "heartbeat", "leave"),
         *("acquire_lease", "renew_lease", "release_lease"),
-        *("get_snapshots", "all_snapshots", "put_snapshots", "delete_snapshots"),
+        *("get_snapshots", "all_snapshots", "update_snapshots"),
     ),
 }
 UPSTREAM_ERRORS = ("connect", "timeout", "failed")

@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 from proxy.core.disk.snapshots import (
@@ -147,21 +148,14 @@ class SnapshotIndex:
     async def _replace(self, snapshot: Snapshot, *, keep: bool, listed: bool = False) -> None:
         for chain in snapshot.keys:
             key = index_key(snapshot.layout.model_id, chain)
-            got = await self._shared.call("get_snapshots", self._store.get_snapshots([key]), None)
-            if got is None:
-                return  # store down: the write would be blind
-            found = unpack_entries(got.get(key))
-            if listed and not any(_same(e, snapshot) for e in found):
-                continue
-            entries = [e for e in found if e.directory != snapshot.directory]
-            if keep:
-                entries.append(snapshot)
-            if entries:
-                put = self._store.put_snapshots(key, pack_entries(entries))
-                await self._shared.call("put_snapshots", put, None)
-            else:
-                delete = self._store.delete_snapshots([key])
-                await self._shared.call("delete_snapshots", delete, None)
+            change = partial(replaced, snapshot, keep=keep, listed=listed)
+            done = await self._shared.call(
+                "update_snapshots", self._store.update_snapshots(key, change), None
+            )
+            if done is None:
+                return  # store down
+            if not done:
+                log.warning("[disk-cache] index entry of %s not written: contended", key)
 
     async def all(self) -> list[Snapshot] | None:
         """Every indexed snapshot (None when the store cannot be read)."""
@@ -232,6 +226,19 @@ class SnapshotIndex:
         if directory is None:
             return None
         return await asyncio.to_thread(is_snapshot_file, directory, snapshot.name)
+
+
+def replaced(snapshot: Snapshot, raw: bytes | None, *, keep: bool, listed: bool) -> bytes | None:
+    """A stored value (``raw``) with ``snapshot``'s directory's entry replaced by ``snapshot``
+    (``keep``) or dropped; ``listed``: only where that very snapshot is still listed (one
+    evicted meanwhile, its file deleted, is not listed again). None: nothing left."""
+    found = unpack_entries(raw)
+    if listed and not any(_same(e, snapshot) for e in found):
+        return raw
+    entries = [e for e in found if e.directory != snapshot.directory]
+    if keep:
+        entries.append(snapshot)
+    return pack_entries(entries) if entries else None
 
 
 def _same(entry: Snapshot, snapshot: Snapshot) -> bool:

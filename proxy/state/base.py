@@ -20,7 +20,11 @@ What it holds (every key has a TTL or a bound):
   ``Beat.now`` reads), ``previous`` is the entry it replaces, and every read lists each live
   entry with its score (when it lapses), since whoever writes to the store can set that;
 - *snapshots*: the disk tier's index, index key -> packed entries (``core.disk.snapshots``),
-  bounded by the disk budget (entries are deleted with their files), so it has no TTL.
+  bounded by the disk budget (entries are deleted with their files), so it has no TTL. A key
+  holds one entry per save directory, which replicas and backends write concurrently, so a
+  value changes only through ``update_snapshots``: ``change(current)`` (None: absent), its
+  result stored (None: deleted) unless the key changed meanwhile, and then ``change`` runs
+  again on the newer value; it returns False when it gave up (``SNAPSHOT_ATTEMPTS``).
 
 Semantics both implementations keep (``tests/contract``): a lease can be taken by one owner
 at a time and renewed (extended, never re-created) or released only by it; expired entries
@@ -51,12 +55,13 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 SlotRef = tuple[str, int]
 Known = Mapping[SlotRef, float]  # per slot, the updated_at of the record the caller holds
+SNAPSHOT_ATTEMPTS = 16  # tries of one snapshot-index change while other writers win (Redis)
 LEFT = "!left"  # suffix of a replica id ``heartbeat`` lists for a while after it left
 
 
@@ -226,9 +231,9 @@ class StateStore(Protocol):
 
     async def get_snapshots(self, keys: Sequence[str]) -> dict[str, bytes]: ...
 
-    async def put_snapshots(self, key: str, value: bytes) -> None: ...
-
-    async def delete_snapshots(self, keys: Sequence[str]) -> None: ...
+    async def update_snapshots(
+        self, key: str, change: Callable[[bytes | None], bytes | None]
+    ) -> bool: ...
 
     async def all_snapshots(self) -> dict[str, bytes]: ...
 

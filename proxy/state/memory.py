@@ -7,7 +7,7 @@ and no method awaits between reading and writing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -146,12 +146,15 @@ class InMemoryStateStore:
     async def get_snapshots(self, keys: Sequence[str]) -> dict[str, bytes]:
         return {k: self._snapshots[k] for k in keys if k in self._snapshots}
 
-    async def put_snapshots(self, key: str, value: bytes) -> None:
-        self._snapshots[key] = value
-
-    async def delete_snapshots(self, keys: Sequence[str]) -> None:
-        for key in keys:
+    async def update_snapshots(
+        self, key: str, change: Callable[[bytes | None], bytes | None]
+    ) -> bool:
+        value = change(self._snapshots.get(key))  # nothing awaited: no other writer between
+        if value is None:
             self._snapshots.pop(key, None)
+        else:
+            self._snapshots[key] = value
+        return True
 
     async def all_snapshots(self) -> dict[str, bytes]:
         return dict(self._snapshots)

@@ -6,7 +6,8 @@ another's lease. Slot records are packed binary values, stamped by a script with
 server's clock (``_PUT_SLOT``); windows are capped lists (``LPUSH``
 + ``LTRIM``); live replicas are one sorted set scored by when each heartbeat expires;
 a release is claimed with ``SET NX``; the snapshot index is one hash
-(``HMGET``/``HSET``/``HDEL``). The view a replica reads before routing (leases and slot
+(``HMGET``; a change is ``HGET`` then ``HSET``/``HDEL`` under ``WATCH``, retried when another
+writer came first). The view a replica reads before routing (leases and slot
 records of every slot) is one script (``_VIEW``: each lease, and each record whose stamp —
 the last 8 bytes of the packed value — is newer than the one the caller holds, so unchanged
 records of long prompts are not sent and parsed again; it was one ``MGET`` of everything).
@@ -27,11 +28,12 @@ from typing import Any, TypeVar
 
 from redis import asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
 from proxy.state import keys
 from proxy.state.base import (
     LEFT,
+    SNAPSHOT_ATTEMPTS,
     STAMP_BYTES,
     Beat,
     Known,
@@ -295,12 +297,36 @@ class RedisStateStore:
         values = await _call(self._redis.hmget(keys.SNAPSHOTS, list(keys_)))
         return {k: _bytes(v) for k, v in zip(keys_, values, strict=True) if v is not None}
 
-    async def put_snapshots(self, key: str, value: bytes) -> None:
-        await _call(self._redis.hset(keys.SNAPSHOTS, key, value))
+    async def update_snapshots(
+        self, key: str, change: Callable[[bytes | None], bytes | None]
+    ) -> bool:
+        """``change`` under ``WATCH`` of the index: a write of any other replica or backend
+        between the read and ours aborts ours, and ``change`` runs again on what it wrote."""
+        for _ in range(SNAPSHOT_ATTEMPTS):
+            if await _call(self._update_snapshots(key, change)):
+                return True
+        return False
 
-    async def delete_snapshots(self, keys_: Sequence[str]) -> None:
-        if keys_:
-            await _call(self._redis.hdel(keys.SNAPSHOTS, *keys_))
+    async def _update_snapshots(
+        self, key: str, change: Callable[[bytes | None], bytes | None]
+    ) -> bool:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            await pipe.watch(keys.SNAPSHOTS)
+            current = await pipe.hget(keys.SNAPSHOTS, key)
+            old = None if current is None else _bytes(current)
+            value = change(old)
+            if value == old:
+                return True  # nothing to write
+            pipe.multi()  # type: ignore[no-untyped-call]
+            if value is None:
+                pipe.hdel(keys.SNAPSHOTS, key)
+            else:
+                pipe.hset(keys.SNAPSHOTS, key, value)
+            try:
+                await pipe.execute()
+            except WatchError:
+                return False  # another writer came first: the caller tries again
+            return True
 
     async def all_snapshots(self) -> dict[str, bytes]:
         found = await _call(self._redis.hgetall(keys.SNAPSHOTS))

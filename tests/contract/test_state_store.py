@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
+import redis as sync_redis
 
 from proxy.state import (
     InMemoryStateStore,
@@ -16,8 +18,9 @@ from proxy.state import (
     SlotView,
     StateStore,
     StateStoreUnavailable,
+    keys,
 )
-from proxy.state.base import LEFT, SlotRef
+from proxy.state.base import LEFT, SNAPSHOT_ATTEMPTS, SlotRef
 from proxy.state.redis import RedisStateStore
 from testbed.stack import RedisServer
 from tests.relay import Relay
@@ -321,17 +324,63 @@ async def test_a_slow_redis_is_not_down(redis_url: str) -> None:
         await relay.close()
 
 
-async def test_snapshot_index_put_get_delete_list(store: StateStore) -> None:
+def to(value: bytes | None) -> Callable[[bytes | None], bytes | None]:
+    return lambda _: value
+
+
+async def test_snapshot_index_update_get_list(store: StateStore) -> None:
     assert await store.get_snapshots(["a", "b"]) == {}
-    await store.put_snapshots("a", b"[1]")
-    await store.put_snapshots("b", b"[2]")
-    await store.put_snapshots("a", b"[3]")  # replaces
+    assert await store.update_snapshots("a", to(b"[1]"))
+    assert await store.update_snapshots("b", to(b"[2]"))
+    seen: list[bytes | None] = []
+
+    def change(old: bytes | None) -> bytes:
+        seen.append(old)
+        return b"[3]"
+
+    assert await store.update_snapshots("a", change)
+    assert seen == [b"[1]"]  # the change reads the current value
     assert await store.get_snapshots(["a", "b", "c"]) == {"a": b"[3]", "b": b"[2]"}
     assert await store.all_snapshots() == {"a": b"[3]", "b": b"[2]"}
-    await store.delete_snapshots(["a", "missing"])
+    assert await store.update_snapshots("a", to(None))  # deletes
+    assert await store.update_snapshots("missing", to(None))
     assert await store.all_snapshots() == {"b": b"[2]"}
-    await store.delete_snapshots([])
     assert await store.get_snapshots([]) == {}
+
+
+async def test_snapshot_index_changes_made_at_once_are_all_kept(store: StateStore) -> None:
+    """Replicas and backends change one key at once (the same prefix saved in several
+    directories): each change is made on the value the others left, none is lost."""
+
+    def add(item: int) -> Callable[[bytes | None], bytes | None]:
+        return lambda old: json.dumps([*json.loads(old or b"[]"), item]).encode()
+
+    done = await asyncio.gather(*(store.update_snapshots("k", add(i)) for i in range(8)))
+    assert all(done)
+    assert sorted(json.loads((await store.get_snapshots(["k"]))["k"])) == list(range(8))
+
+
+@pytest.mark.redis
+async def test_a_snapshot_index_change_outrun_every_time_gives_up(redis_url: str) -> None:
+    """A change that another writer beats on every try is dropped after
+    ``SNAPSHOT_ATTEMPTS`` tries, reported False, and leaves the other's value."""
+    store, other = RedisStateStore(redis_url), sync_redis.Redis.from_url(redis_url)
+    await store._redis.flushdb()
+    tries = []
+
+    def outrun(old: bytes | None) -> bytes:
+        tries.append(old)
+        other.hset(keys.SNAPSHOTS, "k", f"[{len(tries)}]")  # between our read and our write
+        return b"[0]"
+
+    try:
+        assert not await store.update_snapshots("k", outrun)
+        assert len(tries) == SNAPSHOT_ATTEMPTS
+        assert tries[1:] == [f"[{n}]".encode() for n in range(1, SNAPSHOT_ATTEMPTS)]
+        assert await store.get_snapshots(["k"]) == {"k": f"[{SNAPSHOT_ATTEMPTS}]".encode()}
+    finally:
+        other.close()
+        await store.close()
 
 
 async def test_a_release_is_claimed_once_by_its_latest_hash(

@@ -21,6 +21,7 @@ from proxy.state.redis import RedisStateStore
 from testbed.probes import metric
 from testbed.stack import free_port
 from tests.conftest import make_settings
+from tests.contract.test_state_store import to as _to
 from tests.integration.test_disk_fake import disk, snapshot_files, turn
 from tests.waiting import until
 
@@ -82,8 +83,8 @@ async def test_stored_snapshot_names_never_reach_a_path_outside_the_save_dir(
         # budget (evicted first), plus entries of the wrong shape
         hostile = [{**legit[0], "name": n, "nbytes": 10**9, "last_used": 0.0} for n in names]
         broken = [{"name": "/etc/passwd"}, [1], {**legit[0], "nbytes": "many"}]
-        await store.put_snapshots(key, json.dumps(hostile + broken + legit).encode())
-    await store.put_snapshots("garbage", b"\xff not json")
+        await store.update_snapshots(key, _to(json.dumps(hostile + broken + legit).encode()))
+    await store.update_snapshots("garbage", _to(b"\xff not json"))
     for session in range(2):  # restores offered from the index, saves, budget enforced
         resp = await client.post("/v1/chat/completions", json=turn(session, 2))
         assert resp.status == 200

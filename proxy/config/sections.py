@@ -65,6 +65,11 @@ class BackendSettings(_Frozen):
             raise ValueError("holds a user or password: give the server's key as api_key")
         if url.query or url.fragment:
             raise ValueError("holds a query or fragment: the base URL of a llama-server")
+        if (url.path or "").rstrip("/").endswith("/v1"):  # an OpenAI client's base URL
+            raise ValueError(
+                "ends in /v1: give the llama-server's own base URL (clients' paths, /v1/... "
+                "included, are forwarded as they come)"
+            )
         return url
 
     @property

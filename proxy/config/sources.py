@@ -19,8 +19,41 @@ class ConfigError(Exception):
     """Invalid configuration; ``str()`` is one line naming the offending field."""
 
 
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping: the first value
+    would be dropped without a word (TOML refuses it too; JSON: ``_unique``)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # ``<<: *base``: its keys may be given again, that is what it is for
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Twice(ValueError):
+    """A JSON object with a key given twice."""
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (``json.loads``' ``object_pairs_hook``)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Twice(f"key {key!r} given twice")
+        out[key] = value
+    return out
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
-    """Parse a YAML (``.yaml``/``.yml``), TOML (``.toml``) or JSON file into a dict."""
+    """Parse a YAML (``.yaml``/``.yml``), TOML (``.toml``) or JSON file into a dict; a key
+    given twice in one mapping is an error, not the last one silently kept."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -31,9 +64,11 @@ def read_config_file(path: Path) -> dict[str, Any]:
         if path.suffix == ".toml":
             data: Any = tomllib.loads(text)
         elif path.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique)
         else:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_Loader)
+    except _Twice as exc:
+        raise ConfigError(f"config: {path} is not valid: {exc}") from None
     except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         mark = getattr(exc, "problem_mark", None)  # (YAML: where, and what went wrong)

@@ -7,7 +7,7 @@ import yaml
 
 from proxy.cli import main
 from proxy.config.settings import Settings, load_settings
-from proxy.config.sources import ConfigError
+from proxy.config.sources import ConfigError, read_config_file
 
 EXAMPLE = Path(__file__).parents[2] / "deploy" / "config.example.yaml"
 
@@ -97,6 +97,9 @@ def test_settings_are_immutable() -> None:
         ({"backends": ["http://a:1", "http://a:1/"]}, {}, "backends"),
         ({"backends": ["http://user:pass@a:1"]}, {}, "backends.0.url"),  # (logged, never sent)
         ({"backends": ["http://a:1?x=1"]}, {}, "backends.0.url"),
+        # an OpenAI base URL: every forwarded /v1/... would go to /v1/v1/...
+        ({"backends": ["http://a:1/v1"]}, {}, "backends.0.url"),
+        ({"backends": ["http://a:1/gw/v1/"]}, {}, "backends.0.url"),
         ({"backends": ["http://a:1"], "redis_url": "redis://localhost:99999"}, {}, "redis_url"),
         ({"backends": ["http://a:1"], "listen": "127.0.0.1:99999"}, {}, "listen"),
         ({"backends": ["http://a:1"], "listen": "http://127.0.0.1:8000"}, {}, "listen"),
@@ -112,6 +115,11 @@ def test_bad_config_is_one_line_naming_the_field(
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"config: {field}:")
+
+
+def test_a_backend_behind_a_path_prefix_keeps_it() -> None:
+    settings = load_settings(cli={"backends": ["http://a:1/gw/llama-0/"]}, environ={})
+    assert settings.backends[0].base_url == "http://a:1/gw/llama-0"
 
 
 def test_a_removed_setting_names_what_took_its_place() -> None:
@@ -265,3 +273,36 @@ def test_a_yaml_error_names_its_line_and_column(tmp_path: Path) -> None:
     bad.write_text("listen: 127.0.0.1:8000\nbackends: [http://a:1\n")
     with pytest.raises(ConfigError, match=r"line \d+, column \d+"):
         load_settings(cli={}, environ={}, config_file=bad)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "where"),
+    [
+        (
+            "proxy.yaml",
+            "routing:\n  min_prefix_tokens: 8\nrouting:\n  wait_min_tokens: 9\n",
+            "line 3",
+        ),
+        ("proxy.yaml", "routing:\n  min_prefix_tokens: 8\n  min_prefix_tokens: 64\n", "line 3"),
+        ("proxy.json", '{"routing": {"min_prefix_tokens": 8, "min_prefix_tokens": 64}}', ""),
+    ],
+)
+def test_a_key_given_twice_is_an_error_not_the_last_one_kept(
+    tmp_path: Path, name: str, text: str, where: str
+) -> None:
+    """Either value would silently be lost: the file is refused, naming the key."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{where}.*given twice") as raised:
+        load_settings(cli={}, environ={}, config_file=path)
+    assert "'routing'" in str(raised.value) or "'min_prefix_tokens'" in str(raised.value)
+
+
+def test_yaml_merge_keys_may_give_a_key_again(tmp_path: Path) -> None:
+    """``<<: *base`` then the same key overrides the base's: YAML's own rule, not a repeat."""
+    path = tmp_path / "proxy.yaml"
+    path.write_text(
+        "base: &base {min_prefix_tokens: 8, wait_min_tokens: 9}\n"
+        "routing:\n  <<: *base\n  min_prefix_tokens: 32\n"
+    )
+    assert read_config_file(path)["routing"] == {"min_prefix_tokens": 32, "wait_min_tokens": 9}

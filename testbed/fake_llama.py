@@ -291,8 +291,10 @@ class FakeLlamaServer:
     def hang_next(self, count: int = 1) -> None:
         self.faults += [("hang", None)] * count
 
-    def drop_next(self, after_chunks: int = 2) -> None:
-        self.faults.append(("drop", after_chunks))
+    def drop_next(self, after_chunks: int = 2, stall: bool = False) -> None:
+        """The next streamed answer stops after ``after_chunks`` chunks: the connection is
+        closed, or (``stall``) the server goes silent."""
+        self.faults.append(("stall" if stall else "drop", after_chunks))
 
     def cut_next(self, stall: bool) -> None:
         """The next completion's answer stops after its head and a few bytes of its body:
@@ -564,9 +566,9 @@ class FakeLlamaServer:
                 await asyncio.sleep(3600)
             if kind == "cut":
                 return await self._cut(request, stall=arg)
-            drop_after = arg
+            drop_after, stall = arg, kind == "stall"
         else:
-            drop_after = None
+            drop_after, stall = None, False
         prompt_field = body.get("prompt")
         if isinstance(prompt_field, dict) and "multimodal_data" in prompt_field:
             message = "Multimodal data provided, but model does not support multimodal requests."
@@ -587,7 +589,7 @@ class FakeLlamaServer:
         slots = await self._take_slots(prompt, pinned, n)
         task, started = slots[0].task_id, time.monotonic()
         try:
-            return await self._run(request, body, prompt, slots, drop_after)
+            return await self._run(request, body, prompt, slots, drop_after, stall)
         except (asyncio.CancelledError, ConnectionResetError):
             if self.disconnect_poll_s is not None and task not in self._answering:
                 await self._until_checked(started, self.disconnect_poll_s)
@@ -727,11 +729,12 @@ class FakeLlamaServer:
         prompt: list[str],
         slots: list[FakeSlot],
         drop_after: int | None,
+        stall: bool = False,
     ) -> web.StreamResponse:
         slot = slots[0]
         reply, final = await self._prefill(body, prompt, slot)
         if body.get("stream"):
-            return await self._stream(request, body, reply, final, slots, drop_after)
+            return await self._stream(request, body, reply, final, slots, drop_after, stall)
         for word in reply:
             await self._gen_step(slot, word)
         slot.tokens = slot.tokens[:-1]
@@ -836,6 +839,7 @@ class FakeLlamaServer:
         final: dict[str, Any],
         slots: list[FakeSlot],
         drop_after: int | None,
+        stall: bool = False,
     ) -> web.StreamResponse:
         slot, task = slots[0], slots[0].task_id
         assert task is not None  # a taken slot runs a task
@@ -843,6 +847,8 @@ class FakeLlamaServer:
         await response.prepare(request)
         self._answering.add(task)  # a client that leaves now is noticed at the next write
         for i, word in enumerate(reply):
+            if drop_after is not None and i == drop_after and stall:
+                await asyncio.sleep(3600)
             if drop_after is not None and i == drop_after:
                 assert request.transport is not None
                 request.transport.close()

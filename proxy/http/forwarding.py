@@ -48,7 +48,7 @@ from proxy.http.middleware import RECORD
 from proxy.http.streaming import relay
 from proxy.metrics import ProxyMetrics
 from proxy.replicas.shared_state import SharedState
-from proxy.upstream import LlamaServerClient, UpstreamConnectError
+from proxy.upstream import ROUTES, LlamaServerClient, UpstreamConnectError
 
 log = logging.getLogger(__name__)
 RETRY_SECONDS = 5.0
@@ -217,9 +217,18 @@ class Forwarder:
             ) as upstream:
                 self._metrics.forwards.labels("sent").inc()
                 record.backend, record.relayed = f"replica:{url}", True
-                # the home counted its usage; this replica's log line shows it too
+                # the home counted its usage; this replica's log line shows it too; its
+                # answer to an Anthropic request is translated already, but an error this
+                # replica adds mid-stream must take that shape too
+                route = ROUTES.get(request.path)
                 outcome = await relay(
-                    request, upstream, {}, self._clock, lambda done: record.counted(done.usage)
+                    request,
+                    upstream,
+                    {},
+                    self._clock,
+                    lambda done: record.counted(done.usage),
+                    anthropic=route is not None and route.via is not None,
+                    translate=False,
                 )
         except UpstreamConnectError as exc:
             self._unreachable[url] = self._clock() + RETRY_SECONDS

@@ -139,7 +139,8 @@ class ProxyHandlers:
                 self._release(placement, None, plan)
                 raise
             try:
-                return await self._send(request, placement.backend, body, placement, plan)
+                tasks = parsed.tasks * parsed.completions
+                return await self._send(request, placement.backend, body, placement, plan, tasks)
             except UpstreamConnectError:
                 self._backend_failed(placement.backend, "connect")
                 await self._unsent(placement)
@@ -244,7 +245,10 @@ class ProxyHandlers:
         body: bytes | None,
         placement: Placement | None,
         plan: Plan | None = None,
+        tasks: int = 1,
     ) -> web.StreamResponse:
+        """Send the request to backend ``index`` and relay the answer (``tasks``: the server
+        tasks the body makes, whose final chunks all carry usage)."""
         backend = self._settings.backends[index]
         record = request[RECORD]
         record.backend, record.slot = backend.label, (placement.pin if placement else None)
@@ -274,6 +278,7 @@ class ProxyHandlers:
                     lambda done: self._record(index, done, request),
                     before_eof,
                     anthropic=via is not None,
+                    tasks=tasks,
                 )
         except UpstreamConnectError:
             released = True  # nothing reached the backend; the caller retries and releases

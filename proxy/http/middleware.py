@@ -58,6 +58,7 @@ class Ending(StrEnum):
 
     COMPLETE = "complete"
     UPSTREAM_ERROR = "upstream_error"  # the backend failed after the status line said 200
+    PROXY_ERROR = "proxy_error"  # the proxy failed relaying an answer whose status line was sent
     CLIENT_GONE = "client_gone"  # the client left first (status 499)
 
 

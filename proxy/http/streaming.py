@@ -28,19 +28,27 @@ event and the end of the chunked body (``SseScanner`` holds them back), so a cli
 its next turn as soon as it reads ``[DONE]``, perhaps to another replica, finds the slot free
 and recorded.
 
-``anthropic``: the upstream answer is a chat completion sent for an Anthropic Messages request;
-the client gets it translated (``core.request.anthropic_reply``), while usage and reply are read
-from the chat completion as for any other.
+``anthropic``: the client asked in Anthropic's Messages API, so a failure mid-stream is told
+as Anthropic's ``error`` event; ``translate`` (by default the same): the upstream answer is the
+chat completion sent for it, and the client gets it translated (``core.request.anthropic_reply``)
+while usage and reply are read from the chat completion as for any other. A replica relaying
+another replica's answer (``http.forwarding``) gets it translated already.
+
+A fault while reading the answer (the proxy's own: nothing the server sends may raise, but a
+fault must not leave the stream open or put a second status line into it) is logged with its
+traceback and ends the stream with the same error event, as ``Ending.PROXY_ERROR``.
 
 ``on_usage`` (the caller's metrics) runs once per response, as soon as its usage is known and
 before the bytes that carry it reach the client: a client that reads ``/metrics`` right after
-its stream ends finds its own request counted.
+its stream ends finds its own request counted. A request of several server tasks (``tasks``: a
+batch ``prompt``, or ``n`` choices) has its usage known once every task's final chunk is read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -51,10 +59,12 @@ from aiohttp import web
 from proxy.core.prompt.headers import client_response_headers
 from proxy.core.prompt.usage import Reply, SseScanner, Usage, read_body
 from proxy.core.request.anthropic_reply import StreamReply, reply_body, sse_error
-from proxy.errors import sse_error_event
+from proxy.errors import BadGateway, ProxyError, sse_error_event
 from proxy.http.middleware import RECORD, Ending
 from proxy.upstream import translate_stream_error
 from proxy.upstream_http import Response, UpstreamBroken
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,90 +88,129 @@ async def relay(
     on_usage: Callable[[Outcome], None],
     before_eof: Callable[[Outcome], Awaitable[None]] | None = None,
     anthropic: bool = False,
+    translate: bool | None = None,
+    tasks: int = 1,
 ) -> Outcome:
     headers = client_response_headers(upstream.headers.items())
+    translate = anthropic if translate is None else translate
     if not _is_stream(upstream):
-        body = await upstream.read()
-        sent = reply_body(upstream.status, body) if anthropic else body
-        response = web.Response(status=upstream.status, body=sent, headers=headers)
+        body, status = await upstream.read(), upstream.status
+        if translate:
+            status, sent = reply_body(status, body)
+        response = web.Response(status=status, body=sent if translate else body, headers=headers)
         response.headers.update(extra_headers)
-        if anthropic:
+        if translate:
             response.content_type = "application/json"
         usage, reply = read_body(body) if upstream.status == 200 else (None, None)
         outcome = Outcome(response, usage, reply, complete=True)
         on_usage(outcome)
         return outcome
-    translator = StreamReply() if anthropic else None
-    return await _relay_stream(
-        request, upstream, headers, extra_headers, clock, on_usage, before_eof, translator
-    )
+    stream = _Stream(request, upstream, clock, anthropic, StreamReply() if translate else None)
+    return await stream.relay(headers, extra_headers, on_usage, before_eof, tasks)
 
 
-async def _relay_stream(
-    request: web.Request,
-    upstream: Response,
-    headers: list[tuple[str, str]],
-    extra_headers: dict[str, str],
-    clock: Callable[[], float],
-    on_usage: Callable[[Outcome], None],
-    before_eof: Callable[[Outcome], Awaitable[None]] | None = None,
-    translator: StreamReply | None = None,
-) -> Outcome:
-    response = web.StreamResponse(status=upstream.status, headers=headers)
-    response.headers.update(extra_headers)
-    outcome = Outcome(response)
-    scanner = SseScanner()
-    recorded = False
-    await response.prepare(request)
-    try:
-        async for chunk in upstream.chunks():
-            if outcome.first_byte_at is None:
-                outcome.first_byte_at = clock()
-            ready = scanner.feed(chunk)
-            if scanner.usage is not None and not recorded:
-                recorded = True  # the chunk that ends the stream carries it: count it first
-                on_usage(replace(outcome, usage=scanner.usage))
-            if ready and translator is not None:
-                ready = translator.lines(ready)
-            if ready:
-                await response.write(ready)
-            if scanner.ended:
-                break  # the end event: the server has released the slot; nothing follows
-    # (the backend failing, or the client: a write to a client that left fails too)
-    except (UpstreamBroken, aiohttp.ClientConnectionError, TimeoutError) as exc:
-        if request.transport is None or request.transport.is_closing():
-            if recorded:
-                return _completed(outcome, scanner)  # the client left with its whole reply
-            raise  # the client left: nothing to tell it
+class _Stream:
+    """One streamed answer being relayed (``relay``)."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        upstream: Response,
+        clock: Callable[[], float],
+        anthropic: bool,
+        translator: StreamReply | None,
+    ) -> None:
+        self._request, self._upstream, self._clock = request, upstream, clock
+        self._anthropic, self._translator = anthropic, translator
+        self._scanner = SseScanner()
+
+    async def relay(
+        self,
+        headers: list[tuple[str, str]],
+        extra_headers: dict[str, str],
+        on_usage: Callable[[Outcome], None],
+        before_eof: Callable[[Outcome], Awaitable[None]] | None,
+        tasks: int,
+    ) -> Outcome:
+        request, scanner, translator = self._request, self._scanner, self._translator
+        response = web.StreamResponse(status=self._upstream.status, headers=headers)
+        response.headers.update(extra_headers)
+        outcome = Outcome(response)
+        recorded = False
+        await response.prepare(request)
+        try:
+            async for chunk in self._upstream.chunks():
+                if outcome.first_byte_at is None:
+                    outcome.first_byte_at = self._clock()
+                ready = scanner.feed(chunk)
+                if scanner.usage is not None and not recorded and scanner.finals >= tasks:
+                    recorded = True  # the chunk that ends the stream carries it: count it first
+                    on_usage(replace(outcome, usage=scanner.usage))
+                if ready and translator is not None:
+                    ready = translator.lines(ready)
+                if ready:
+                    await response.write(ready)
+                if scanner.ended:
+                    break  # the end event: the server has released the slot; nothing follows
+        # (the backend failing, or the client: a write to a client that left fails too)
+        except (UpstreamBroken, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            if request.transport is None or request.transport.is_closing():
+                if recorded:
+                    return _completed(outcome, scanner)  # the client left with its whole reply
+                raise  # the client left: nothing to tell it
+            error = translate_stream_error(exc)
+            return await self._failed(outcome, recorded, on_usage, error, Ending.UPSTREAM_ERROR)
+        except asyncio.CancelledError:
+            if not recorded:
+                raise  # the client left before its reply ended: the generation is cancelled
+            _uncancel()
+            return _completed(outcome, scanner)
+        except Exception:
+            record = request[RECORD]
+            log.exception("request_id=%s relaying the answer failed", record.request_id)
+            error = BadGateway(
+                f"the proxy could not relay the answer (request id {record.request_id})"
+            )
+            return await self._failed(outcome, recorded, on_usage, error, Ending.PROXY_ERROR)
+        tail = scanner.close()
+        if translator is not None:
+            tail = translator.end(tail)
+        outcome = _completed(outcome, scanner)
+        try:
+            if not recorded:
+                on_usage(outcome)
+            if before_eof is not None:
+                await before_eof(outcome)
+        except Exception:  # the caller's bookkeeping: the client still gets its whole reply
+            log.exception("request_id=%s after the answer", request[RECORD].request_id)
+        # the client may close after the last byte of the reply, before the chunk terminator
+        with contextlib.suppress(ConnectionResetError):
+            if tail:
+                await response.write(tail)
+            await response.write_eof()
+        return outcome
+
+    async def _failed(
+        self,
+        outcome: Outcome,
+        recorded: bool,
+        on_usage: Callable[[Outcome], None],
+        error: ProxyError,
+        ending: Ending,
+    ) -> Outcome:
+        """End a stream that failed after its status line: one error event in the client's
+        API's shape, then the end of the body."""
         if not recorded:
             on_usage(outcome)
-        request[RECORD].outcome = Ending.UPSTREAM_ERROR  # logged: the status line said 200
-        error = translate_stream_error(exc)
-        if translator is not None:
-            await response.write(sse_error(error.status, error.message))
+        self._request[RECORD].outcome = ending  # logged: the status line said 200
+        if self._anthropic:
+            event = sse_error(error.status, error.message)
         else:
-            await response.write(sse_error_event(error))
-        await response.write_eof()
+            event = sse_error_event(error)
+        with contextlib.suppress(ConnectionResetError):
+            await outcome.response.write(event)
+            await outcome.response.write_eof()
         return outcome
-    except asyncio.CancelledError:
-        if not recorded:
-            raise  # the client left before its reply ended: the generation is cancelled
-        _uncancel()
-        return _completed(outcome, scanner)
-    tail = scanner.close()
-    if translator is not None:
-        tail = translator.end(tail)
-    outcome = _completed(outcome, scanner)
-    if not recorded:
-        on_usage(outcome)
-    if before_eof is not None:
-        await before_eof(outcome)
-    # the client may close after the last byte of the reply, before the chunk terminator
-    with contextlib.suppress(ConnectionResetError):
-        if tail:
-            await response.write(tail)
-        await response.write_eof()
-    return outcome
 
 
 def _completed(outcome: Outcome, scanner: SseScanner) -> Outcome:

@@ -246,3 +246,34 @@ async def test_a_forwarded_request_keeps_its_query_string_and_its_mark_covers_it
     resp = await pair[0].post(f"{CHAT}?y=2", **forwarded)
     assert resp.status == 200, await resp.text()
     assert metric(await _metrics(pair[0]), FORWARDS, outcome="rejected") == 1
+
+
+async def test_an_anthropic_stream_cut_between_replicas_ends_with_anthropics_error_event(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """A ``/v1/messages`` stream forwarded to its backend's home, whose answer stops coming
+    (the home waits on its backend longer than this replica waits on the home): the client
+    gets Anthropic's ``error`` event, which its SDK raises, not OpenAI's shape, which it
+    skips (it then returned a cut message as if whole)."""
+    backends = [await fakes(n_slots=2) for _ in range(2)]
+    home = await proxy(backends, redis_url=redis_server.url, timeouts={"read_seconds": 30})
+    other = await proxy(backends, redis_url=redis_server.url, timeouts={"read_seconds": 0.5})
+    await _met(home, other)
+    messages = [{"role": "user", "content": "session 0: " + "go on " * 40}]
+    body = {"model": "m", "max_tokens": 8, "system": SYSTEM, "messages": messages}
+    first = await home.post("/v1/messages", json=body)  # placed on a backend of its own
+    assert first.status == 200, await first.text()
+    served = next(b for b in backends if b.url.endswith(first.headers["X-Cache-Backend"]))
+    served.drop_next(after_chunks=2, stall=True)
+    messages += [
+        {"role": "assistant", "content": (await first.json())["content"][0]["text"]},
+        {"role": "user", "content": "and then?"},
+    ]
+    resp = await other.post("/v1/messages", json={**body, "messages": messages, "stream": True})
+    assert resp.status == 200
+    events = [e for e in (await resp.text()).split("\n\n") if e.strip()]
+    assert metric(await _metrics(other), FORWARDS, outcome="sent") == 1
+    assert events[0].startswith("event: message_start\n")
+    name, data = events[-1].split("\n")
+    assert name == "event: error"
+    assert json.loads(data.removeprefix("data: "))["error"]["type"] == "api_error"

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config.sections import TimeoutSettings
+from proxy.core.prompt.usage import SseScanner
 from proxy.http.middleware import RECORD, RequestRecord
 from proxy.http.streaming import Outcome, relay
 from proxy.upstream import LlamaServerClient
@@ -96,3 +97,30 @@ async def test_a_stream_cut_anywhere_is_relayed_byte_for_byte_with_its_end(
     assert (outcome.usage.prompt_tokens, outcome.usage.cached_tokens) == (10, 7)
     assert outcome.reply is not None
     assert outcome.reply.content == "h\u00e9llo"
+
+
+async def test_a_fault_reading_the_answer_ends_the_stream_with_one_error_event(
+    aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fails in the proxy while it reads a stream it is relaying (here the scanner,
+    on the second piece): the client has had the status line, so it gets the bytes so far,
+    one error event and a well-formed end of the body; no second status line lands in the
+    chunked body (an exception that left the relay made the middleware write one)."""
+    feed = SseScanner.feed
+    calls: list[bytes] = []
+
+    def failing(self: SseScanner, chunk: bytes) -> bytes:
+        calls.append(chunk)
+        if len(calls) == 2:
+            raise RuntimeError("a fault of the proxy's own")
+        return feed(self, chunk)
+
+    monkeypatch.setattr(SseScanner, "feed", failing)
+    body = stream(b"\n")
+    first_event = body.index(b"\n\n") + 2
+    got, outcome = await relayed([body[:first_event], body[first_event:]], aiohttp_client)
+    assert got.startswith(body[:first_event])
+    error = json.loads(got[first_event:].removeprefix(b"data: "))["error"]
+    assert error["code"] == "bad_gateway"
+    assert "could not relay" in error["message"]
+    assert not outcome.complete

@@ -14,6 +14,8 @@ from typing import Any
 
 import aiohttp
 
+from testbed.probes import metric
+
 PROMPTS = ["Count with me: 1, 2, 3, 4,", "The three primary colours are"]
 GREEDY = {"n_predict": 12, "temperature": 0, "seed": 1}
 
@@ -75,3 +77,46 @@ async def test_a_prompt_object_answers_as_its_text(llama_servers: Any, proxy: An
     )
     assert resp.status == 200, await resp.text()
     assert (await resp.json())["content"] == expected
+
+
+async def _counted(client: Any) -> tuple[float, float]:
+    text = await (await client.get("/metrics")).text()
+    return (
+        metric(text, "llama_cache_proxy_prompt_tokens_total"),
+        metric(text, "llama_cache_proxy_cached_tokens_total"),
+    )
+
+
+async def test_a_batch_counts_every_elements_tokens(llama_servers: Any, proxy: Any) -> None:
+    """The hit rate's counters take every task of a batch: each element of a non-streamed
+    answer's list, and each task's final chunk of a stream (they counted none, and the
+    first, of the server's own counts)."""
+    server = llama_servers(slots=2)
+    client = await proxy([server])
+    before = await _counted(client)
+    resp = await client.post("/completion", json={"prompt": PROMPTS, **GREEDY})
+    assert resp.status == 200, await resp.text()
+    timings = [r["timings"] for r in await resp.json()]
+    server_counts = (
+        sum(t["prompt_n"] + t["cache_n"] for t in timings),
+        sum(t["cache_n"] for t in timings),
+    )
+    after = await _counted(client)
+    assert (after[0] - before[0], after[1] - before[1]) == server_counts
+
+    body = {"prompt": PROMPTS, **GREEDY, "stream": True, "max_tokens": 12}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200
+    finals = []
+    for event in (await resp.text()).split("\n\n"):
+        payload = event.removeprefix("data: ").strip()
+        data = json.loads(payload) if payload and payload != "[DONE]" else None
+        if data and data.get("usage"):
+            finals.append(data["usage"])
+    assert len(finals) == len(PROMPTS)
+    server_counts = (
+        sum(u["prompt_tokens"] for u in finals),
+        sum(u["prompt_tokens_details"]["cached_tokens"] for u in finals),
+    )
+    later = await _counted(client)
+    assert (later[0] - after[0], later[1] - after[1]) == server_counts

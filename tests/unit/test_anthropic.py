@@ -194,7 +194,7 @@ CHAT = {
 
 
 def test_a_chat_completion_becomes_a_message() -> None:
-    message = json.loads(reply_body(200, json.dumps(CHAT).encode()))
+    message = json.loads(reply_body(200, json.dumps(CHAT).encode())[1])
     assert message == {
         "id": "chatcmpl-1",
         "type": "message",
@@ -221,7 +221,7 @@ def test_usage_falls_back_to_the_openai_counts() -> None:
             "prompt_tokens_details": {"cached_tokens": 7},
         },
     }
-    usage = json.loads(reply_body(200, json.dumps(answer).encode()))["usage"]
+    usage = json.loads(reply_body(200, json.dumps(answer).encode())[1])["usage"]
     assert usage == {"cache_read_input_tokens": 7, "input_tokens": 3, "output_tokens": 2}
 
 
@@ -244,7 +244,11 @@ def test_usage_falls_back_to_the_openai_counts() -> None:
     ids=["server-error", "text-body", "no-message", "no-choice"],
 )
 def test_errors_take_anthropics_shape(status: int, body: bytes, expected: Any) -> None:
-    assert json.loads(reply_body(status, body)) == expected
+    """... with the server's status, or 502 for a 200 that is no chat completion (a 200
+    would make an SDK read the error as a message)."""
+    told, sent = reply_body(status, body)
+    assert json.loads(sent) == expected
+    assert told == (502 if status == 200 else status)
 
 
 def sse(*chunks: Any) -> bytes:
@@ -363,7 +367,8 @@ def test_any_body_is_converted_or_refused_with_a_400(body: dict[str, Any]) -> No
     with contextlib.suppress(InvalidRequest):
         to_chat(body)
     answer = {"choices": [body], "id": "x"}
-    assert json.loads(reply_body(200, json.dumps(answer).encode()))["type"] in ("message", "error")
+    status, sent = reply_body(200, json.dumps(answer).encode())
+    assert (status, json.loads(sent)["type"]) in ((200, "message"), (502, "error"))
     stream = StreamReply()
     chunk = b"data: " + json.dumps(answer).encode() + b"\n"
     told = stream.lines(chunk) + stream.end(b"")

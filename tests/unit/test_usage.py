@@ -4,8 +4,11 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from proxy.core.prompt.usage import SseScanner, Usage, read_body, usage_from_object
+from proxy.core.request.anthropic_reply import StreamReply, reply_body
 
 
 @pytest.mark.parametrize(
@@ -145,3 +148,116 @@ def test_sse_scanner_forwards_whole_lines_and_gives_back_a_last_unterminated_one
     assert scanner.close() == b'data: {"content": "b", "stop": true}'
     assert scanner.reply.content == "ab"
     assert scanner.events == 2
+
+
+# The fields the readers look into, and values of every JSON type for them.
+FIELDS = ["choices", "delta", "message", "tool_calls", "index", "function", "name", "id"]
+FIELDS += ["arguments", "type", "content", "text", "timings", "usage", "prompt_n", "cache_n"]
+FIELDS += ["prompt_tokens", "prompt_tokens_details", "cached_tokens", "input_tokens"]
+FIELDS += ["input_tokens_details", "cache_read_input_tokens", "response", "stop"]
+FIELDS += ["finish_reason", "predicted_n", "prompt_ms", "tokens_cached", "error"]
+ANSWER = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(FIELDS), inner),
+    max_leaves=16,
+)
+
+
+def _calls(calls: Any) -> list[Any]:
+    return [{"choices": [{"delta": {"tool_calls": calls}}]}]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(ANSWER, min_size=1, max_size=3))
+@example(_calls([{"index": "a", "function": {"name": "f"}}]))
+@example(_calls([{"index": None}]))
+@example(_calls([{"index": 0, "function": "f"}]))
+@example(_calls(5))
+@example([{"choices": [{"message": {"tool_calls": [{"function": {"name": 3}}]}}]}])
+@example([{"usage": {"prompt_tokens": 3, "prompt_tokens_details": ["x"]}}])
+@example([{"usage": {"input_tokens": 3, "input_tokens_details": 7}}])
+def test_no_answer_however_malformed_makes_a_reader_raise(answers: list[Any]) -> None:
+    """A tool call's ``index`` as a string, ``function`` as a string, details as a list:
+    read as absent. (They raised mid-stream, and the proxy wrote a second status line into
+    the chunked body.)"""
+    for answer in answers:
+        read_body(json.dumps(answer).encode())
+        usage_from_object(answer)
+    scanner, stream = SseScanner(), StreamReply()
+    for answer in answers:
+        stream.lines(scanner.feed(b"data: " + json.dumps(answer).encode() + b"\n\n"))
+    stream.end(scanner.close())
+    reply_body(200, json.dumps(answers[0]).encode())
+
+
+def test_a_batch_answer_counts_every_task() -> None:
+    """llama-server answers a batch ``prompt`` with a list, one object per task."""
+    answer = [
+        {"content": "a", "timings": {"prompt_n": 3, "cache_n": 1, "predicted_n": 2}},
+        {"content": "b", "timings": {"prompt_n": 4, "cache_n": 5, "predicted_n": 2}},
+    ]
+    usage, _ = read_body(json.dumps(answer).encode())
+    assert usage == Usage(13, 6, None, 4, None)
+
+
+@pytest.mark.parametrize(
+    "finals",
+    [
+        pytest.param(
+            [
+                {"index": 1, "stop": True, "timings": {"prompt_n": 4, "cache_n": 0}},
+                {"index": 0, "stop": True, "timings": {"prompt_n": 2, "cache_n": 3}},
+            ],
+            id="completion-batch",
+        ),
+        pytest.param(
+            [
+                {
+                    "choices": [{"index": i, "finish_reason": "length", "text": ""}],
+                    "usage": {"prompt_tokens": n, "prompt_tokens_details": {"cached_tokens": c}},
+                }
+                for i, n, c in ((1, 4, 0), (0, 5, 3))
+            ],
+            id="v1-completions-batch",
+        ),
+        pytest.param(
+            [
+                {
+                    "choices": [{"index": i, "finish_reason": "length", "delta": {}}],
+                    "timings": {"prompt_n": p, "cache_n": c},
+                }
+                for i, p, c in ((0, 4, 0), (1, 2, 3))
+            ],
+            id="chat-n-2",
+        ),
+    ],
+)
+def test_a_streamed_batch_counts_every_tasks_final_chunk(finals: list[dict[str, Any]]) -> None:
+    """Each task of a streamed batch (or each of ``n`` choices) ends with its own final
+    chunk, as the server sends them (their shapes as b11434 streams them)."""
+    scanner = SseScanner()
+    for number, final in enumerate(finals, 1):
+        scanner.feed(b"data: " + json.dumps(final).encode() + b"\n\n")
+        assert scanner.finals == number
+    assert scanner.usage is not None
+    assert (scanner.usage.prompt_tokens, scanner.usage.cached_tokens) == (9, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.lists(st.integers(0, 300), max_size=12))
+def test_a_stream_read_in_any_pieces_reads_as_read_whole(body: bytes, cuts: list[int]) -> None:
+    """Lines held across reads (kept in pieces until their end arrives) come out as whole."""
+    stream = body + b'\ndata: {"content": "' + b"x" * 200 + b'", "stop": true}\n\ndata: [DONE]\n\n'
+    whole = SseScanner()
+    expected = whole.feed(stream) + whole.close()
+    pieces, at = SseScanner(), 0
+    out = b""
+    for cut in [*sorted({min(c, len(stream)) for c in cuts}), len(stream)]:
+        out += pieces.feed(stream[at:cut])
+        at = cut
+    assert out + pieces.close() == expected == stream
+    assert (pieces.usage, pieces.reply.content, pieces.events) == (
+        whole.usage,
+        whole.reply.content,
+        whole.events,
+    )

@@ -15,6 +15,11 @@ Where it is found:
   Anthropic ``input_tokens`` + ``cache_read_input_tokens``.
 ``/completion``'s final object also carries ``tokens_cached`` (the slot's KV length after).
 
+A batch (``prompt`` an array: one server task per element) is answered as a list of such
+objects, or streamed with one final chunk per task, told apart by ``index``; its usage is the
+sum over its tasks (``total``). Anything the server did not send in its documented shape
+counts as absent: nothing here raises on an answer, however malformed.
+
 The reply is collected too (``Reply``): the assistant text and tool calls exactly as the
 client receives them, because that is what it sends back next turn and what the slot's KV
 now holds after the prompt. Streamed tool calls arrive as fragments keyed by ``index`` and
@@ -55,6 +60,25 @@ def _as_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def total(usages: list[Usage]) -> Usage | None:
+    """The usage of a batch: its tasks' counts summed (no single slot's KV length)."""
+    if len(usages) < 2:
+        return usages[0] if usages else None
+    completions = [u.completion_tokens for u in usages]
+    spent = [u.prompt_ms for u in usages]
+    return Usage(
+        sum(u.prompt_tokens for u in usages),
+        sum(u.cached_tokens for u in usages),
+        None,
+        None if None in completions else sum(c or 0 for c in completions),
+        None if None in spent else sum(ms or 0.0 for ms in spent),
+    )
+
+
 def _from_timings(timings: Any, obj: dict[str, Any]) -> Usage | None:
     if not isinstance(timings, dict):
         return None
@@ -74,7 +98,7 @@ def _from_usage(usage: Any) -> Usage | None:
         return None
     prompt = _as_int(usage.get("prompt_tokens"))
     if prompt is not None:
-        details = usage.get("prompt_tokens_details") or {}
+        details = _dict(usage.get("prompt_tokens_details"))
         completion = _as_int(usage.get("completion_tokens"))
         return Usage(prompt, _as_int(details.get("cached_tokens")) or 0, None, completion)
     prompt = _as_int(usage.get("input_tokens"))
@@ -83,7 +107,7 @@ def _from_usage(usage: Any) -> Usage | None:
     if "cache_read_input_tokens" in usage:  # Anthropic: input excludes the cached part
         cached = _as_int(usage.get("cache_read_input_tokens")) or 0
         return Usage(prompt + cached, cached)
-    details = usage.get("input_tokens_details") or {}
+    details = _dict(usage.get("input_tokens_details"))
     return Usage(prompt, _as_int(details.get("cached_tokens")) or 0)
 
 
@@ -136,31 +160,36 @@ class Reply:
     def _message(self, message: dict[str, Any], *, whole: bool) -> None:
         if isinstance(message.get("content"), str):
             self.parts.append(message["content"])
-        for position, call in enumerate(message.get("tool_calls") or []):
+        calls = message.get("tool_calls")
+        for position, call in enumerate(calls if isinstance(calls, list) else []):
             if not isinstance(call, dict):
                 continue
-            index = position if whole else int(call.get("index", position))
-            self._call(index, call)
+            index = None if whole else _as_int(call.get("index"))
+            self._call(position if index is None else index, call)
 
     def _call(self, index: int, call: dict[str, Any]) -> None:
         merged = self.calls.setdefault(
             index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
         )
-        merged["id"] = call.get("id") or merged["id"]
-        merged["type"] = call.get("type") or merged["type"]
-        function = call.get("function") or {}
-        if function.get("name"):
+        for field in ("id", "type"):
+            if isinstance(call.get(field), str) and call[field]:
+                merged[field] = call[field]
+        function = _dict(call.get("function"))
+        if isinstance(function.get("name"), str) and function["name"]:
             merged["function"]["name"] = function["name"]
         if isinstance(function.get("arguments"), str):
             merged["function"]["arguments"] += function["arguments"]
 
 
 def read_body(body: bytes) -> tuple[Usage | None, Reply]:
+    """Usage and reply of a non-streamed answer (a batch's: its tasks' usage summed)."""
     reply = Reply()
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None, reply
+    if isinstance(obj, list):  # a batch: one object per task
+        return total([u for u in map(usage_from_object, obj) if u is not None]), reply
     reply.feed(obj)
     return usage_from_object(obj), reply
 
@@ -170,18 +199,30 @@ class SseScanner:
     bytes to forward (``feed``'s result; ``close`` returns the rest)."""
 
     def __init__(self) -> None:
-        self._pending = b""
+        self._pending = b""  # the start of a line whose end has not arrived
+        self._parts: list[bytes] = []  # chunks after it without a line end (joined once)
         self._held = b""
         self.done = False  # the end event was seen: it and what follows are held
-        self.usage: Usage | None = None
+        self.usage: Usage | None = None  # summed over the tasks seen to finish (``finals``)
         self.reply = Reply()
         self.events = 0
+        self._finals: dict[int, Usage] = {}  # task index -> its final usage
+
+    @property
+    def finals(self) -> int:
+        """Tasks whose final chunk (their usage) has been read."""
+        return len(self._finals)
 
     def feed(self, chunk: bytes) -> bytes:
         """Read ``chunk``; return the complete lines before the end event (they may go on now)."""
         if self.done:
             self._held += chunk
             return b""
+        if b"\n" not in chunk:  # a line still under way: kept in pieces, joined once it ends
+            self._parts.append(chunk)
+            return b""
+        if self._parts:
+            chunk, self._parts = b"".join([*self._parts, chunk]), []
         lines = (self._pending + chunk).split(b"\n")
         self._pending = lines.pop()
         for i, line in enumerate(lines):
@@ -200,6 +241,7 @@ class SseScanner:
 
     def close(self) -> bytes:
         """End of the stream: read a last unterminated line; return every byte still held."""
+        self._pending, self._parts = b"".join([self._pending, *self._parts]), []
         tail, self._held = self._held + self._pending, b""
         if self._pending:
             self._line(self._pending.rstrip(b"\r"))
@@ -216,13 +258,25 @@ class SseScanner:
             return payload == b"[DONE]"
         try:
             obj = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             return False
         self.reply.feed(obj)
         found = None if _partial(obj) else usage_from_object(obj)
         if found is not None:
-            self.usage = found
+            self._finals[_task(obj)] = found
+            self.usage = total(list(self._finals.values()))
         return False
+
+
+def _task(obj: Any) -> int:
+    """Which task of a batch a chunk is of: ``index`` (``/completion``), else its choice's
+    (OpenAI shapes: a batch's prompts and ``n``'s choices are tasks alike)."""
+    obj = _dict(obj)
+    found = _as_int(obj.get("index"))
+    choices = obj.get("choices")
+    if found is None and isinstance(choices, list) and choices:
+        found = _as_int(_dict(choices[0]).get("index"))
+    return found or 0
 
 
 def _partial(obj: Any) -> bool:

@@ -62,19 +62,20 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-def reply_body(status: int, body: bytes) -> bytes:
-    """The client's body for a chat completion's non-streamed answer (or error)."""
+def reply_body(status: int, body: bytes) -> tuple[int, bytes]:
+    """The client's status and body for a chat completion's non-streamed answer (or error): a
+    200 that is not a chat completion is the backend's fault, a 502."""
     try:
         answer = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         answer = body.decode("utf-8", "replace")
     if status != 200:
-        return _dumps(error_body(status, error_message(answer)))
+        return status, _dumps(error_body(status, error_message(answer)))
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return _dumps(error_body(502, "backend answered without a choice"))
+        return 502, _dumps(error_body(502, "backend answered without a choice"))
     message = _dict(choices[0].get("message"))
-    return _dumps(
+    return status, _dumps(
         {
             "id": answer.get("id", ""),
             "type": "message",
@@ -178,8 +179,11 @@ class StreamReply:
     def end(self, tail: bytes) -> bytes:
         """The held end of the stream: its lines, then the events that close the message."""
         out = self.lines(tail)
-        if self.ended or self._first is None:
+        if self.ended:
             return out
+        if self._first is None:  # not one chunk: no message to tell, and a client waits for one
+            self.ended = True
+            return out + sse_error(502, "backend stream ended without a reply")
         if not self.started:  # no chunk said anything: the message is still told
             out += self._start(self._first)
         self.ended = True
@@ -196,7 +200,7 @@ class StreamReply:
     def _chunk(self, payload: bytes) -> bytes:
         try:
             chunk = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             return b""
         if not isinstance(chunk, dict):
             return b""

@@ -628,9 +628,14 @@ class FakeLlamaServer:
         """The slot, and whether the RAM-cache hook runs (``update_cache``)."""
         if isinstance(pinned, int) and pinned >= 0:
             slot = self.slots[pinned % len(self.slots)]
-            empty = 0.0 if self.empty_pin_loads_ram else float("nan")
-            keep = _lcp(slot.tokens, prompt) / len(slot.tokens) if slot.tokens else empty
-            return slot, keep < 0.5  # NaN (empty slot) compares False: no cache load
+            if not slot.tokens:  # f_keep is NaN, which compares False: no cache load
+                return slot, self.empty_pin_loads_ram
+            # The similarity pass looks at the raw id (an id out of range matches no slot)
+            # and takes the slot only past --slot-prompt-similarity (0.1) of the prompt;
+            # otherwise f_sim_best stays 0, and so does f_keep: the hook runs.
+            lcp = _lcp(slot.tokens, prompt)
+            similar = pinned < len(self.slots) and bool(prompt) and lcp / len(prompt) > 0.1
+            return slot, not similar or lcp / len(slot.tokens) < 0.5
         idle = [s for s in self.slots if not s.busy]
         best, best_sim = None, 0.1
         for slot in idle:
@@ -640,7 +645,8 @@ class FakeLlamaServer:
                     best, best_sim = slot, sim
         if best is not None:
             return best, _lcp(best.tokens, prompt) / len(best.tokens) < 0.5
-        return min(idle, key=lambda s: s.last_used, default=None), True
+        # the least recently used, the last of equals (``t_last_used <= t_last``)
+        return min(reversed(idle), key=lambda s: s.last_used, default=None), True
 
     def _ram_save(self, tokens: list[str], slot: FakeSlot) -> None:
         if not self.ram_cache or not tokens:

@@ -263,8 +263,11 @@ class Router:
             plan.after = plan.fp.extend([segment], self._counter.count)
         return plan.after
 
-    def _in_backend_tokens(self, decision: Decision) -> int:
-        """The prediction in the chosen backend's tokens (estimates x the learned ratio)."""
+    def _in_backend_tokens(self, plan: Plan, decision: Decision) -> int:
+        """The prediction in the chosen backend's tokens (estimates x the learned ratio); none
+        for a client's ``cache_prompt: false`` (the server computes the whole prompt)."""
+        if not plan.reuses:
+            return 0
         if decision.placement is None:
             return decision.predicted
         return self._fleet.backends[decision.placement.backend].from_estimate(decision.predicted)
@@ -274,7 +277,7 @@ class Router:
         if decision is None:
             return {}
         reason = Reason.WAIT.value + "+" + decision.reason.value if plan.waits else decision.reason
-        predicted = str(self._in_backend_tokens(decision))
+        predicted = str(self._in_backend_tokens(plan, decision))
         return {"X-Cache-Route": str(reason), "X-Cache-Predicted-Tokens": predicted}
 
     async def record(
@@ -286,7 +289,7 @@ class Router:
         decision = plan.decision
         label = self._fleet.backends[placement.backend].label
         if decision is not None:
-            self._count(decision, label, usage)
+            self._count(plan, decision, label, usage)
         if usage is not None:
             self._fleet.backends[placement.backend].learn(plan.fp.total, usage)
         if placement.pin is None:
@@ -301,14 +304,14 @@ class Router:
             placement.backend, placement.pin, content, slots[placement.pin].n_tokens
         )
 
-    def _count(self, decision: Decision, label: str, usage: Usage | None) -> None:
+    def _count(self, plan: Plan, decision: Decision, label: str, usage: Usage | None) -> None:
         m = self._metrics
         m.route_decisions.labels(decision.reason.value).inc()
         if decision.key_outcome is not None:
             m.cache_key.labels(decision.key_outcome).inc()
             if decision.key_outcome is KeyOutcome.BUSY:
                 log.info("ignoring busy cache_key slot; routed by %s", decision.reason.value)
-        predicted = self._in_backend_tokens(decision)
+        predicted = self._in_backend_tokens(plan, decision)
         m.predicted_tokens.labels(label).inc(predicted)
         if usage is None:
             return

@@ -236,10 +236,11 @@ async def test_a_failed_primer_is_counted_and_the_request_goes_on(
 
 
 async def test_no_primer_for_a_request_that_reuses_nothing(fakes: Any, proxy: Any) -> None:
-    """A client's ``cache_prompt: false`` reuses nothing: no primer is sent for it."""
+    """A client's ``cache_prompt: false`` reuses nothing: no primer is sent for it, and none
+    of its tokens is predicted cached."""
     client = await proxy([await fakes(n_slots=2)])
-    for _, turn, timings, _ in await _agents(client, 2, cache_prompt=lambda turn: turn == 0):
-        assert turn == 0 or timings["cache_n"] == 0
+    for _, turn, timings, headers in await _agents(client, 2, cache_prompt=lambda t: t == 0):
+        assert turn == 0 or timings["cache_n"] == int(headers["X-Cache-Predicted-Tokens"]) == 0
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_ram_primers_total", outcome="sent") == 0
 

@@ -23,6 +23,8 @@ async def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
 
 async def _observations(url: str) -> dict[str, Any]:
     seen: dict[str, Any] = {}
+    _, lru = await _post(url + "/completion", {"prompt": "Hello.", "n_predict": 1})
+    seen["unpinned_on_a_fresh_server_takes_slot"] = lru["id_slot"]  # the last of equals
     base = {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "id_slot": 0}
     _, first = await _post(url + "/completion", base)
     _, again = await _post(url + "/completion", base)
@@ -50,6 +52,7 @@ async def _observations(url: str) -> dict[str, Any]:
     seen["ram_cache_scans_oldest_first"] = await _older_entry_shadows_newer(url)
     seen["ram_load_moves_entry_out"] = await _loaded_entry_leaves_the_cache(url)
     seen["primer_loads_a_parked_session"] = await _primer_loads_a_parked_session(url)
+    seen["a_tenth_shared_runs_the_hook"] = await _a_tenth_shared_runs_the_hook(url)
     async with aiohttp.ClientSession() as session, session.get(url + "/slots") as resp:
         slots = await resp.json()
     seen["slots_fields"] = all({"id", "n_ctx", "is_processing"} <= s.keys() for s in slots)
@@ -126,6 +129,27 @@ async def _primer_loads_a_parked_session(url: str) -> tuple[bool, bool]:
     return found[0], found[1]
 
 
+async def _a_tenth_shared_runs_the_hook(url: str) -> bool:
+    """A pinned slot that shares no more than a tenth of the prompt (the server's
+    ``--slot-prompt-similarity``) runs the hook even when the prompt keeps over half of the
+    slot: its ``f_keep`` counts as 0. The slot holds a short prompt (B) under a short start
+    also opening a long one (A), parked in RAM; A's continuation keeps 0.6 of B but shares
+    0.05 of itself with it, and A comes back from RAM."""
+    start = "Start of the shared part. " * 4
+    first = start + "Alpha notes on gardens and paths. " * 30
+    short = start + "Beta tail words here. " * 2
+    longer = first + "More notes about rivers and lakes. " * 30
+
+    def body(prompt: str) -> dict[str, Any]:
+        return {"prompt": prompt, "n_predict": 2, "temperature": 0, "id_slot": 1}
+
+    await _post(url + "/completion", body(first))
+    await _post(url + "/completion", body(short))  # keeps under half of A: A goes to RAM
+    _, back = await _post(url + "/completion", body(longer))
+    _, tokens = await _post(url + "/tokenize", {"content": first})
+    return bool(back["timings"]["cache_n"] >= len(tokens["tokens"]) - 1)
+
+
 async def _same_on_both(
     observe: Callable[[str], Awaitable[dict[str, Any]]], real_url: str, fake: FakeLlamaServer
 ) -> dict[str, Any]:
@@ -150,6 +174,8 @@ async def test_fake_matches_real_server(llama_servers: Any) -> None:
     assert expected["ram_cache_scans_oldest_first"] is True
     assert expected["ram_load_moves_entry_out"] is True
     assert expected["primer_loads_a_parked_session"] == (False, True)
+    assert expected["a_tenth_shared_runs_the_hook"] is True
+    assert expected["unpinned_on_a_fresh_server_takes_slot"] == 1
 
 
 async def _ram_budget_observations(url: str) -> dict[str, bool]:
@@ -221,6 +247,8 @@ async def test_fake_idle_slot_saves_match_real_server(llama_servers: Any, idle_s
 async def _slot_file_observations(url: str, other_layout_url: str) -> dict[str, Any]:
     """Save / restore / refusal behaviour (reference §5), as the disk tier depends on it."""
     seen: dict[str, Any] = {}
+    _, lru = await _post(url + "/completion", {"prompt": "Hello.", "n_predict": 1})
+    seen["unpinned_on_a_fresh_server_takes_slot"] = lru["id_slot"]  # the last of equals
     base = {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "id_slot": 0}
     _, first = await _post(url + "/completion", base)
     kv = first["tokens_cached"]

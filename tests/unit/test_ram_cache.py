@@ -44,9 +44,19 @@ def test_shared_segments_is_the_common_prefix_of_entries_the_prompt_shares_a_qua
 
 
 def test_cache_is_consulted_only_for_a_non_empty_slot_keeping_less_than_half() -> None:
-    assert ram_cache.consulted(kept=100, content_tokens=300)
-    assert not ram_cache.consulted(kept=150, content_tokens=300)
-    assert not ram_cache.consulted(kept=0, content_tokens=0)  # empty pinned slot: NaN
+    assert ram_cache.consulted(kept=100, content_tokens=300, prompt_tokens=400)
+    assert not ram_cache.consulted(kept=150, content_tokens=300, prompt_tokens=400)
+    assert not ram_cache.consulted(kept=0, content_tokens=0, prompt_tokens=400)  # empty: NaN
+
+
+def test_a_slot_sharing_a_tenth_of_the_prompt_or_less_is_consulted_whatever_it_keeps() -> None:
+    """The server's pinned slot is "similar" only past ``--slot-prompt-similarity`` (0.1) of
+    the prompt; otherwise its ``f_keep`` counts as 0 (real: 40 of a 440-token prompt kept 40
+    of a 70-token slot, and the server loaded the prompt's session from its RAM cache)."""
+    assert ram_cache.consulted(kept=40, content_tokens=70, prompt_tokens=440)
+    assert ram_cache.consulted(kept=44, content_tokens=70, prompt_tokens=440)  # 0.1: not above
+    assert not ram_cache.consulted(kept=45, content_tokens=70, prompt_tokens=440)
+    assert not ram_cache.consulted(kept=40, content_tokens=70, prompt_tokens=440, share=0.4)
 
 
 def test_an_entry_must_keep_a_quarter_of_itself_and_beat_the_slot_in_both_shares() -> None:

@@ -9,7 +9,8 @@
    user message the request shares.
    llama-server's host-RAM prompt cache is modelled per backend (``BackendState.ram_entries``:
    contents its slots held that were overwritten; ``core.server.ram_cache``): pinning to a
-   non-empty slot that would lose more than half its content makes the server load the
+   non-empty slot that would lose more than half its content (or that shares no more than a
+   tenth of the prompt: ``ram_cache.SIMILARITY``) makes the server load the
    entry that beats the slot's own content, so a session parked there is predicted to come
    back whole (``RamView``, ``candidate``); the load is counted on only when the slot keeps
    under 0.4 of its content (``ram_cache.SURE_CONSULT``: the shares are estimates), and an
@@ -334,8 +335,8 @@ def candidate(
         shared = shared_segments(fp, content)
         live = direct = _reuse(fp, content, backend.exact, shared)
         length = backend.kv_estimate(content, slot.n_tokens)
-        consulted = backend.ram and ram_cache.consulted(live, length)
-        surely = consulted and ram_cache.consulted(live, length, ram_cache.SURE_CONSULT)
+        consulted = backend.ram and ram_cache.consulted(live, length, fp.total)
+        surely = consulted and ram_cache.consulted(live, length, fp.total, ram_cache.SURE_CONSULT)
         primes = not surely and ram is not None and ram.owned and params.prime and backend.primable
         if ram is not None and (surely or primes):
             skip = 0  # saving the slot first pushes out the oldest entries only under a budget
@@ -366,7 +367,7 @@ def candidate(
         consulted, from_ram, destroyed = backend.ram, None, 0.0
     ours = content.same_conversation(shared)
     # Another conversation's content is parked in host RAM, and can come back later, only
-    # when this request keeps less than half of it (the server's own f_keep < 0.5 rule), and
+    # when this request makes the server consult its cache (``ram_cache.consulted``), and
     # so is any content a RAM load displaces; an entry the server loads for this request is
     # overwritten beyond what it shares.
     discount = params.ram_discount if consulted and (not ours or from_ram is not None) else 1.0
@@ -510,7 +511,9 @@ def kin_bound(
         lost = max(0, content.total - ceiling.before)
     restorable = ceiling.restored is not None
     primes = ceiling.primes or ceiling.loads is None
-    parks = backend.ram and (restorable or primes or ram_cache.consulted(ceiling.floor, length))
+    parks = backend.ram and (
+        restorable or primes or ram_cache.consulted(ceiling.floor, length, fp.total)
+    )
     discount = min(params.ram_discount, 1.0) if parks else 1.0
     damage = lost * recency(slot, now, params, backend) * discount
     w = params.eviction_weight

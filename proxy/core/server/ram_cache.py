@@ -15,7 +15,8 @@ contained by no other: ``Fingerprint.sealed``); the oldest go until it fits the 
 new entry is the newest.
 
 *Load* (``pick``): the hook runs for a pinned slot that is not empty and would keep less
-than half its content (``f_keep < 0.5``; an empty pinned slot skips it, upstream #28139).
+than half its content (``f_keep < 0.5``, which the server counts as 0 when the slot shares no
+more than a tenth of the prompt: ``SIMILARITY``; an empty pinned slot skips it, upstream #28139).
 The server scans the entries oldest first and takes one that keeps at least a quarter of
 itself (``f_keep >= 0.25``; shares of the real KV length, a raw prompt's reply included:
 ``BackendState.kv_estimate``; by the prompt alone, a 16-token prompt saved with a 64-token
@@ -45,6 +46,12 @@ from proxy.core.prompt.fingerprint import Fingerprint, common_segments
 # 16 of 32 real ones, so the server did not consult its cache and the prompt was served 16
 # tokens where 200-900 were predicted, a few times per run.
 SURE_CONSULT = 0.4
+
+# llama-server's ``--slot-prompt-similarity`` default (share of the prompt): a slot whose shared
+# prefix with the prompt is no longer than this share of the prompt is not "similar", even when
+# pinned, and its ``f_keep`` counts as 0, so the hook runs however much of the slot the prompt
+# keeps (``get_available_slot``; ``tests/real/test_fake_parity.py``).
+SIMILARITY = 0.1
 
 # *Primer*: a pinned slot the prompt keeps half of or more (another session under the same
 # long system prompt) does not run the hook, so a session parked in RAM would not come back
@@ -92,11 +99,16 @@ def shared_segments(fp: Fingerprint, entries: Sequence[RamEntry]) -> tuple[int, 
     return tuple(out)
 
 
-def consulted(kept: int, content_tokens: int, share: float = 0.5) -> bool:
+def consulted(kept: int, content_tokens: int, prompt_tokens: int, share: float = 0.5) -> bool:
     """Whether pinning to a slot holding ``content_tokens`` of which the prompt keeps
-    ``kept`` makes the server consult its RAM cache (``f_keep < 0.5``; NaN when empty).
-    ``share``: a lower bar (``SURE_CONSULT``), for a consult counted on beyond doubt."""
-    return content_tokens > 0 and kept < share * content_tokens
+    ``kept`` makes the server consult its RAM cache: ``f_keep < 0.5`` (NaN when empty), where
+    the server counts ``f_keep`` as 0 when the kept prefix is no more than ``SIMILARITY`` of
+    the prompt (a pinned slot is then not "similar": its ``f_sim_best`` stays 0). ``share``: a
+    lower bar (``SURE_CONSULT``, both shares scaled alike), for a consult counted on beyond
+    doubt."""
+    if content_tokens <= 0:
+        return False
+    return kept < share * content_tokens or kept <= share * 2 * SIMILARITY * prompt_tokens
 
 
 def pick(
@@ -197,9 +209,9 @@ def without(entries: Sequence[RamEntry], gone: RamEntry | None) -> list[RamEntry
 def hook_runs(content: Fingerprint, prompt: Fingerprint, length: int | None = None) -> bool:
     """Whether ``prompt``, pinned to a slot holding ``content`` (``length``: its KV length in
     estimate units, a raw prompt's reply included), makes the server save the slot and load
-    from its RAM cache: it keeps less than half of the content."""
+    from its RAM cache: it keeps less than half of the content (``consulted``)."""
     kept = prompt.tokens_at(common_segments(prompt.hashes, content.hashes))
-    return consulted(kept, content.total if length is None else length)
+    return consulted(kept, content.total if length is None else length, prompt.total)
 
 
 def needs_park(
@@ -221,7 +233,7 @@ def needs_park(
     kept = prompt.tokens_at(shared)
     if content.same_conversation(shared) or kept >= content.total:
         return False
-    return always or not ram or not (in_ram or consulted(kept, length))
+    return always or not ram or not (in_ram or consulted(kept, length, prompt.total))
 
 
 def held(entries: Sequence[RamEntry], content: Fingerprint) -> bool:

@@ -78,7 +78,7 @@ KNOWN: dict[str, tuple[str, ...]] = {
         *("get_snapshots", "all_snapshots", "update_snapshots"),
     ),
 }
-UPSTREAM_ERRORS = ("connect", "timeout", "failed")
+UPSTREAM_ERRORS = ("connect", "loading", "timeout", "failed")
 TTFT_CACHE = ("hit", "miss", "unknown")
 
 

@@ -32,6 +32,7 @@ never handles aiohttp errors.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -145,6 +146,23 @@ class UpstreamConnectError(BadGateway):
     """The backend refused or could not be reached; nothing was sent."""
 
 
+class BackendLoading(UpstreamConnectError):
+    """The backend answered that it is loading its model (it restarted since it was last
+    probed): nothing ran, so the request may go elsewhere, or wait for it."""
+
+
+def loading_answer(status: int, body: bytes) -> bool:
+    """Whether an answer is llama-server's while it loads its model: every path but its page
+    answers 503 ``Loading model`` then (its server-state middleware)."""
+    if status != 503:
+        return False
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        return False
+    return isinstance(error, dict) and error.get("message") == "Loading model"
+
+
 class SlotActionFailed(Exception):
     """A disk-tier call (render, tokenize, warm, save, restore) did not succeed."""
 
@@ -229,13 +247,17 @@ class LlamaServerClient:
     async def probe(self, base_url: str, slots: bool = True) -> Probe | None:
         """``/health``, ``/props``, then, if ``slots`` and awake, ``/slots`` (a task: it wakes a
         sleeping server and restarts its idle timer; the others do neither). None: healthy,
-        but ``/props`` answered an error, which tells nothing of its slots (the caller keeps
-        what it knows)."""
+        but ``/props`` answered an error, or it or ``/slots`` did not answer in time, which
+        tells nothing of its slots (the caller keeps what it knows: a backend whose ``/props``
+        is slower than the probe timeout was held down for good)."""
         try:
             async with self._http.get(base_url + "/health", **self._short(base_url)) as up:
                 if up.status != 200:
                     return Probe(BackendPhase.LOADING if up.status == 503 else BackendPhase.DOWN)
-            return await self._slots(base_url, slots)
+            try:
+                return await self._slots(base_url, slots)
+            except TimeoutError:  # healthy, but slow to tell more (a long prefill, a busy host)
+                return None
         except _Unread:
             return None
         # (TypeError, KeyError, AttributeError: an answer not shaped as llama-server's)
@@ -348,11 +370,23 @@ class LlamaServerClient:
         sleeping = bool(props.get("is_sleeping"))
         total = int(props.get("total_slots", locked))
         counted = tuple(SlotProbe(i, False, 0, -1) for i in range(total))
+        identity = None if locked else _identity(props)
         if wanted and not sleeping and not locked and props.get("endpoint_slots") is not False:
             async with self._http.get(base_url + "/slots", **options) as resp:
                 if resp.status == 200:
-                    return Probe(BackendPhase.READY, tuple(map(_slot_probe, await resp.json())))
-        return Probe(BackendPhase.READY, counted, read=False, sleeping=sleeping)
+                    seen = tuple(map(_slot_probe, await resp.json()))
+                    return Probe(BackendPhase.READY, seen, identity=identity)
+        return Probe(BackendPhase.READY, counted, False, sleeping, identity)
+
+
+def _identity(props: dict[str, Any]) -> tuple[str, ...]:
+    """What a server runs, by ``/props`` (read while it sleeps too): a server restarted with
+    another model, context or build between two probes shows no other sign of it while idle,
+    and a snapshot of its old model would be restored into the new one."""
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    fields = (props.get(k) for k in ("model_path", "model_ftype", "total_slots", "build_info"))
+    return (*map(str, fields), str(n_ctx))
 
 
 def _slot_probe(item: dict[str, Any]) -> SlotProbe:

@@ -224,7 +224,8 @@ class FakeLlamaServer:
 
     # -- lifecycle ------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._key_check])
+        checks = [self._loading_check, self._key_check]
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=checks)
         r = app.router
         r.add_get("/health", self.health)
         r.add_get("/v1/health", self.health)
@@ -302,6 +303,14 @@ class FakeLlamaServer:
         self.faults.append(("cut", stall))
 
     # -- API key, and routes that run no completion ----------------------------------------
+    @web.middleware
+    async def _loading_check(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """As llama-server while it loads its model: every path but the page answers 503."""
+        if self.loading and request.path != "/":
+            error = {"message": "Loading model", "type": "unavailable_error", "code": 503}
+            return web.json_response({"error": error}, status=503)
+        return await handler(request)
+
     @web.middleware
     async def _key_check(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """As llama-server: Authorization (Bearer optional), else X-Api-Key."""
@@ -416,9 +425,6 @@ class FakeLlamaServer:
         return web.Response(text="", content_type="text/html", headers=headers)
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.loading:
-            error = {"message": "Loading model", "type": "unavailable_error", "code": 503}
-            return web.json_response({"error": error}, status=503)
         return web.json_response({"status": "ok"})
 
     async def props(self, request: web.Request) -> web.Response:

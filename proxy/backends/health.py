@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from proxy.backends.scheduler import Scheduler
@@ -55,6 +56,7 @@ class Prober:
         self._clock = clock
         self._drains: dict[int, asyncio.Task[None]] = {}
         self._asked: dict[int, float] = {}  # backend -> when its /slots was last called
+        self._models: dict[int, str] = {}  # backend -> the model its info series names
         self.on_ready = on_ready
 
     async def probe_all(self) -> None:
@@ -69,14 +71,15 @@ class Prober:
             return 0.0
         return max(0.0, asked + QUIET_SECONDS - self._clock())
 
-    async def probe(self, index: int) -> None:
+    async def probe(self, index: int) -> Probe | None:
         started = self._asked[index] = self._clock()
         url, slots = self._backends[index].base_url, self._fleet.wants_slots(index)
         probe = await self._client.probe(url, slots)
         if probe is None:  # (healthy, its slots not readable now: the next probe tells)
-            return
+            return None
         if self.fold(index, probe, started) and self._on_restart is not None:
             await self._on_restart(index)
+        return probe
 
     def fold(self, index: int, probe: Probe, started: float) -> bool:
         """Apply a probe; True when the backend's slot contents were invalidated."""
@@ -108,6 +111,15 @@ class Prober:
         self._metrics.backend_ready.labels(backend.label).set(
             1 if backend.phase is BackendPhase.READY else 0
         )
+        if backend.identity is not None:  # the model it runs: one series, the current one
+            model = Path(backend.identity[0]).name[:128]
+            model = model if model and backend.identity[0] != "None" else "unknown"
+            before = self._models.get(index)
+            if before != model:
+                if before is not None:
+                    self._metrics.backend_model.remove(backend.label, before)
+                self._metrics.backend_model.labels(backend.label, model).set(1)
+                self._models[index] = model
         for phase in SlotPhase:
             count = sum(1 for s in backend.slots if s.phase is phase)
             self._metrics.slots.labels(backend.label, phase.value).set(count)
@@ -136,14 +148,24 @@ class Prober:
             await asyncio.sleep(after)
         deadline = self._clock() + self._health.drain_max_seconds
         pause = self._health.drain_poll_seconds  # the first: a stream's task ends at once
+        blind = None  # every probe found its /slots unreadable: none will show the slot idle
         while self._fleet.is_draining(index) and self._clock() < deadline:
             await asyncio.sleep(pause)
-            await self.probe(index)
+            probe = await self.probe(index)
+            if probe is not None and probe.phase is BackendPhase.READY and not probe.sleeping:
+                blind = not probe.read and blind is not False
             pause = max(self._health.drain_poll_seconds, self._quiet_left(index))
-        if self._fleet.is_draining(index):
-            self._fleet.recast(SlotPhase.DRAINING, SlotPhase.EXTERNAL, index)
-            label = self._fleet.backends[index].label
-            log.warning("backend=%s aborted slot still busy after drain limit", label)
+        if not self._fleet.is_draining(index):
+            return
+        label = self._fleet.backends[index].label
+        if blind:
+            self._fleet.drained_unseen(index)
+            log.warning("backend=%s slots unreadable: an aborted slot taken for idle", label)
+            self._export(index)
+            self._scheduler.wake()
+            return
+        self._fleet.recast(SlotPhase.DRAINING, SlotPhase.EXTERNAL, index)
+        log.warning("backend=%s aborted slot still busy after drain limit", label)
 
     async def close(self) -> None:
         for task in self._drains.values():

@@ -246,10 +246,10 @@ class Scheduler:
         )
         self.wake([(placement.backend, slot) for slot in placement.slots])
 
-    def mark_down(self, index: int) -> None:
-        """Backend ``index`` failed a request: down until a probe finds it ready, and every
-        waiter decides again (one that waited for it may go elsewhere now)."""
-        self.fleet.mark_down(index)
+    def mark_down(self, index: int, phase: BackendPhase = BackendPhase.DOWN) -> None:
+        """Backend ``index`` failed a request: down (or ``phase``) until a probe finds it
+        ready, and every waiter decides again (one that waited for it may go elsewhere now)."""
+        self.fleet.mark_down(index, phase)
         self.wake()
 
     def _grant(self, future: Future, waiter: _Waiter) -> None:

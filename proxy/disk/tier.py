@@ -136,8 +136,6 @@ class DiskTier:
                 continue
             unified = self._settings.backends[backend.index].kv_unified
             state.layout, state.epoch = Layout.from_props(props, unified), epoch
-            model = Path(str(props.get("model_path") or props.get("model_alias") or "")).name
-            self._metrics.backend_model.labels(backend.label, model[:128] or "unknown").set(1)
             for warning in flag_warnings(props):
                 log.warning("backend %s: %s", backend.label, warning)
 

@@ -22,8 +22,8 @@ from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.prompt.headers import upstream_request_headers
 from proxy.core.prompt.isolation import may_reuse
 from proxy.core.request.body import ParsedBody, decode_json_object, pin_body
-from proxy.core.server.fleet import Placement
-from proxy.core.server.placement import Need, pick_backend, place
+from proxy.core.server.fleet import BackendPhase, Placement
+from proxy.core.server.placement import Need, avoiding, pick_backend, place
 from proxy.disk.tier import DiskTier
 from proxy.errors import BadGateway, GatewayTimeout, InvalidRequest
 from proxy.http.forwarding import Forwarder
@@ -36,6 +36,7 @@ from proxy.replicas.shared_state import SharedState
 from proxy.routing.router import Plan, Router
 from proxy.upstream import (
     ROUTES,
+    BackendLoading,
     LlamaServerClient,
     Route,
     SlotActionFailed,
@@ -141,12 +142,13 @@ class ProxyHandlers:
             try:
                 tasks = parsed.tasks * parsed.completions
                 return await self._send(request, placement.backend, body, placement, plan, tasks)
-            except UpstreamConnectError:
-                self._backend_failed(placement.backend, "connect")
+            except UpstreamConnectError as exc:
+                self._backend_failed(placement.backend, exc)
                 await self._unsent(placement)
                 if attempt == 2:
                     raise
-                need = replace(need, avoid=need.avoid | {placement.backend})
+                avoid = avoiding(self._fleet.backends, need.avoid, placement.backend)
+                need = replace(need, avoid=avoid)
         raise AssertionError("unreachable")
 
     async def _prepare(self, plan: Plan | None, placement: Placement, parsed: ParsedBody) -> None:
@@ -227,16 +229,20 @@ class ProxyHandlers:
             index = await self._scheduler.backend(pick)
             try:
                 return await self._send(request, index, body, None)
-            except UpstreamConnectError:
-                self._backend_failed(index, "connect")
+            except UpstreamConnectError as exc:
+                self._backend_failed(index, exc)
                 if attempt == 2:
                     raise
-                avoid = avoid | {index}
+                avoid = avoiding(self._fleet.backends, avoid, index)
         raise AssertionError("unreachable")
 
-    def _backend_failed(self, index: int, kind: str) -> None:
-        self._metrics.upstream_errors.labels(self._fleet.backends[index].label, kind).inc()
-        self._scheduler.mark_down(index)
+    def _backend_failed(self, index: int, exc: UpstreamConnectError) -> None:
+        """Nothing reached the backend: it refused the connection (down until a probe finds it
+        up), or it is loading its model (held until a probe finds it ready)."""
+        loading = isinstance(exc, BackendLoading)
+        label = self._fleet.backends[index].label
+        self._metrics.upstream_errors.labels(label, "loading" if loading else "connect").inc()
+        self._scheduler.mark_down(index, BackendPhase.LOADING if loading else BackendPhase.DOWN)
 
     async def _send(
         self,

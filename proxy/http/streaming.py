@@ -61,7 +61,7 @@ from proxy.core.prompt.usage import Reply, SseScanner, Usage, read_body
 from proxy.core.request.anthropic_reply import StreamReply, reply_body, sse_error
 from proxy.errors import BadGateway, ProxyError, sse_error_event
 from proxy.http.middleware import RECORD, Ending
-from proxy.upstream import translate_stream_error
+from proxy.upstream import BackendLoading, loading_answer, translate_stream_error
 from proxy.upstream_http import Response, UpstreamBroken
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,8 @@ async def relay(
     translate = anthropic if translate is None else translate
     if not _is_stream(upstream):
         body, status = await upstream.read(), upstream.status
+        if loading_answer(status, body):  # (it restarted since it was probed)
+            raise BackendLoading("the backend is loading its model")
         if translate:
             status, sent = reply_body(status, body)
         response = web.Response(status=status, body=sent if translate else body, headers=headers)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from proxy.app import HANDLERS, PROBER
 from proxy.core.disk.snapshots import Lookup
 from proxy.disk.tier import DiskTier
 from proxy.upstream import LlamaServerClient, SlotActionFailed
@@ -26,6 +27,9 @@ def turn(session: int, n: int, **extra: Any) -> dict[str, Any]:
         if i < n - 1:
             messages.append({"role": "assistant", "content": f"answer {i} for {session}"})
     return {"messages": messages, "max_tokens": 4, **extra}
+
+
+MODEL_INFO = "llama_cache_proxy_backend_model_info"
 
 
 def disk(tmp: Path, **over: Any) -> dict[str, Any]:
@@ -472,3 +476,41 @@ async def test_a_failed_props_read_is_tried_again_by_the_next_request(
         assert (await client.post("/v1/chat/completions", json=turn(s, 1))).status == 200
     assert calls[0] == 2
     assert "save" in [a[0] for a in fake.slot_actions]
+
+
+@pytest.mark.parametrize("change", [{"model": "beta"}, {"n_ctx": 4096}], ids=["model", "ctx"])
+async def test_a_restart_with_another_model_between_two_probes_is_a_restart(
+    fakes: Any, proxy: Any, tmp_path: Path, change: dict[str, Any]
+) -> None:
+    """Restarted on its port with another model (or context) between two probes of an idle
+    backend, the server shows it only in ``/props``: that is a restart. No snapshot of the old
+    model is restored into the new one (the real server loads one of the same shape silently:
+    wrong output), none of another context is offered and marked bad for every backend, and
+    the model info names the new model alone."""
+    fake = await fakes(n_slots=2, save_dir=tmp_path, model="alpha", ram_cache=False)
+    backend = {"url": fake.url, "ram_cache": False}
+    client = await proxy([backend], disk=disk(tmp_path), probe_loop=False)
+    prober = client.server.app[PROBER]
+    for session in (0, 1):
+        assert (await client.post("/v1/chat/completions", json=turn(session, 1))).status == 200
+    for n in range(2):  # the system prompt now on disk only
+        text = " ".join(f"filler{n}_{i}" for i in range(400))
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4}
+        assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    await prober.probe_all()
+    await prober.probe_all()  # an idle backend: /health and /props only
+    await fake.stop()
+    settings = {"n_slots": 2, "save_dir": tmp_path, "model": "alpha", "ram_cache": False}
+    fresh = await fakes(port=fake.port, **{**settings, **change})
+    await prober.probe_all()
+    resp = await client.post("/v1/chat/completions", json=turn(7, 1))
+    assert resp.status == 200
+    assert [a for a in fresh.slot_actions if a[0] == "restore"] == []
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_backend_restarts_total") == 1
+    models = [line for line in page.splitlines() if line.startswith(MODEL_INFO + "{")]
+    assert len(models) == 1
+    assert f'model="{change.get("model", "alpha")}.gguf"' in models[0]
+    index = await client.server.app[HANDLERS]._disk.index.all()
+    assert index
+    assert not any(e.bad for e in index)

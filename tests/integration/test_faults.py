@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -12,7 +13,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from proxy.app import SCHEDULER, create_app
+from proxy.app import PROBER, SCHEDULER, create_app
 from proxy.state.memory import InMemoryStateStore
 from testbed.fake_llama import FakeLlamaServer
 from testbed.probes import metric, server_timing
@@ -84,6 +85,29 @@ async def test_connect_failure_retries_on_another_backend(fakes: Any, proxy: Any
     assert statuses == [200, 200, 200]
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_upstream_errors_total", kind="connect") >= 1
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"], ids=["slot", "no-slot"])
+async def test_a_request_whose_only_backend_restarts_is_served_once_it_is_back(
+    fakes: Any, proxy: Any, path: str
+) -> None:
+    """The only backend refuses a connection (it restarts): the request is retried there once
+    a probe finds it back, rather than kept off it until the queue's bound (a 503 after
+    ``max_wait_seconds``: the retry avoided the one backend there is)."""
+    fake = await fakes(n_slots=2)
+    client = await proxy([fake], health={"interval_seconds": 0.1}, queue={"max_wait_seconds": 30})
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "content": "hi"}
+    assert (await client.post(path, json=body)).status == 200
+    await fake.stop()  # no probe has seen it go
+    pending = asyncio.create_task(client.post(path, json=body))
+    await until_metric(
+        client, "llama_cache_proxy_upstream_errors_total", lambda n: n >= 1, kind="connect"
+    )
+    started = time.monotonic()
+    await fakes(port=fake.port, n_slots=2)
+    resp = await pending
+    assert resp.status == 200, await resp.text()
+    assert time.monotonic() - started < 10  # (the queue's bound is 30 s)
 
 
 async def test_loading_backend_holds_requests_until_ready(fakes: Any, proxy: Any) -> None:
@@ -547,3 +571,92 @@ async def test_a_backend_first_seen_after_the_proxy_started_is_no_restart(
     await until_ready(client)
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_backend_restarts_total") == 0
+
+
+async def test_an_aborted_slot_of_a_backend_whose_slots_cannot_be_read_comes_back(
+    fakes: Any, proxy: Any
+) -> None:
+    """A backend behind an API key the proxy is not given (clients' keys pass through): its
+    ``/slots`` cannot be read, so no probe shows an aborted request's slot idle again. Once
+    the drain's bound passes, the slot is taken for idle (it stayed someone else's for good,
+    and the backend, modelled as one slot, answered nothing but 503s after one abort)."""
+    fake = await fakes(n_slots=1, gen_s_per_token=0.05, abort_release_s=0.2)
+    fake.api_key = "backend-key"
+    client = await proxy(
+        [fake],
+        health={"interval_seconds": 0.1, "drain_max_seconds": 0.5},
+        queue={"max_wait_seconds": 5.0},
+    )
+    key = {"Authorization": "Bearer backend-key"}
+    body = {"messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 60}
+    async with aiohttp.ClientSession() as session:
+        url = str(client.make_url("/v1/chat/completions"))
+        resp = await session.post(url, json=body, headers=key)
+        await resp.content.readany()
+        resp.close()  # the client leaves mid-stream: the slot drains
+    await until_metric(client, "llama_cache_proxy_slots", lambda n: n == 1, phase="idle")
+    short = {"messages": [{"role": "user", "content": "y"}], "max_tokens": 2}
+    for _ in range(2):
+        again = await client.post("/v1/chat/completions", json=short, headers=key)
+        assert again.status == 200, await again.text()
+    assert fake.violations == []
+
+
+class _SlowProps(FakeLlamaServer):
+    """A server whose ``/props`` answers late (a busy host): ``/health`` and completions not."""
+
+    delay = 0.0
+    asked = 0
+
+    async def props(self, request: web.Request) -> web.Response:
+        self.asked += 1
+        await asyncio.sleep(self.delay)
+        return await super().props(request)
+
+
+async def test_a_backend_slow_to_tell_its_props_is_not_held_down(proxy: Any) -> None:
+    """``/health`` answers, ``/props`` later than the probe timeout: healthy, its state as it
+    was (it was held down on every probe, so never used again)."""
+    fake = _SlowProps(n_slots=2)
+    await fake.start()
+    try:
+        client = await proxy(
+            [fake], health={"interval_seconds": 0.1}, timeouts={"probe_seconds": 0.3}
+        )
+        short = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+        assert (await client.post("/v1/chat/completions", json=short)).status == 200
+        fake.delay = 0.6
+        asked = fake.asked
+        await until(lambda: fake.asked >= asked + 3, "three slow probes", within=10)
+        assert (await client.get("/readyz")).status == 200
+        assert (await client.post("/v1/chat/completions", json=short)).status == 200
+    finally:
+        await fake.stop()
+
+
+@pytest.mark.parametrize("backends", [1, 2])
+async def test_a_backend_found_loading_by_a_request_is_waited_for_or_passed_over(
+    fakes: Any, proxy: Any, backends: int
+) -> None:
+    """A backend restarted since its last probe answers the request 503 "Loading model", as
+    llama-server does while it loads: nothing ran. The request goes to another backend, or,
+    with none, waits until the load ends; the client never sees that 503 (it was relayed)."""
+    fleet = [await fakes(n_slots=1) for _ in range(backends)]
+    client = await proxy(fleet, probe_loop=False)
+    body = {"messages": [{"role": "user", "content": "one " * 40}], "max_tokens": 2}
+    first = await client.post("/v1/chat/completions", json=body)
+    assert first.status == 200
+    served = next(f for f in fleet if f.url.endswith(first.headers["X-Cache-Backend"]))
+    await served.stop()
+    fresh = await fakes(port=served.port, n_slots=1)
+    fresh.loading = True  # no probe has seen the restart
+    pending = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    await until_metric(
+        client, "llama_cache_proxy_upstream_errors_total", lambda n: n == 1, kind="loading"
+    )
+    if backends == 1:
+        fresh.loading = False
+        await client.server.app[PROBER].probe_all()  # the load ends: a probe finds it ready
+    resp = await pending
+    assert resp.status == 200, await resp.text()
+    assert (resp.headers["X-Cache-Backend"] == first.headers["X-Cache-Backend"]) == (backends == 1)

@@ -40,6 +40,30 @@ async def test_an_idle_backend_is_let_sleep_and_its_caches_are_forgotten(
     assert not await _sleeping(client)
 
 
+async def test_each_sleep_is_seen_after_a_request_woke_the_backend(
+    fakes: Any, proxy: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request wakes a sleeping backend; when it sleeps again, that is seen too (it went
+    unseen once the proxy had marked the backend asleep: every later prediction counted on a
+    context the sleep had destroyed)."""
+    fake = await fakes()
+    fake.sleep_idle_s = 0.05  # asleep again well before the next probe
+    caplog.set_level(logging.INFO, "proxy.backends.health")
+    client = await proxy([fake], health={"interval_seconds": 0.3})
+    body = {"prompt": LONG, "n_predict": 4, "cache_prompt": True}
+    gone = "sleeping: its slot and RAM caches are gone"
+    assert (await client.post("/completion", json=body)).status == 200
+    for sleeps in (1, 2, 3):
+
+        def seen(n: int = sleeps) -> bool:
+            return caplog.text.count(gone) >= n
+
+        await until(seen, f"sleep {sleeps} seen", within=5)
+        resp = await client.post("/completion", json=body)  # wakes it
+        assert (await resp.json())["timings"]["cache_n"] == 0
+        assert resp.headers["X-Cache-Predicted-Tokens"] == "0"
+
+
 async def test_with_unified_kv_a_continuation_goes_where_its_prefix_is(
     fakes: Any, proxy: Any
 ) -> None:

@@ -5,7 +5,9 @@ The state itself (backend and slot phases, the one safety rule) is in ``core.ser
 
 Restart detection from probes: llama-server has no boot id, so a restart is inferred from
 evidence: the backend was never READY or was LOADING (a start loads the model), its slot count
-changed, or the highest ``id_task`` its ``/slots`` reports went down (task ids grow for a
+changed, what ``/props`` says it runs changed (model, context, build: ``Probe.identity``,
+read on every probe, so a restart with another model between two probes of an idle backend
+is seen), or the highest ``id_task`` its ``/slots`` reports went down (task ids grow for a
 process's life, and a fresh server's slots report none). A backend that was DOWN (a probe
 timed out, a connection failed) and comes back with none of that evidence kept its KV: its
 slot contents, tenants and RAM cache stay known, and only a slot on which a task ran unseen
@@ -115,6 +117,7 @@ class Fleet:
                 backend.ram_entries = ram_cache.without(backend.ram_entries, placement.from_ram)
             used[slot_id], slot.last_used = slot.last_used, now
         backend.unread = True
+        backend.asleep = False  # a task wakes it: a probe that sees it asleep again is news
         self._save_idle(backend)
         backend.turns += 1
         for slot_id, last_used in used.items():
@@ -220,6 +223,15 @@ class Fleet:
             slot.phase = new
         return sorted({i for i, _ in found if index is None or i == index})
 
+    def drained_unseen(self, index: int) -> None:
+        """A drain given up on a backend whose ``/slots`` cannot be read (``--no-slots``, or
+        its API key not given to the proxy): no probe will ever show its slots idle, so they
+        are taken for idle now (the server frees an aborted task at its next connection
+        check, within a second; the drain waited longer), what they hold unknown."""
+        for slot in self.backends[index].slots:
+            if slot.phase is SlotPhase.DRAINING:
+                slot.phase, slot.content, slot.n_tokens, slot.owner = SlotPhase.IDLE, None, 0, None
+
     def fold_shared(
         self,
         index: int,
@@ -254,10 +266,11 @@ class Fleet:
                 slot.content, slot.n_tokens, slot.record_at = found
                 slot.last_used = max(slot.last_used, now - max(0.0, wall - found[2]))
         if started:
+            backend.asleep = False  # another replica's task woke it
             self._save_idle(backend)
 
-    def mark_down(self, index: int) -> None:
-        self.apply_probe(index, Probe(BackendPhase.DOWN), now=0.0)
+    def mark_down(self, index: int, phase: BackendPhase = BackendPhase.DOWN) -> None:
+        self.apply_probe(index, Probe(phase), now=0.0)
 
     def apply_probe(self, index: int, probe: Probe, now: float) -> bool:
         """Fold a probe in (``now``: when it was sent, so a release after it is not undone by
@@ -270,6 +283,7 @@ class Fleet:
         restarted = self._restarted(backend, probe, returned)
         back = returned and not restarted  # the same process, its KV kept
         backend.phase = BackendPhase.READY
+        backend.identity = probe.identity or backend.identity
         if restarted:
             backend.epoch += 1
             backend.max_task_id = -1
@@ -311,6 +325,8 @@ class Fleet:
             return True
         if len(probe.slots) != len(backend.slots):
             return True
+        if None not in (probe.identity, backend.identity) and probe.identity != backend.identity:
+            return True  # another model, context or build: a restart, whatever the task ids
         if not probe.read:
             return returned
         highest = max((s.task_id for s in probe.slots), default=-1)

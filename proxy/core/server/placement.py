@@ -70,6 +70,19 @@ def pick_backend(backends: Sequence[BackendState], avoid: frozenset[int]) -> int
     return min(ready, key=lambda b: (b.busy_count(), b.index)).index
 
 
+def avoiding(
+    backends: Sequence[BackendState], avoid: frozenset[int], failed: int
+) -> frozenset[int]:
+    """What a request retried after ``failed`` refused its connection avoids: that backend too,
+    while another may serve it (READY, or about to be); else nothing more, so that the
+    request goes to ``failed`` once a probe finds it back (a restart) rather than wait for
+    none. (It is marked down meanwhile either way.)"""
+    others = (BackendPhase.READY, BackendPhase.LOADING, BackendPhase.UNKNOWN)
+    if any(b.phase in others for b in backends if b.index not in avoid and b.index != failed):
+        return avoid | {failed}
+    return avoid
+
+
 def why_not(backends: Sequence[BackendState], avoid: frozenset[int]) -> NoPlacement:
     usable = [b for b in backends if b.index not in avoid]
     if any(b.phase is BackendPhase.READY for b in usable):

@@ -67,12 +67,16 @@ class SlotProbe:
 class Probe:
     """What one round of ``/health`` + ``/props`` (+ ``/slots``) said about a backend.
     ``read=False``: ``/slots`` was not read (not needed, disabled, or the server sleeps), so
-    ``slots`` only counts them; ``sleeping``: ``/props`` says ``is_sleeping``."""
+    ``slots`` only counts them; ``sleeping``: ``/props`` says ``is_sleeping``; ``identity``:
+    what it runs, from ``/props``."""
 
     phase: BackendPhase
     slots: tuple[SlotProbe, ...] = ()
     read: bool = True
     sleeping: bool = False
+    # what ``/props`` says the server runs (model path and type, context, slots, build); a
+    # change is a restart whatever else a probe saw (None: not told)
+    identity: tuple[str, ...] | None = None
 
 
 class Undo(NamedTuple):
@@ -134,6 +138,7 @@ class BackendState:
     unified: bool = False  # unified KV (-kvu): an idle slot so saved is also cleared
     unread: bool = False  # work was sent to it since ``/slots`` was last read
     asleep: bool = False  # --sleep-idle-seconds: sleeping, its context destroyed
+    identity: tuple[str, ...] | None = None  # the last ``Probe.identity`` seen
     prefill_tps: float = 1000.0  # prompt tokens computed per second (timings.prompt_ms, EMA)
     token_scale: float | None = None  # its tokens per fingerprint estimate (EMA)
     slots: list[SlotState] = field(default_factory=list)  # replaced, not mutated

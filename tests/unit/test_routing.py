@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.routing import options, waiting
 from proxy.core.routing.decision import Decision, Reason, RoutingParams, predicted_reuse, route
 from proxy.core.routing.scoring import (
     RamView,
@@ -747,7 +748,6 @@ def test_property_scoring_a_few_slots_per_backend_decides_as_scoring_all(
     others, and ``core.routing.waiting`` weighs one busy slot per distinct content:
     the decision is the one weighing every slot gives."""
     import proxy.core.routing.decision as routing
-    import proxy.core.routing.waiting as waiting
     from proxy.core.routing.index import BackendIndex
 
     f, request, hint = scene
@@ -1339,3 +1339,19 @@ def test_no_primer_when_its_saves_push_the_session_out_of_a_ram_budget() -> None
         d = decided(route(fp(1, 2, 3, 4, 5, 6, 7, size=40), f.backends, PARAMS, now=100.0))
         assert d.placement is not None
         assert d.placement.primed is primed, budget
+
+
+def test_slots_with_one_chain_told_apart_by_their_user_messages_are_both_options() -> None:
+    """Two idle slots holding one chain, one whose user messages are known (a chat content)
+    and one whose are not: they score differently (which conversation each is), so neither
+    stands for the other (one stood for both, and the decision differed from scoring every
+    slot, a property test's counterexample); nor do two busy slots."""
+    chain = fp(1, 2, 3, 4, 5)
+    chat, anchored = replace(chain, anchor=2, users=(1, 2)), replace(chain, anchor=2)
+    slots = [SlotState(0), SlotState(1), SlotState(2)]
+    for slot, content in zip(slots, (chat, anchored, chat), strict=True):
+        slot.content = content
+    assert [s.id for s in options._distinct(slots)] == [0, 1]
+    for slot in slots:
+        slot.phase, slot.pending = SlotPhase.BUSY, slot.content
+    assert [s.id for s in waiting._distinct_busy(slots)] == [0, 1]

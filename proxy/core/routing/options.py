@@ -247,12 +247,13 @@ def _window(
 
 def _distinct(slots: Sequence[SlotState]) -> list[SlotState]:
     """Of slots holding the same content, the least recently used: it scores at least as
-    well as the others (the same reuse, its loss the least recent)."""
-    seen: dict[tuple[int, int, int], SlotState] = {}
+    well as the others (the same reuse, its loss the least recent). The same content: the
+    same chain, KV length, anchor and user messages (which tell its conversation apart)."""
+    seen: dict[tuple[object, ...], SlotState] = {}
     for slot in slots:
         content = slot.content
         assert content is not None
-        key = (content.hashes[-1], content.total, slot.n_tokens)
+        key = (content.hashes[-1], content.total, slot.n_tokens, content.anchor, content.users)
         kept = seen.get(key)
         if kept is None or _lru(slot) < _lru(kept):
             seen[key] = slot

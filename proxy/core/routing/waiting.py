@@ -191,12 +191,12 @@ def _distinct_busy(sharing: Sequence[SlotState]) -> list[SlotState]:
     """Of the busy slots sharing a token with the prompt (``sharing``: ``index.waiting``; one
     sharing none saves nothing), the first of those that will hold the same content: the
     others would pass or fail as it does and save no more, and the first found wins."""
-    seen: set[tuple[int, int, int]] = set()
+    seen: set[tuple[object, ...]] = set()
     out: list[SlotState] = []
     for slot in sharing:
         content = slot.expected
         assert content is not None
-        key = (content.hashes[-1], content.total, slot.n_tokens)
+        key = (content.hashes[-1], content.total, slot.n_tokens, content.anchor, content.users)
         if key not in seen:
             seen.add(key)
             out.append(slot)

@@ -239,9 +239,10 @@ def test_usage_falls_back_to_the_openai_counts() -> None:
             {"type": "error", "error": {"type": "overloaded_error", "message": "Loading"}},
         ),
         (500, b"{}", {"type": "error", "error": {"type": "api_error", "message": "{}"}}),
+        (504, b"slow", {"type": "error", "error": {"type": "timeout_error", "message": "slow"}}),
         (200, b'{"choices":[]}', error_body(502, "backend answered without a choice")),
     ],
-    ids=["server-error", "text-body", "no-message", "no-choice"],
+    ids=["server-error", "text-body", "no-message", "timeout", "no-choice"],
 )
 def test_errors_take_anthropics_shape(status: int, body: bytes, expected: Any) -> None:
     """... with the server's status, or 502 for a 200 that is no chat completion (a 200

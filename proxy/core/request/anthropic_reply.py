@@ -41,6 +41,7 @@ _ERROR_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",  # (the backend went silent past timeouts.read_seconds)
     529: "overloaded_error",
 }
 

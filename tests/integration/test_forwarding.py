@@ -276,4 +276,4 @@ async def test_an_anthropic_stream_cut_between_replicas_ends_with_anthropics_err
     assert events[0].startswith("event: message_start\n")
     name, data = events[-1].split("\n")
     assert name == "event: error"
-    assert json.loads(data.removeprefix("data: "))["error"]["type"] == "api_error"
+    assert json.loads(data.removeprefix("data: "))["error"]["type"] == "timeout_error"

@@ -259,7 +259,7 @@ async def test_an_anthropic_stream_cut_between_replicas_ends_with_anthropics_err
     home = await proxy(backends, redis_url=redis_server.url, timeouts={"read_seconds": 30})
     other = await proxy(backends, redis_url=redis_server.url, timeouts={"read_seconds": 0.5})
     await _met(home, other)
-    messages = [{"role": "user", "content": "session 0: " + "go on " * 40}]
+    messages = [{"role": "user", "content": "conversation 0: " + "go on " * 40}]
     body = {"model": "m", "max_tokens": 8, "system": SYSTEM, "messages": messages}
     first = await home.post("/v1/messages", json=body)  # placed on a backend of its own
     assert first.status == 200, await first.text()

@@ -200,6 +200,10 @@ def create_app(
         finally:
             await client.close()
 
+    async def answer_waiters(app: web.Application) -> None:  # before handlers are cancelled
+        scheduler.close()
+
+    app.on_shutdown.append(answer_waiters)
     app.cleanup_ctx.append(upstream_ctx)
     return app
 

@@ -58,7 +58,7 @@ _LATENCY_BUCKETS = (
 
 # Every label value the code passes to ``.labels("...")`` (a unit test keeps this in step).
 KNOWN: dict[str, tuple[str, ...]] = {
-    "rejected": ("no_backend", "queue_full", "wait_timeout"),
+    "rejected": ("no_backend", "queue_full", "wait_timeout", "shutting_down"),
     "route_decisions": tuple(r.value for r in Reason),
     "cache_key": tuple(KeyOutcome),
     "route_predictions": ("accurate", "over", "under"),

@@ -47,7 +47,8 @@ It follows the real server's semantics (llama-server b11434, as verified against
   ``Process-Start-Time-Unix`` header; 501 without it, as the real server answers;
 - responses carry ``timings`` (``prompt_n``, ``cache_n``, ``prompt_ms`` when prefill takes
   time) like the real ones, streamed
-  (last chunk; every chunk with ``timings_per_token``) and not;
+  (the finishing chunk, or with ``stream_options.include_usage`` the usage chunk after it,
+  whose ``choices`` is empty; every chunk with ``timings_per_token``) and not;
 - slot save/restore (``POST /slots/{id}?action=save|restore``, reference §5): 501 without a
   save directory; filenames with ``/``, ``\\`` or ``..`` are a 400; an action on a busy slot
   waits until it is idle; a file records the slot's tokens and its KV layout (``n_stream`` =
@@ -823,7 +824,12 @@ class FakeLlamaServer:
                     if stream is not None:
                         await stream.write(_sse(_indexed(_chunk(path, word, None), index)))
                 slot.tokens = slot.tokens[:-1]
-                return _indexed(_shape(path, body, "".join(reply), final, slot, self), index)
+                text = "".join(reply)
+                if stream is not None:  # each element's final chunks, with its usage
+                    for event in _final_chunks(path, body, text, final, slot, self):
+                        if not isinstance(event, bytes):  # (one [DONE] ends them all)
+                            await stream.write(_sse(_indexed(event, index)))
+                return _indexed(_shape(path, body, text, final, slot, self), index)
             finally:
                 await self._free(slots, task)
 
@@ -957,10 +963,15 @@ def _final_chunks(
     if path in ("/completion", "/completions", "/infill"):
         return [_shape(path, body, "", final, slot, server)]
     last = _chunk(path, "", "length")
-    last["timings"] = final["timings"]
     out: list[Any] = [last]
-    if (body.get("stream_options") or {}).get("include_usage"):
-        out.append({"object": "chat.completion.chunk", "choices": [], "usage": _usage(final, text)})
+    if path == "/v1/completions":  # its last chunk has its usage, include_usage or not
+        last["usage"] = _usage(final, text)
+        last["timings"] = final["timings"]
+    elif (body.get("stream_options") or {}).get("include_usage"):  # timings with the usage
+        usage = {"choices": [], "usage": _usage(final, text), "timings": final["timings"]}
+        out.append({"object": "chat.completion.chunk", **usage})
+    else:
+        last["timings"] = final["timings"]
     return [*out, b"[DONE]"]
 
 

@@ -24,7 +24,10 @@ every waiter in arrival order would find. A release costs the decisions of the w
 can affect that pass the freed slot up (none, when the first one takes it), not the number
 waiting.
 
-A full queue or an expired wait answers 503 with ``Retry-After``. While no backend is ready
+A full queue or an expired wait answers 503 with ``Retry-After``, unless the request chose
+to wait beside a slot it could take (for a busy slot that saves more): then ``settle``, its
+decision with no waiting by choice, places it there. At shutdown every waiter is answered 503
+(``close``): none of them reached a backend. While no backend is ready
 (start-up, a restart, an outage) requests wait the same way, and go as soon as a probe finds
 a backend ready (``wake``); so do requests that use no slot (``backend``). A backend that
 fails a request is down until a probe finds it ready, and every waiter decides again
@@ -40,6 +43,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from proxy.config.settings import QueueSettings
 from proxy.core.prompt.fingerprint import Fingerprint
@@ -89,6 +93,7 @@ class Scheduler:
         # (hold end, filing, held slot, waiter): a heap; stale once the waiter decided again
         self._hold_ends: list[tuple[float, int, SlotRef, Future]] = []
         self._filings = itertools.count()  # (the order breaks ties: waiters never compared)
+        self._closing = False  # shutting down: no request waits any more
 
     def waiting(self) -> int:
         """Requests waiting for a slot."""
@@ -112,22 +117,45 @@ class Scheduler:
         decide: Decide,
         content: Fingerprint | None = None,
         recheck_at: float | None = None,
+        settle: Decide | None = None,
     ) -> Placement:
         """A placement now or after waiting; ``recheck_at``: when ``decide`` changes its mind
-        by itself (its bound on waiting for a busy slot passes), if it ever does."""
+        by itself (its bound on waiting for a busy slot passes), if it ever does; ``settle``:
+        the decision without waiting by choice, asked when the request may not wait (the
+        queue is full, or its bound passed) before it is refused."""
         # Waiters that fit a free slot were granted it when it freed, so a slot free now
         # fits none of them: taking it skips no one who could use it.
         result = self._try(decide, content)
         if isinstance(result, Placement):
             return result
-        self._room()
+        if self._closing or not self._has_room():
+            if settle is not None and isinstance(now := self._try(settle, content), Placement):
+                return now
+            self._room()
         waiter = _Waiter(decide, content, self._arrivals)
         self._arrivals += 1
-        return await self._wait(waiter, result, recheck_at)
+        return await self._wait(waiter, result, recheck_at, settle)
+
+    def _has_room(self) -> bool:
+        return len(self._waiters) + len(self._ready) < self._settings.max_waiting
 
     def _room(self) -> None:
-        if len(self._waiters) + len(self._ready) >= self._settings.max_waiting:
+        if self._closing:
+            raise self._unavailable("the proxy is shutting down", "shutting_down")
+        if not self._has_room():
             raise self._unavailable("all slots are busy and the queue is full", "queue_full")
+
+    def close(self) -> None:
+        """Shutting down: every waiting request is answered 503 now (none reached a backend),
+        and none waits from now on."""
+        self._closing = True
+        waiting: list[asyncio.Future[Any]] = [*self._waiters, *self._ready]
+        for future in waiting:
+            if not future.done():
+                error = self._unavailable("the proxy is shutting down", "shutting_down")
+                future.set_exception(error)
+        for future in list(self._waiters):
+            self._forget(future)  # (no release grants it a slot now)
 
     def _expired(self) -> ServiceUnavailable:
         if not self._any_ready():
@@ -153,10 +181,17 @@ class Scheduler:
             finally:
                 self._metrics.queued.dec()
                 self._ready.remove(future)
+            error = future.exception() if future.done() else None
+            if error is not None:
+                raise error  # (shutting down: ``close``)
         return index
 
     async def _wait(
-        self, waiter: _Waiter, first: NoPlacement | Awaiting, recheck_at: float | None
+        self,
+        waiter: _Waiter,
+        first: NoPlacement | Awaiting,
+        recheck_at: float | None,
+        settle: Decide | None,
     ) -> Placement:
         future: Future = asyncio.get_running_loop().create_future()
         self._waiters[future] = waiter
@@ -179,6 +214,8 @@ class Scheduler:
         if future.done():
             return future.result()
         future.cancel()
+        if settle is not None and isinstance(now := self._try(settle, waiter.content), Placement):
+            return now  # (its bound passed beside a slot it chose not to take)
         raise self._expired()
 
     def _file(self, future: Future, waiter: _Waiter, result: NoPlacement | Awaiting) -> None:

@@ -18,9 +18,10 @@
   backend this replica schedules) is homed at another live replica. The request goes there
   with ``X-Cache-Forwarded-By`` (so it is not forwarded again), the bytes the client sent,
   its path and query string as sent, and the same request id; the home's response, headers
-  included, is relayed byte for byte. Its usage, and the request itself (``requests_total``),
-  are counted by the home only, so metrics summed over replicas count every request once;
-  the replica that relayed it counts it in ``forwarded_requests_total{outcome="sent"}``.
+  included, is relayed byte for byte. Its usage, and the request itself (``requests_total``,
+  ``request_duration_seconds``), are counted by the home only, so metrics summed over
+  replicas count every request once; the replica that relayed it counts it in
+  ``forwarded_requests_total{outcome="sent"}``.
 - *Where a replica places*: only on the backends it is home to (``foreign``: the others are
   avoided while it routes and re-decides a queued request), unless none of them is up.
 - *Failure*: a home that cannot be connected to is skipped for ``RETRY_SECONDS`` and the

@@ -25,7 +25,7 @@ from proxy.core.request.body import ParsedBody, decode_json_object, pin_body
 from proxy.core.server.fleet import BackendPhase, Placement
 from proxy.core.server.placement import Need, avoiding, pick_backend, place
 from proxy.disk.tier import DiskTier
-from proxy.errors import BadGateway, GatewayTimeout, InvalidRequest
+from proxy.errors import BadGateway, GatewayTimeout, InvalidRequest, ProxyError
 from proxy.http.forwarding import Forwarder
 from proxy.http.intake import parse_for, read_body
 from proxy.http.middleware import RECORD
@@ -200,7 +200,8 @@ class ProxyHandlers:
             if plan is None:
                 placement = await self._scheduler.acquire(decide)
             else:
-                placement = await self._scheduler.acquire(decide, plan.fp, plan.wait_until)
+                settle = self._decider(plan, need, wait=False)
+                placement = await self._scheduler.acquire(decide, plan.fp, plan.wait_until, settle)
             try:
                 theirs = await self._shared.take(placement)
             except BaseException:  # (the client left meanwhile: nothing was sent)
@@ -217,9 +218,9 @@ class ProxyHandlers:
         await self._shared.give_back(placement)
         self._scheduler.release(placement, clean=True, sent=False)
 
-    def _decider(self, plan: Plan | None, need: Need) -> Decide:
+    def _decider(self, plan: Plan | None, need: Need, wait: bool = True) -> Decide:
         if plan is not None:  # (backends another replica schedules: forwarded there)
-            return self._router.decider(plan, need.avoid | self._forwarder.foreign())
+            return self._router.decider(plan, need.avoid | self._forwarder.foreign(), wait)
         return lambda: place(self._fleet.backends, need)
 
     async def _unpinned(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
@@ -289,11 +290,8 @@ class ProxyHandlers:
         except UpstreamConnectError:
             released = True  # nothing reached the backend; the caller retries and releases
             raise
-        except GatewayTimeout:
-            self._metrics.upstream_errors.labels(backend.label, "timeout").inc()
-            raise
-        except BadGateway:
-            self._metrics.upstream_errors.labels(backend.label, "failed").inc()
+        except (GatewayTimeout, BadGateway) as exc:
+            self._upstream_error(backend.label, exc)
             raise
         finally:
             if not released and not finished[0] and (outcome is None or not outcome.complete):
@@ -303,11 +301,16 @@ class ProxyHandlers:
                     self._shared.abandon(placement)  # still busy upstream: let it expire
                 finally:
                     self._release(placement, outcome, plan)
+        if outcome.failure is not None:  # (after the status line: the stream ends in an error)
+            self._upstream_error(backend.label, outcome.failure)
         if not released and not finished[0]:
             assert placement is not None
-            assert outcome is not None
             await to_the_end(self._finish(plan, placement, outcome))
         return outcome.response
+
+    def _upstream_error(self, label: str, error: ProxyError) -> None:
+        kind = "timeout" if isinstance(error, GatewayTimeout) else "failed"
+        self._metrics.upstream_errors.labels(label, kind).inc()
 
     async def _finish(self, plan: Plan | None, placement: Placement, outcome: Outcome) -> None:
         """After a complete response: disk-tier work, free the slot, record what it holds."""

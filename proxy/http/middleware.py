@@ -202,9 +202,9 @@ def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middle
         finally:  # a cancelled handler (client gone) is logged as 499
             metrics.in_flight.dec()
             elapsed = clock() - started
-            if not record.relayed:  # (counted by the replica that served it)
+            if not record.relayed:  # (counted by the replica that served it: once a fleet)
                 metrics.requests.labels(endpoint, str(status)).inc()
-            metrics.duration.labels(endpoint).observe(elapsed)
+                metrics.duration.labels(endpoint).observe(elapsed)
             if status == 499:
                 record.outcome = Ending.CLIENT_GONE
             if log.isEnabledFor(logging.INFO):  # written once the response has left

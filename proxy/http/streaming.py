@@ -74,6 +74,7 @@ class Outcome:
     reply: Reply | None = None
     complete: bool = False
     first_byte_at: float | None = None
+    failure: ProxyError | None = None  # the backend failed after the status line was sent
 
 
 def _is_stream(upstream: Response) -> bool:
@@ -205,6 +206,8 @@ class _Stream:
         if not recorded:
             on_usage(outcome)
         self._request[RECORD].outcome = ending  # logged: the status line said 200
+        if ending is Ending.UPSTREAM_ERROR:
+            outcome.failure = error
         if self._anthropic:
             event = sse_error(error.status, error.message)
         else:

@@ -220,10 +220,14 @@ class Router:
         if found is not None:
             returns.returned(found[1], found[0])
 
-    def decider(self, plan: Plan, avoid: frozenset[int]) -> Decide:
+    def decider(self, plan: Plan, avoid: frozenset[int], wait: bool = True) -> Decide:
+        """The request's decision on the fleet as it is when asked; ``wait`` False: one that
+        does not wait by choice (the scheduler's ``settle``)."""
+
         def decide() -> Placement | NoPlacement | Awaiting:
             now = self._clock()
-            decision = self._route(plan, now, now < plan.wait_until, avoid, plan.disk)
+            allowed = wait and now < plan.wait_until
+            decision = self._route(plan, now, allowed, avoid, plan.disk)
             if isinstance(decision, NoPlacement):
                 return decision
             plan.decision = decision
@@ -307,6 +311,8 @@ class Router:
     def _count(self, plan: Plan, decision: Decision, label: str, usage: Usage | None) -> None:
         m = self._metrics
         m.route_decisions.labels(decision.reason.value).inc()
+        if plan.waits:  # (it waited for a slot first: its header says ``wait+<reason>``)
+            m.route_decisions.labels(Reason.WAIT.value).inc()
         if decision.key_outcome is not None:
             m.cache_key.labels(decision.key_outcome).inc()
             if decision.key_outcome is KeyOutcome.BUSY:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from testbed.fake_llama import FakeLlamaServer
+from testbed.probes import metric
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 4
 BATCHES = [
@@ -51,6 +52,24 @@ async def test_a_streamed_batch_relays_every_element(fakes: Any, proxy: Any) -> 
         assert len(words) == 5
     assert "id_slot" not in fake.received[-1][1]
     assert fake.violations == []
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions"])
+async def test_a_streamed_batch_counts_every_elements_tokens(
+    fakes: Any, proxy: Any, path: str
+) -> None:
+    """Each element ends with its own final chunk and usage, as the real server streams a
+    batch (``tests/real/test_real_batches.py``): the proxy counts every one of them."""
+    fake: FakeLlamaServer = await fakes(n_slots=2, gen_s_per_token=0.002)
+    client = await proxy([fake])
+    body = {"prompt": [LONG + "a", LONG + "bb cc"], "n_predict": 3, "max_tokens": 3}
+    resp = await client.post(path, json={**body, "stream": True})
+    assert resp.status == 200
+    finals = [e["timings"] for e in _events(await resp.text()) if "timings" in e]
+    assert len(finals) == 2
+    page = await (await client.get("/metrics")).text()
+    counted = metric(page, "llama_cache_proxy_prompt_tokens_total")
+    assert counted == sum(t["prompt_n"] + t["cache_n"] for t in finals) > 0
 
 
 async def test_token_ids_and_a_single_element_stay_pinned(fakes: Any, proxy: Any) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
+import signal
+import sys
 import time
 from typing import Any
 
@@ -65,6 +68,87 @@ async def test_wait_past_limit_answers_503(fakes: Any, proxy: Any) -> None:
     assert second.status == 503
     assert (await second.json())["error"]["code"] == "wait_timeout"
     assert (await first).status == 200
+
+
+def _turns(count: int) -> dict[str, Any]:
+    """A session's turn ``count``: a long system prompt, then its questions and answers."""
+    messages = [{"role": "system", "content": "You answer questions about fruit. " * 300}]
+    for i in range(count):
+        messages.append({"role": "user", "content": f"question {i} about apples"})
+        if i < count - 1:
+            messages.append({"role": "assistant", "content": f"answer {i}"})
+    return {"messages": messages, "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "queue", [{"max_waiting": 0}, {"max_wait_seconds": 0.3}], ids=["no-place", "queue-bound"]
+)
+async def test_a_request_that_may_not_wait_takes_the_idle_slot_beside_a_busy_one(
+    fakes: Any, proxy: Any, queue: dict[str, Any]
+) -> None:
+    """A session's turn runs on one slot; the other is idle. The same turn again waits for
+    the busy slot (it saves the whole conversation); when it may not wait (no queue place,
+    or the queue's bound comes before ``max_slot_wait_seconds``) it takes the idle slot
+    rather than a 503 beside it."""
+    fake = await fakes(n_slots=2, gen_s_per_token=0.05)
+    client = await proxy([fake], queue=queue, routing={"max_slot_wait_seconds": 10})
+    assert (await client.post("/v1/chat/completions", json=_turns(1))).status == 200
+    running = asyncio.create_task(
+        client.post("/v1/chat/completions", json={**_turns(2), "max_tokens": 40})
+    )
+    await until(lambda: any(s.busy for s in fake.slots), "the session's turn runs")
+    again = await client.post("/v1/chat/completions", json=_turns(2))
+    assert again.status == 200, await again.text()
+    assert not running.done()  # it did not wait for the busy slot to end
+    assert (await running).status == 200
+    assert fake.violations == []
+
+
+async def test_requests_waiting_at_shutdown_are_answered_503(fakes: Any) -> None:
+    """SIGTERM while one request runs and two wait for the only slot: the two get a 503
+    with ``Retry-After`` (they never reached a backend), the process ends at once, cleanly."""
+    fake = await fakes(n_slots=1, gen_s_per_token=0.05)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = ["-m", "proxy", "serve", "--backend", fake.url, "--listen", f"127.0.0.1:{port}"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *serve, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def up() -> bool:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(url + "/readyz") as resp:
+                        return resp.status == 200
+                return False
+
+            async def post(text: str) -> tuple[int, Any, dict[str, str]]:
+                body = chat(text, max_tokens=200)
+                async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                    return resp.status, await resp.json(), dict(resp.headers)
+
+            async def two_queued() -> bool:
+                async with session.get(url + "/metrics") as resp:
+                    return metric(await resp.text(), "llama_cache_proxy_requests_queued") == 2
+
+            await until(up, "the proxy is ready", within=30)
+            running = asyncio.create_task(post("the first"))
+            await until(lambda: fake.slots[0].busy, "the first request holds the slot")
+            waiting = [asyncio.create_task(post(f"waiter {i}")) for i in range(2)]
+            await until(two_queued, "two requests wait")
+            proc.send_signal(signal.SIGTERM)
+            for task in waiting:
+                status, body, headers = await task
+                assert status == 503
+                assert body["error"]["code"] == "shutting_down"
+                assert "Retry-After" in headers
+            await asyncio.gather(running, return_exceptions=True)  # cut off, as at any stop
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 async def test_no_backend_up_answers_503_after_the_wait(proxy: Any) -> None:
@@ -179,6 +263,8 @@ async def test_mid_stream_failure_ends_with_sse_error_event(fakes: Any, proxy: A
     events = [e for e in (await resp.text()).split("\n\n") if e]
     assert len(events) == 3
     assert _is_openai_error(json.loads(events[-1].removeprefix("data: ")))
+    page = await (await client.get("/metrics")).text()  # (after the status line: counted too)
+    assert metric(page, "llama_cache_proxy_upstream_errors_total", kind="failed") == 1
     assert (await client.post("/completion", json={"prompt": "y"})).status == 200
     assert fake.violations == []
 

@@ -75,6 +75,8 @@ async def test_a_held_slot_goes_to_the_waiter_when_its_session_does_not_come_bac
     await first
     assert b_headers["X-Cache-Route"].startswith("wait")
     assert int(b_headers["X-Cache-Slot"]) == 0
+    page = await (await client.get("/metrics")).text()  # B waited once, then was placed
+    assert metric(page, "llama_cache_proxy_route_decisions_total", reason="wait") == 1
 
 
 async def test_a_request_waiting_beside_a_held_slot_takes_it_when_the_hold_ends(

@@ -163,13 +163,16 @@ async def test_a_forwarded_request_is_counted_once_in_requests_total(
 ) -> None:
     """Summed over the replicas, ``requests_total`` counts every client request once: the
     replica that served it counts it; the one that relayed it, only in
-    ``forwarded_requests_total{outcome="sent"}``. Before, both counted it."""
+    ``forwarded_requests_total{outcome="sent"}``. Before, both counted it. So does
+    ``request_duration_seconds``."""
     _, pair = await _pair(fakes, proxy, redis_server.url)
     await until_listed([str(c.make_url("")).rstrip("/") for c in pair])
     sent = await _sessions(pair)
     texts = [await _metrics(c) for c in pair]
     assert sum(metric(t, FORWARDS, outcome="sent") for t in texts) > 0
     assert sum(metric(t, REQUESTS, endpoint=CHAT) for t in texts) == sent
+    durations = "llama_cache_proxy_request_duration_seconds_count"
+    assert sum(metric(t, durations, endpoint=CHAT) for t in texts) == sent
 
 
 async def test_without_a_secret_replicas_do_not_forward(

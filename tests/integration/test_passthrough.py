@@ -133,9 +133,9 @@ async def test_stream_relayed_and_usage_counted(fakes: Any, proxy: Any) -> None:
     prompt = metric(page, "llama_cache_proxy_prompt_tokens_total")
     cached = metric(page, "llama_cache_proxy_cached_tokens_total")
     # third request reuses the first one's slot (LRU): all but one prompt token cached
-    last = json.loads(third.split("data: ")[-3])
-    assert cached == last["timings"]["cache_n"] + _cache_n(second)
-    assert prompt == 3 * (last["timings"]["prompt_n"] + last["timings"]["cache_n"])
+    last = _timings(third)
+    assert cached == last["cache_n"] + _cache_n(second)
+    assert prompt == 3 * (last["prompt_n"] + last["cache_n"])
     assert metric(page, "llama_cache_proxy_time_to_first_token_seconds_count") == 3
 
 
@@ -154,8 +154,15 @@ async def test_stream_usage_counted_before_the_client_sees_its_end(fakes: Any, p
     resp.close()
 
 
+def _timings(stream: str) -> dict[str, Any]:
+    """The server's ``timings`` of a stream: on its last chunk that has them (the finishing
+    one, or the usage chunk after it with ``stream_options.include_usage``)."""
+    events = [json.loads(e) for e in stream.split("data: ")[1:] if e.startswith("{")]
+    return dict(next(e["timings"] for e in reversed(events) if "timings" in e))
+
+
 def _cache_n(stream: str) -> int:
-    return int(json.loads(stream.split("data: ")[-3])["timings"]["cache_n"])
+    return int(_timings(stream)["cache_n"])
 
 
 async def test_conversation_id_and_hop_by_hop_headers_not_forwarded(fakes: Any, proxy: Any) -> None:

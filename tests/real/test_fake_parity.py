@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -59,7 +60,31 @@ async def _observations(url: str) -> dict[str, Any]:
     seen["slot_count"] = len(slots)
     async with aiohttp.ClientSession() as session, session.get(url + "/props") as resp:
         seen["total_slots"] = (await resp.json())["total_slots"]
+    seen["stream_timings_on"] = await _stream_timings(url)
     return seen
+
+
+async def _stream_timings(url: str) -> dict[str, list[str]]:
+    """Which chunks of a streamed chat carry the server's ``timings``: the finishing one, or
+    with ``stream_options.include_usage`` the usage chunk after it alone (no choice)."""
+    out = {}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+    usage = {"stream_options": {"include_usage": True}}
+    for name, extra in (("plain", {}), ("include_usage", usage)):
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + "/v1/chat/completions", json={**body, **extra}) as resp,
+        ):
+            text = await resp.text()
+        kinds = []
+        for event in text.split("\n\n"):
+            payload = event.removeprefix("data: ").strip()
+            data = json.loads(payload) if payload.startswith("{") else None
+            if data and "timings" in data:
+                choices = data.get("choices") or [{}]
+                kinds.append("finish" if choices[0].get("finish_reason") else "usage")
+        out[name] = kinds
+    return out
 
 
 async def _older_entry_shadows_newer(url: str) -> bool:
@@ -176,6 +201,7 @@ async def test_fake_matches_real_server(llama_servers: Any) -> None:
     assert expected["primer_loads_a_parked_session"] == (False, True)
     assert expected["a_tenth_shared_runs_the_hook"] is True
     assert expected["unpinned_on_a_fresh_server_takes_slot"] == 1
+    assert expected["stream_timings_on"] == {"plain": ["finish"], "include_usage": ["usage"]}
 
 
 async def _ram_budget_observations(url: str) -> dict[str, bool]:

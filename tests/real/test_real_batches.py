@@ -87,6 +87,18 @@ async def _counted(client: Any) -> tuple[float, float]:
     )
 
 
+def _carrying(field: str, stream: str) -> list[dict[str, Any]]:
+    """``field`` of each event of ``stream`` that has it (the server sends "data: null"
+    between a batch's elements)."""
+    found = []
+    for event in stream.split("\n\n"):
+        payload = event.removeprefix("data: ").strip()
+        data = json.loads(payload) if payload and payload != "[DONE]" else None
+        if data and data.get(field):
+            found.append(data[field])
+    return found
+
+
 async def test_a_batch_counts_every_elements_tokens(llama_servers: Any, proxy: Any) -> None:
     """The hit rate's counters take every task of a batch: each element of a non-streamed
     answer's list, and each task's final chunk of a stream (they counted none, and the
@@ -107,12 +119,7 @@ async def test_a_batch_counts_every_elements_tokens(llama_servers: Any, proxy: A
     body = {"prompt": PROMPTS, **GREEDY, "stream": True, "max_tokens": 12}
     resp = await client.post("/v1/completions", json=body)
     assert resp.status == 200
-    finals = []
-    for event in (await resp.text()).split("\n\n"):
-        payload = event.removeprefix("data: ").strip()
-        data = json.loads(payload) if payload and payload != "[DONE]" else None
-        if data and data.get("usage"):
-            finals.append(data["usage"])
+    finals = _carrying("usage", await resp.text())
     assert len(finals) == len(PROMPTS)
     server_counts = (
         sum(u["prompt_tokens"] for u in finals),
@@ -120,3 +127,29 @@ async def test_a_batch_counts_every_elements_tokens(llama_servers: Any, proxy: A
     )
     later = await _counted(client)
     assert (later[0] - after[0], later[1] - after[1]) == server_counts
+
+
+async def test_streamed_choices_with_include_usage_count_every_task(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """With ``stream_options.include_usage`` each task's usage comes in a chunk of its own
+    whose ``choices`` is empty, naming no task: each of them counts, once (they counted as
+    one task, the last; with ``n`` 1 the one chunk counts once)."""
+    server = llama_servers(slots=2)
+    client = await proxy([server])
+    chat = {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0}
+    for n in (2, 1):
+        before = await _counted(client)
+        body = {**chat, "n": n, "max_tokens": 4, "stream": True}
+        resp = await client.post(
+            "/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}}
+        )
+        assert resp.status == 200, await resp.text()
+        timings = _carrying("timings", await resp.text())
+        assert len(timings) == n  # one chunk with the server's timings per task
+        server_counts = (
+            sum(t["prompt_n"] + t["cache_n"] for t in timings),
+            sum(t["cache_n"] for t in timings),
+        )
+        after = await _counted(client)
+        assert (after[0] - before[0], after[1] - before[1]) == server_counts

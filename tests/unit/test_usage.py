@@ -230,6 +230,17 @@ def test_a_batch_answer_counts_every_task() -> None:
             ],
             id="chat-n-2",
         ),
+        pytest.param(
+            [
+                {
+                    "choices": [],
+                    "usage": {"prompt_tokens": n, "prompt_tokens_details": {"cached_tokens": c}},
+                    "timings": {"prompt_n": n - c, "cache_n": c},
+                }
+                for n, c in ((4, 0), (5, 3))
+            ],
+            id="chat-n-2-include-usage",
+        ),
     ],
 )
 def test_a_streamed_batch_counts_every_tasks_final_chunk(finals: list[dict[str, Any]]) -> None:

@@ -263,18 +263,25 @@ class SseScanner:
         self.reply.feed(obj)
         found = None if _partial(obj) else usage_from_object(obj)
         if found is not None:
-            self._finals[_task(obj)] = found
+            task = _task(obj)
+            if task is None:  # (one such chunk per task, in turn: each counts as its own)
+                task = -1 - sum(1 for key in self._finals if key < 0)
+            self._finals[task] = found
             self.usage = total(list(self._finals.values()))
         return False
 
 
-def _task(obj: Any) -> int:
+def _task(obj: Any) -> int | None:
     """Which task of a batch a chunk is of: ``index`` (``/completion``), else its choice's
-    (OpenAI shapes: a batch's prompts and ``n``'s choices are tasks alike)."""
+    (OpenAI shapes: a batch's prompts and ``n``'s choices are tasks alike); None for a chunk
+    of no choice at all (``stream_options.include_usage``: each task's usage comes last in a
+    chunk whose ``choices`` is empty, naming no task)."""
     obj = _dict(obj)
     found = _as_int(obj.get("index"))
     choices = obj.get("choices")
-    if found is None and isinstance(choices, list) and choices:
+    if found is None and isinstance(choices, list):
+        if not choices:
+            return None
         found = _as_int(_dict(choices[0]).get("index"))
     return found or 0
 

@@ -25,6 +25,7 @@ from proxy.core.server.fleet import BackendPhase, Fleet
 from proxy.disk.tier import DiskTier
 from proxy.http.admin import AdminHandlers
 from proxy.http.api_keys import make_key_check
+from proxy.http.cors import CorsMirror
 from proxy.http.forwarding import Forwarder, advertised_url
 from proxy.http.handlers import ProxyHandlers
 from proxy.http.middleware import Handler, ProtocolLog, make_middleware, make_preflight
@@ -216,7 +217,7 @@ def _middlewares(
     keys = tuple(key.get_secret_value() for key in settings.api_key)
     own = frozenset({"/healthz", "/readyz"})
     checks = [make_key_check(keys, PUBLIC | own)] if keys else []
-    return [make_middleware(metrics, clock), make_preflight(preflight), *checks]
+    return [make_middleware(metrics, clock, CorsMirror()), make_preflight(preflight), *checks]
 
 
 def _backend_counter(

@@ -2,8 +2,7 @@
 
     ProxyError                      (status, OpenAI type, code, message, headers)
     ├── InvalidRequest              400  malformed JSON, wrong field types
-    ├── NotFound                    404  path the proxy does not serve
-    ├── MethodNotAllowed            405
+    ├── NotFound                    404  path (or method on it) the proxy does not serve
     ├── Unauthorized                401  admin endpoints without the bearer token
     ├── Refused                     403  a llama-server route the proxy does not serve, and why
     ├── PayloadTooLarge             413  body over ``max_body_bytes`` (closes the connection)
@@ -120,12 +119,6 @@ class NotFound(ProxyError):
     status = 404
     type = "not_found_error"
     code = "not_found"
-
-
-class MethodNotAllowed(ProxyError):
-    status = 405
-    type = "invalid_request_error"
-    code = "method_not_allowed"
 
 
 class RequestTimeout(ProxyError):

@@ -45,4 +45,4 @@ def parse_for(route: Route, raw: bytes) -> ParsedBody:
     """``raw`` validated for ``route`` (an Anthropic body: as the chat completion it becomes;
     the client's own bytes are what a replica forwards)."""
     sent = chat_body(raw) if route.via else raw
-    return parse_body(sent, chat=route.chat, batches=route.batches, empty_chat=bool(route.via))
+    return parse_body(sent, chat=route.chat, batches=route.batches)

@@ -2,7 +2,8 @@
 
 Every error leaves as OpenAI-shaped JSON (Anthropic-shaped on ``/v1/messages``, whose clients
 expect that: ``core.request.anthropic_reply``): ``ProxyError`` as itself, aiohttp's own HTTP
-errors (405, 413 from the body limit) mapped onto the same vocabulary, and anything
+errors (404, 413 from the body limit) mapped onto the same vocabulary (a method a path does
+not take is a 404, as llama-server answers it, naming the methods it takes), and anything
 unexpected as a 500 that names the request id (the traceback goes to the log, never to the
 client). A request aiohttp cannot parse as HTTP never reaches the middleware: aiohttp
 answers it 400 in plain text, and ``ProtocolLog`` logs it as one warning line.
@@ -40,11 +41,11 @@ from proxy.core.request.anthropic_reply import error_body as anthropic_error
 from proxy.errors import (
     InvalidRequest,
     LlamaShaped,
-    MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
     ProxyError,
 )
+from proxy.http.cors import CorsMirror
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import ROUTES
 
@@ -74,6 +75,7 @@ class RequestRecord:
     outcome: Ending = Ending.COMPLETE
     queue_s: float | None = None  # from asking for a slot to holding one (decisions included)
     relayed: bool = False  # sent to the replica that served it, which counts it in requests
+    rendered: bool = False  # answered with the proxy's own error (``render``)
 
     def server_timing(self) -> str:
         """The ``Server-Timing`` header (W3C; browsers' developer tools show it): ``route``,
@@ -163,8 +165,9 @@ def render(error: ProxyError, request_id: str, path: str = "") -> web.Response:
 def _from_http(exc: web.HTTPException) -> ProxyError:
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return PayloadTooLarge("request body is larger than the proxy accepts")
-    if isinstance(exc, web.HTTPMethodNotAllowed):
-        return MethodNotAllowed(f"method not allowed; use {', '.join(sorted(exc.allowed_methods))}")
+    if isinstance(exc, web.HTTPMethodNotAllowed):  # (llama-server: 404, File Not Found)
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return NotFound(f"no such endpoint for {exc.method}; this path takes {allowed}")
     if isinstance(exc, web.HTTPNotFound):
         return NotFound("no such endpoint")
     error = ProxyError(exc.reason or "error", code=str(exc.status))
@@ -174,7 +177,7 @@ def _from_http(exc: web.HTTPException) -> ProxyError:
 
 def make_preflight(forward: Handler) -> Middleware:
     """``OPTIONS`` on any path goes to ``forward`` (llama-server answers a CORS preflight
-    before its routes); every other method keeps the router's 404 and 405."""
+    before its routes); every other method keeps the router's 404s."""
 
     @web.middleware
     async def preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -183,7 +186,9 @@ def make_preflight(forward: Handler) -> Middleware:
     return preflight
 
 
-def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middleware:
+def make_middleware(
+    metrics: ProxyMetrics, clock: Callable[[], float], cors: CorsMirror
+) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         started = clock()
@@ -198,6 +203,9 @@ def make_middleware(metrics: ProxyMetrics, clock: Callable[[], float]) -> Middle
         try:
             response = await _respond(request, handler, record)
             status = response.status
+            origin = request.headers.get("Origin")
+            if origin is not None:  # a browser's: the proxy's own answers as the backends'
+                cors.answer(origin, response, record.backend != "-" and not record.rendered)
             return response
         finally:  # a cancelled handler (client gone) is logged as 499
             metrics.in_flight.dec()
@@ -219,23 +227,24 @@ async def _respond(
     try:
         response = await handler(request)
     except ProxyError as exc:
-        return render(exc, record.request_id, request.path)
+        error: ProxyError = exc
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return render(_from_http(exc), record.request_id, request.path)
+        error = _from_http(exc)
     except RecursionError:  # (a body the decoder took, nested too deeply for its encoding)
-        deep = InvalidRequest("request body is nested too deeply", code="invalid_json")
-        return render(deep, record.request_id, request.path)
+        error = InvalidRequest("request body is nested too deeply", code="invalid_json")
     except Exception:
         if request.transport is None or request.transport.is_closing():
             return web.Response(status=499)  # the client left: nobody to answer, no traceback
         log.exception("request_id=%s unexpected error", record.request_id)
         error = ProxyError(f"internal proxy error (request id {record.request_id})")
-        return render(error, record.request_id, request.path)
-    if not response.prepared:
-        response.headers["X-Request-Id"] = record.request_id
-    return response
+    else:
+        if not response.prepared:
+            response.headers["X-Request-Id"] = record.request_id
+        return response
+    record.rendered = True
+    return render(error, record.request_id, request.path)
 
 
 def _log(request: web.Request, record: RequestRecord, status: int, elapsed: float) -> None:

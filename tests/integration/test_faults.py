@@ -402,7 +402,7 @@ async def test_oversized_body_is_413(fakes: Any, proxy: Any) -> None:
         ("POST", "/slots/0?action=save", 403),
         ("POST", "/slots/0?action=erase", 403),
         ("GET", "/../nope", 404),
-        ("GET", "/v1/chat/completions", 405),
+        ("GET", "/v1/chat/completions", 404),  # a method the path does not take, as the server
     ],
 )
 async def test_unknown_paths_and_slot_actions_are_not_forwarded(

@@ -125,6 +125,34 @@ async def test_a_cors_preflight_answers_as_the_server(llama_servers: Any, proxy:
         assert expected[0] == 200
 
 
+async def test_the_proxys_own_answers_carry_the_servers_cors_headers(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """A browser page on another origin reads the proxy's own answers (``/health``,
+    ``/metrics``, its errors) as it reads the server's: once a forwarded answer to that origin
+    showed the server's CORS headers, they carry the same (``http.cors``)."""
+    server = llama_servers(slots=1)
+    client = await proxy([server.url])
+    page = {"Origin": "http://app.example"}
+    acao = "Access-Control-Allow-Origin"
+    forwarded = await client.post("/tokenize", json={"content": "hi"}, headers=page)
+    async with aiohttp.ClientSession() as direct:
+        async with direct.post(server.url + "/tokenize", json={"content": "hi"}, headers=page) as r:
+            assert forwarded.headers.get(acao) == r.headers.get(acao) == "http://app.example"
+        for method, path, body in (
+            ("GET", "/health", None),
+            ("GET", "/metrics", None),
+            ("POST", "/completion", b"{oops"),
+            ("GET", "/no-such-path", None),
+        ):
+            async with direct.request(method, server.url + path, data=body, headers=page) as r:
+                expected = r.headers.get(acao)
+            resp = await client.request(method, path, data=body, headers=page)
+            assert resp.headers.get(acao) == expected == "http://app.example", path
+        other = {"Origin": "http://other.example"}  # no forwarded answer showed it yet
+        assert acao not in (await client.get("/health", headers=other)).headers
+
+
 async def test_an_idle_server_sleeps_behind_the_proxy_and_wakes_with_no_cache(
     llama_servers: Any, proxy: Any
 ) -> None:

@@ -176,6 +176,29 @@ async def test_bad_inputs_against_real_backend(llama_servers: Any, proxy: Any) -
     assert resp.status == 200
 
 
+async def test_bodies_the_server_serves_the_proxy_serves(llama_servers: Any, proxy: Any) -> None:
+    """Loose bodies llama-server takes (an empty chat, counts written as booleans, an
+    ``id_slot`` or ``model`` of another type) and one it refuses: the same status, directly
+    and through the proxy."""
+    server = llama_servers(slots=2)
+    client = await proxy([server.url])
+    hi = [{"role": "user", "content": "Hi"}]
+    cases = [
+        ("/v1/chat/completions", {"messages": [], "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": hi, "max_tokens": 2, "id_slot": "x"}),
+        ("/v1/chat/completions", {"messages": hi, "max_tokens": 2, "model": 5}),
+        ("/v1/chat/completions", {"messages": hi, "max_tokens": 2, "n": True}),
+        ("/completion", {"prompt": "Hi", "n_predict": True}),
+        ("/v1/chat/completions", {"messages": hi, "max_tokens": "x"}),
+    ]
+    async with aiohttp.ClientSession() as direct:
+        for path, body in cases:
+            async with direct.post(server.url + path, json=body) as resp:
+                expected = resp.status
+            assert (await client.post(path, json=body)).status == expected, body
+    assert expected == 400  # the last: a count that is not a number
+
+
 def test_cli_serves_the_readme_command(llama_servers: Any) -> None:
     server = llama_servers(slots=1)
     port = free_port()

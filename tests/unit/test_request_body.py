@@ -24,10 +24,9 @@ def test_parse_reads_routing_fields_and_keeps_body() -> None:
         (b"\xff", "invalid_encoding"),
         (b"{", "invalid_json"),
         (b'"x"', "invalid_json"),
-        (b'{"messages": []}', "invalid_type"),
-        (b'{"messages": [{"role": "u"}], "id_slot": "1"}', "invalid_type"),
-        (b'{"messages": [{"role": "u"}], "n": true}', "invalid_type"),
-        (b'{"messages": [{"role": "u"}], "model": 3}', "invalid_type"),
+        (b'{"messages": {}}', "invalid_type"),
+        (b'{"messages": [{"role": "u"}], "n": "2"}', "invalid_type"),
+        (b'{"messages": [{"role": "u"}], "max_tokens": "x"}', "invalid_type"),
         (b'{"messages": [{"role": "u"}], "prompt": 3}', "invalid_type"),
         (b'{"messages": [{"role": "u"}], "n_cmpl": 0}', "invalid_value"),
     ],
@@ -90,8 +89,11 @@ def test_a_clients_cache_prompt_false_is_kept() -> None:
         b'{"prompt": "x", "stream": null, "cache_prompt": null}',  # a null is absent
         b'{"prompt": "x", "n_predict": 1.0, "id_slot": 1.0, "n": 1.0}',  # whole numbers
         b'{"prompt": "x", "n_predict": 1.7}',  # (the server reads its integer part)
+        b'{"prompt": "x", "n_predict": true, "n": true}',  # a boolean counts as 0 or 1
+        b'{"prompt": "x", "id_slot": "x"}',  # not a number: the server's default, any slot
+        b'{"prompt": "x", "model": 5}',  # (the server reads no model but in router mode)
     ],
-    ids=["bom", "nulls", "whole-floats", "fraction"],
+    ids=["bom", "nulls", "whole-floats", "fraction", "booleans", "id-slot-text", "model"],
 )
 def test_what_llama_server_accepts_the_proxy_accepts(raw: bytes) -> None:
     parsed = parse_body(raw, chat=False)

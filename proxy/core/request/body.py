@@ -29,7 +29,10 @@ _LONE_ESCAPE = re.compile(  # one literal start (\u), so the scan stays fast
     rb"|[c-fC-F](?<!\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F]))"
 )
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a decoded pair is one code point above
-_INT_FIELDS = ("n", "n_cmpl", "max_tokens", "max_completion_tokens", "n_predict", "id_slot")
+
+
+# counts the server reads as numbers and refuses otherwise (``id_slot`` it takes as absent)
+_COUNTS = ("n", "n_cmpl", "max_tokens", "max_completion_tokens", "n_predict")
 
 
 @dataclass(frozen=True)
@@ -105,26 +108,32 @@ def _holds_lone_surrogate(data: dict[str, Any]) -> bool:
     return False
 
 
-def _check_types(data: dict[str, Any], *, chat: bool, empty_chat: bool = False) -> None:
-    for field in _INT_FIELDS:  # (a number with a fraction is read as its integer part)
+def _check_types(data: dict[str, Any], *, chat: bool) -> None:
+    for field in _COUNTS:  # (the server refuses a count that is not a number: a 400)
         value = data.get(field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        if value is not None and count(value) is None:
             raise type_error(field, "an integer")
     for field in ("stream", "cache_prompt"):  # (a null is absent, as for the server)
         if data.get(field) is not None and not isinstance(data[field], bool):
             raise type_error(field, "a boolean")
-    if "model" in data and data["model"] is not None and not isinstance(data["model"], str):
-        raise type_error("model", "a string")
-    if chat:
+    if chat:  # (an empty array renders the generation prompt alone, as the server does)
         messages = data.get("messages")
-        if not isinstance(messages, list) or not (messages or empty_chat):
-            raise type_error("messages", "a non-empty array")
+        if not isinstance(messages, list):
+            raise type_error("messages", "an array")
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise type_error(f"messages[{index}]", "an object with a string 'role'")
     prompt = data.get("prompt")
     if prompt is not None and not isinstance(prompt, str | list | dict):
         raise type_error("prompt", "a string, an array or an object with 'prompt_string'")
+
+
+def count(value: Any) -> int | None:
+    """A count as llama-server reads it: a number's integer part, a boolean as 0 or 1; None
+    for anything else (a string, an array, null), for which the server takes its default."""
+    if isinstance(value, int | float):  # (bool is an int)
+        return int(value)
+    return None
 
 
 def batch_size(prompt: Any) -> int:
@@ -138,24 +147,21 @@ def batch_size(prompt: Any) -> int:
     return max(1, len(prompt))
 
 
-def parse_body(
-    raw: bytes, *, chat: bool, batches: bool = False, empty_chat: bool = False
-) -> ParsedBody:
+def parse_body(raw: bytes, *, chat: bool, batches: bool = False) -> ParsedBody:
     """Validate ``raw`` for an endpoint (``chat``: one that takes ``messages``; ``batches``:
-    one whose ``prompt`` may be a batch; ``empty_chat``: one whose ``messages`` may be empty,
-    as llama-server's ``/v1/messages``, which renders just the generation prompt then)."""
+    one whose ``prompt`` may be a batch)."""
     data = decode_json_object(raw)
-    _check_types(data, chat=chat, empty_chat=empty_chat)
+    _check_types(data, chat=chat)
     # the server reads n_cmpl, else its alias n, and takes a null as absent
-    completions = next((int(data[k]) for k in ("n_cmpl", "n") if data.get(k) is not None), None)
+    field = next((k for k in ("n_cmpl", "n") if count(data.get(k)) is not None), "n")
+    completions = count(data.get(field))
     if completions is not None and completions < 1:
-        raise InvalidRequest("'n' must be at least 1", param="n", code="invalid_value")
-    slot = data.get("id_slot")
+        raise InvalidRequest(f"'{field}' must be at least 1", param=field, code="invalid_value")
     return ParsedBody(
         data=data,
         stream=bool(data.get("stream") or False),
         completions=completions or 1,
-        client_id_slot=int(slot) if slot is not None else None,
+        client_id_slot=count(data.get("id_slot")),
         prefix_cache=_prefix_cache(data.pop("prefix_cache", None)),
         tasks=batch_size(data.get("prompt")) if batches else 1,
     )

@@ -1,0 +1,49 @@
+"""CORS headers on the proxy's own answers, as the backends give them.
+
+llama-server answers a browser's request from another origin with its CORS headers (by
+default it allows every origin, echoing it; ``--cors-*`` settings narrow that). Requests the
+proxy forwards carry the backend's headers, and so do preflights (``OPTIONS``, forwarded).
+What the proxy answers itself (``/health``, ``/metrics``, its errors, a 503 while it queues)
+would carry none, and a browser would hide the answer from the page. ``CorsMirror`` learns,
+per origin, the CORS headers a backend gave a forwarded answer, and puts the same on the
+proxy's own answers to that origin: never more than a backend allowed it. An origin no
+forwarded answer has shown yet gets none. At most ``ORIGINS`` origins are kept (the least
+recently seen go first): the ``Origin`` header is the client's to choose.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from aiohttp import web
+
+ORIGINS = 256  # origins whose backend headers are kept (a browser app is one origin)
+HEADERS = (
+    "Access-Control-Allow-Origin",
+    "Access-Control-Allow-Credentials",
+    "Access-Control-Expose-Headers",
+    "Vary",
+)
+
+
+class CorsMirror:
+    def __init__(self) -> None:
+        self._learned: OrderedDict[str, dict[str, str]] = OrderedDict()
+
+    def answer(self, origin: str, response: web.StreamResponse, forwarded: bool) -> None:
+        """Learn from a ``forwarded`` answer to ``origin``; give one of the proxy's own the
+        headers learned (if it is not sent yet)."""
+        if forwarded:
+            found = {h: response.headers[h] for h in HEADERS if h in response.headers}
+            if "Access-Control-Allow-Origin" in found:
+                self._learned[origin] = found
+                self._learned.move_to_end(origin)
+                while len(self._learned) > ORIGINS:
+                    self._learned.popitem(last=False)
+            else:
+                self._learned.pop(origin, None)  # (the backend no longer allows it)
+            return
+        learned = self._learned.get(origin)
+        if learned is not None and not response.prepared:
+            for header, value in learned.items():
+                response.headers.setdefault(header, value)

@@ -85,7 +85,8 @@ TTFT_CACHE = ("hit", "miss", "unknown")
 class _Known:
     """``labels`` from a dict once a label set has been asked for: prometheus_client checks
     the values and takes a lock at every call, and a request asks for about ten children.
-    Label sets are bounded (the module docstring), and no child is ever removed."""
+    Label sets are bounded (the module docstring); a removed child is forgotten too (asked
+    for again, it is exported again)."""
 
     _known: dict[tuple[Any, ...], Self]
 
@@ -100,6 +101,10 @@ class _Known:
         if not labelkwargs:
             self._known[labelvalues] = child
         return child
+
+    def remove(self, *labelvalues: Any) -> None:
+        super().remove(*labelvalues)  # type: ignore[misc]
+        getattr(self, "_known", {}).pop(labelvalues, None)
 
 
 class Counter(_Known, prometheus_client.Counter):

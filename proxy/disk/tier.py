@@ -179,6 +179,7 @@ class DiskTier:
         model = str(body.get("model") or "default")[:128]
         if tenant is not None:
             model = f"{model}|{tenant}"  # each tenant's own window
+        model = self.windows.key(model)  # (at most ``windows.MODELS`` of them)
         window: list[Fingerprint] = []
         if scope.mode is ScopeMode.AUTO and is_chat(body) and not small:  # (raw: no boundaries)
             window = await self.windows.read(model)

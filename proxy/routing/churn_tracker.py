@@ -1,7 +1,8 @@
 """Per-session prefix-churn records (algorithm: ``core.routing.churn``), for the admin endpoint,
 metrics and ``llama-cache-proxy report``. Bounded: the sketches of the most recent
 ``sessions`` sessions (LRU) within ``SKETCH_BYTES`` accounted bytes (a sketch of a prompt
-of many messages is large), and the last ``recent`` divergences."""
+of many messages is large), the last ``recent`` divergences, and the tokens lost of at most
+twice ``sessions`` sessions (then those that lost the most ``sessions``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ SEGMENT_BYTES = 120  # a sketched segment beside its excerpt: hash, count, role,
 
 
 def _size(found: Sketch) -> int:
-    return sum(len(text) + SEGMENT_BYTES for text in found.texts)
+    """Bytes a sketch holds, at most (text that is not ASCII takes up to 4 a character)."""
+    return sum(len(text) * (1 if text.isascii() else 4) + SEGMENT_BYTES for text in found.texts)
 
 
 class ChurnTracker:
@@ -79,6 +81,10 @@ class ChurnTracker:
         self.recent.append(found)
         self._lost[session] += found.tokens_lost
         self._count[session] += 1
+        if len(self._lost) > 2 * self._limit:  # the sessions that lost the most, ``sessions``
+            kept = dict(self._lost.most_common(self._limit))
+            self._lost = Counter(kept)
+            self._count = Counter({s: self._count[s] for s in kept})
         self._metrics.divergences.labels(message_bucket(found.message_index)).inc()
         self._metrics.tokens_lost.inc(found.tokens_lost)
 

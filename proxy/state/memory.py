@@ -1,8 +1,12 @@
 """In-memory StateStore: the embedded default for a single proxy replica (and the fake).
 
 Plain dicts of (value, expiry); expiry is checked on read against the caller's ``now``, and
-a periodic sweep on writes keeps the maps bounded. No locks: the event loop is one thread
-and no method awaits between reading and writing.
+a sweep on writes keeps the map within ``max_entries``: past it, the expired entries go, then
+the oldest written of those clients' traffic adds (session affinities, disk-tier windows,
+releases: ``EVICTABLE``; leases, slot records and heartbeats are as many as the fleet has)
+until a tenth of the room is free again, so one sweep's pass over the map is paid for by
+that many writes. No locks: the event loop is one thread and no method awaits between
+reading and writing.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from dataclasses import replace
 from typing import Any
 
 from proxy.state.base import LEFT, Beat, Known, SlotRecord, SlotRef, SlotView, newer, stamp_ms
+
+EVICTABLE = frozenset({"aff", "win", "ret", "retd"})  # what clients' traffic adds
+LOW_WATER = 0.9  # share of ``max_entries`` a sweep leaves (the rest: writes until the next)
 
 
 class InMemoryStateStore:
@@ -29,9 +36,15 @@ class InMemoryStateStore:
     def _set(self, key: tuple[str, Any], value: Any, ttl: float, now: float) -> None:
         self._data[key] = (value, now + ttl)
         if len(self._data) > self._max:
-            self._data = {k: v for k, v in self._data.items() if v[1] > now}
-            while len(self._data) > self._max:
-                self._data.pop(next(iter(self._data)))
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        live = {k: v for k, v in self._data.items() if v[1] > now}
+        excess = len(live) - int(self._max * LOW_WATER)
+        if excess > 0:  # the oldest written first (a dict keeps the order of first writes)
+            for old in [k for k in live if k[0] in EVICTABLE][:excess]:
+                del live[old]
+        self._data = live
 
     async def get_affinity(self, key: str, now: float) -> SlotRef | None:
         value: SlotRef | None = self._get(("aff", key), now)

@@ -8,10 +8,10 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.server.fleet import Fleet
-from proxy.disk.windows import FRESH, LIMIT, RecentWindows
+from proxy.disk.windows import FRESH, LIMIT, MODELS, OTHER, SEGMENTS, RecentWindows
 from proxy.metrics import ProxyMetrics
 from proxy.replicas.shared_state import SharedState
-from proxy.state import InMemoryStateStore
+from proxy.state import InMemoryStateStore, SlotRecord
 
 
 class Counting(InMemoryStateStore):
@@ -45,3 +45,23 @@ async def test_a_replica_reads_a_window_once_per_fresh_period_and_sees_its_own_p
     assert await a.read("m") == [fp(1000), *expected[: LIMIT - 1]]  # the other's, FRESH late
     assert store.reads == 2
     assert await b.read("m") == await a.read("m")
+
+
+async def test_windows_are_bounded_whatever_models_and_prompts_clients_send() -> None:
+    """A window keeps each fingerprint's first ``SEGMENTS`` segments, and a replica at most
+    ``MODELS`` keys: a client naming a new model per request shares the one ``OTHER`` window
+    (each had its own store entry, and a 50,000-message prompt kept all of it)."""
+    store = InMemoryStateStore()
+    shared = SharedState(
+        store, Fleet(["b"]), ProxyMetrics(CollectorRegistry()), time.time, enabled=True
+    )
+    windows = RecentWindows(shared, time.time, time.monotonic)
+    keys = {windows.key(f"model {i}") for i in range(MODELS + 50)}
+    assert len(keys) == MODELS + 1
+    assert OTHER in keys
+    assert windows.key("model 0") == "model 0"  # (a key in use keeps its own window)
+    n = SEGMENTS * 4
+    long = Fingerprint(tuple(range(n)), tuple(range(1, n + 1)), 2)
+    await windows.push(OTHER, long)
+    (entry,) = await store.window(OTHER, time.time())
+    assert len(SlotRecord.unpack(entry).hashes) == SEGMENTS

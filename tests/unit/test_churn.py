@@ -68,3 +68,18 @@ def test_the_tracker_keeps_sketches_within_its_byte_budget() -> None:
         assert tracker.accounted <= budget
     assert 0 < tracker.status()["sessions_tracked"] < 40
     assert "key:s39" in tracker._sketches
+
+
+def test_the_tracker_keeps_the_sessions_that_lost_the_most_within_a_bound() -> None:
+    """Every session that ever diverged had its counters kept for good (12,000 sessions:
+    12,000 entries, 12.8 MB)."""
+    tracker = ChurnTracker(ProxyMetrics(CollectorRegistry()), lambda: 0.0, sessions=10)
+    for session in range(100):
+        for system in ("rules v1 " + "x " * session, "rules v2"):  # the system prompt churns
+            prompt = body(system, "hello")
+            segments = chat_segments(prompt)
+            tracker.observe(f"s{session}", fingerprint_segments(segments, words), prompt, segments)
+    assert len(tracker._lost) <= 20
+    assert len(tracker._count) <= 20
+    top = tracker.status(text=True)["top_sessions"][0]
+    assert top["session"] == "key:s99"  # its system prompt lost the most

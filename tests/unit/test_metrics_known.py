@@ -61,3 +61,19 @@ def test_a_label_set_asked_again_is_the_same_series() -> None:
     total = "llama_cache_proxy_requests_total"
     assert f'{total}{{endpoint="/completion",status="200"}} 3.0' in page
     assert f'{total}{{endpoint="/completion",status="404"}} 1.0' in page
+
+
+def test_a_removed_series_is_exported_again_when_asked_for_again() -> None:
+    """A backend that runs model m0, then m1, then m0 again: its info series names m0 at the
+    end (the removed child stayed cached and was exported no more)."""
+    registry = CollectorRegistry()
+    metrics = ProxyMetrics(registry)
+    info = metrics.backend_model
+    info.labels("b", "m0").set(1)
+    info.remove("b", "m0")
+    info.labels("b", "m1").set(1)
+    info.remove("b", "m1")
+    info.labels("b", "m0").set(1)
+    page = generate_latest(registry).decode()
+    assert 'backend_model_info{backend="b",model="m0"} 1.0' in page
+    assert 'model="m1"' not in page

@@ -63,6 +63,8 @@ HIGH_WATER = 256 * 1024  # bytes buffered for a slow reader before reading pause
 LOW_WATER = 64 * 1024  # bytes buffered below which reading resumes
 MAX_HEAD = 64 * 1024  # bytes of a response head beyond which the answer is not HTTP
 IDLE_SECONDS = 4.0  # s: an idle connection older than this is not reused (the server's is 5)
+IDLE_KEPT = 128  # idle connections kept per backend: a burst's others are closed, not left
+# open at the server (and listed here) until it times them out
 _DIGITS = re.compile(r"[0-9]{1,18}")  # a status code or Content-Length (ASCII digits only)
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "PUT"})
@@ -494,7 +496,10 @@ class Pool:
         if self._closed:  # (an answer read to its end after the pool closed)
             conn.close()
             return
-        self._idle.setdefault(origin, []).append(conn)  # (idle since its answer's last byte)
+        idle = self._idle.setdefault(origin, [])
+        idle.append(conn)  # (idle since its answer's last byte; reused last in, first out)
+        if len(idle) > IDLE_KEPT:
+            idle.pop(0).close()  # the one idle longest
 
     def close(self) -> None:
         self._closed = True

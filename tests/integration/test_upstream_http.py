@@ -17,6 +17,7 @@ from proxy.config.sections import TimeoutSettings
 from proxy.upstream import LlamaServerClient, UpstreamConnectError
 from proxy.upstream_http import (
     HIGH_WATER,
+    IDLE_KEPT,
     IDLE_SECONDS,
     ConnectFailed,
     ConnectTimeout,
@@ -113,6 +114,20 @@ async def test_a_request_goes_out_as_sent_and_its_connection_is_reused() -> None
     assert b"X-A: b" in lines
     assert b"Content-Length: 2" in lines
     assert any(line.startswith(b"Host: 127.0.0.1:") for line in lines)
+
+
+async def test_a_burst_leaves_at_most_the_bound_of_idle_connections_open() -> None:
+    """A burst of concurrent requests opens a connection each; after it, ``IDLE_KEPT`` stay
+    open for reuse and the others are closed (they stayed listed, and open at the server)."""
+    async with scripted(lambda head: ok()) as (server, url):
+        pool = Pool(5, 5)
+        burst = IDLE_KEPT + 20
+        answers = await asyncio.gather(*(exchange(pool, url) for _ in range(burst)))
+        assert answers == [(200, b'{"x": 1}')] * burst
+        assert server.connections == burst
+        idle = next(iter(pool._idle.values()))
+        assert len(idle) == IDLE_KEPT
+        pool.close()
 
 
 async def test_a_chunked_body_with_extensions_and_trailers_is_read_whole() -> None:

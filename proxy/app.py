@@ -170,8 +170,10 @@ def create_app(
     app.router.add_get("/admin/disk", admin.disk)
     app.router.add_get("/admin/churn", admin.churn)
     for path, route in ROUTES.items():
-        for method in route.methods:
-            app.router.add_route(method, path, handlers.forward)
+        for method in route.methods:  # (a GET route answers HEAD too, as llama-server's do)
+            extra = ("HEAD",) if method == "GET" and "HEAD" not in route.methods else ()
+            for each in (method, *extra):
+                app.router.add_route(each, path, handlers.forward)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         await client.open()

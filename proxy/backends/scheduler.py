@@ -125,13 +125,14 @@ class Scheduler:
         queue is full, or its bound passed) before it is refused."""
         # Waiters that fit a free slot were granted it when it freed, so a slot free now
         # fits none of them: taking it skips no one who could use it.
+        if self._closing or not self._has_room():  # it may not wait: decided so at once
+            result = self._try(settle or decide, content)
+            if isinstance(result, Placement):
+                return result
+            self._room()
         result = self._try(decide, content)
         if isinstance(result, Placement):
             return result
-        if self._closing or not self._has_room():
-            if settle is not None and isinstance(now := self._try(settle, content), Placement):
-                return now
-            self._room()
         waiter = _Waiter(decide, content, self._arrivals)
         self._arrivals += 1
         return await self._wait(waiter, result, recheck_at, settle)

@@ -81,15 +81,17 @@ def _turns(count: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    "queue", [{"max_waiting": 0}, {"max_wait_seconds": 0.3}], ids=["no-place", "queue-bound"]
+    ("queue", "waited"),
+    [({"max_waiting": 0}, False), ({"max_wait_seconds": 0.3}, True)],
+    ids=["no-place", "queue-bound"],
 )
 async def test_a_request_that_may_not_wait_takes_the_idle_slot_beside_a_busy_one(
-    fakes: Any, proxy: Any, queue: dict[str, Any]
+    fakes: Any, proxy: Any, queue: dict[str, Any], waited: bool
 ) -> None:
     """A session's turn runs on one slot; the other is idle. The same turn again waits for
     the busy slot (it saves the whole conversation); when it may not wait (no queue place,
     or the queue's bound comes before ``max_slot_wait_seconds``) it takes the idle slot
-    rather than a 503 beside it."""
+    rather than a 503 beside it; its route says whether it waited first."""
     fake = await fakes(n_slots=2, gen_s_per_token=0.05)
     client = await proxy([fake], queue=queue, routing={"max_slot_wait_seconds": 10})
     assert (await client.post("/v1/chat/completions", json=_turns(1))).status == 200
@@ -99,6 +101,7 @@ async def test_a_request_that_may_not_wait_takes_the_idle_slot_beside_a_busy_one
     await until(lambda: any(s.busy for s in fake.slots), "the session's turn runs")
     again = await client.post("/v1/chat/completions", json=_turns(2))
     assert again.status == 200, await again.text()
+    assert again.headers["X-Cache-Route"].startswith("wait+") is waited
     assert not running.done()  # it did not wait for the busy slot to end
     assert (await running).status == 200
     assert fake.violations == []

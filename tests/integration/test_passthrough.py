@@ -201,3 +201,13 @@ async def test_client_closing_after_done_still_records_the_turn(
     second = chat("four", messages=[*turn, {"role": "user", "content": "four"}], max_tokens=2)
     answer = await client.post("/v1/chat/completions", json={**second, "prompt_cache_key": "k"})
     assert answer.headers["X-Cache-Route"] == "affinity"
+
+
+async def test_the_get_routes_answer_head_as_the_server(fakes: Any, proxy: Any) -> None:
+    """llama-server answers ``HEAD`` on its GET routes (a 200 with no body); so does the
+    proxy, through the backend (it answered 405, later 404)."""
+    client = await proxy([await fakes()])
+    for path in ("/props", "/slots", "/v1/models"):
+        resp = await client.head(path)
+        assert resp.status == 200, path
+        assert await resp.read() == b""

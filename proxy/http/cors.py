@@ -8,7 +8,7 @@ would carry none, and a browser would hide the answer from the page. ``CorsMirro
 per origin, the CORS headers a backend gave a forwarded answer, and puts the same on the
 proxy's own answers to that origin: never more than a backend allowed it. An origin no
 forwarded answer has shown yet gets none. At most ``ORIGINS`` origins are kept (the least
-recently seen go first): the ``Origin`` header is the client's to choose.
+recently learned go first): the ``Origin`` header is the client's to choose.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from functools import partial
 from aiohttp import web
 
 from proxy.backends.health import Prober
-from proxy.backends.scheduler import Decide, Scheduler
+from proxy.backends.scheduler import Scheduler
 from proxy.config.settings import Settings
 from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.prompt.headers import upstream_request_headers
@@ -196,11 +196,12 @@ class ProxyHandlers:
     async def _leased(self, plan: Plan | None, need: Need) -> Placement:
         """A placement whose slot this replica holds the shared lease of."""
         while True:
-            decide = self._decider(plan, need)
             if plan is None:
-                placement = await self._scheduler.acquire(decide)
-            else:
-                settle = self._decider(plan, need, wait=False)
+                placement = await self._scheduler.acquire(lambda: place(self._fleet.backends, need))
+            else:  # (backends another replica schedules: forwarded there)
+                avoid = need.avoid | self._forwarder.foreign()
+                decide = self._router.decider(plan, avoid)
+                settle = self._router.decider(plan, avoid, wait=False)
                 placement = await self._scheduler.acquire(decide, plan.fp, plan.wait_until, settle)
             try:
                 theirs = await self._shared.take(placement)
@@ -217,11 +218,6 @@ class ProxyHandlers:
         under it), then its slot, as it was."""
         await self._shared.give_back(placement)
         self._scheduler.release(placement, clean=True, sent=False)
-
-    def _decider(self, plan: Plan | None, need: Need, wait: bool = True) -> Decide:
-        if plan is not None:  # (backends another replica schedules: forwarded there)
-            return self._router.decider(plan, need.avoid | self._forwarder.foreign(), wait)
-        return lambda: place(self._fleet.backends, need)
 
     async def _unpinned(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
         avoid: frozenset[int] = frozenset()

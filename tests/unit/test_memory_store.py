@@ -22,9 +22,9 @@ async def test_new_sessions_past_the_bound_sweep_rarely_and_spare_the_fleets_ent
 
     with mock.patch.object(store, "_sweep", counted):
         for i in range(1000):
-            await store.set_affinity(f"session {i}", ("b0", i % 4), 3600.0, now=1.0)
+            await store.set_affinity(f"key {i}", ("b0", i % 4), 3600.0, now=1.0)
     assert len(store._data) <= 100
     assert len(sweeps) <= 1000 // 10 + 1  # each frees a tenth of the room
     for slot in range(4):
         assert await store.renew_lease(("b0", slot), "me", 30.0, now=2.0)
-    assert await store.get_affinity("session 999", now=2.0) == ("b0", 3)
+    assert await store.get_affinity("key 999", now=2.0) == ("b0", 3)

@@ -33,6 +33,7 @@ never handles aiohttp errors.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ from proxy.upstream_http import (
     Response,
     UpstreamBroken,
 )
+
+log = logging.getLogger(__name__)
 
 
 class _Unread(Exception):
@@ -225,8 +228,9 @@ class LlamaServerClient:
         headers = with_credential(headers, self._keys.get(base_url))
         try:
             response = await self._pool.request(base_url, path, method, body, headers)
-        except ConnectFailed as exc:
-            raise UpstreamConnectError(f"backend unreachable: {exc}") from None
+        except ConnectFailed as exc:  # (its address is for the log, not for clients)
+            log.warning("backend %s unreachable: %s", base_url, exc)
+            raise UpstreamConnectError("backend unreachable") from None
         except ConnectTimeout:  # (nothing was sent either)
             raise UpstreamConnectError("backend unreachable: no connection in time") from None
         except TimeoutError:

@@ -176,6 +176,17 @@ class Settings(_Frozen):
     def port(self) -> int:
         return int(self.listen.rpartition(":")[2])
 
+    def cautions(self) -> list[str]:
+        """What this configuration allows that its operator may not mean to (logged at
+        start-up): a backend's key sent for clients that present none."""
+        keyed = [b.label for b in self.backends if b.key is not None]
+        if keyed and not self.api_key:
+            return [
+                f"backends {', '.join(keyed)} have an api_key but the proxy checks none: "
+                "anyone who reaches the proxy uses them with their key (set api_key)"
+            ]
+        return []
+
 
 # settings that were removed, and what took their place: an old config names what to change
 RETIRED = {

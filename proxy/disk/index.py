@@ -33,6 +33,7 @@ from pathlib import Path
 from proxy.core.disk.snapshots import (
     Snapshot,
     Stray,
+    belongs,
     evictions,
     index_key,
     lookup_keys,
@@ -119,7 +120,7 @@ class SnapshotIndex:
         """segments -> snapshots of that prefix of ``fp`` (any directory, any listed model),
         of prefixes estimated at ``min_estimate`` to ``max_estimate`` tokens."""
         wanted = {
-            key: seg
+            key: (seg, m, fp.hashes[seg - 1])
             for m in model_ids
             for seg, key in lookup_keys(fp, m, min_estimate, max_estimate)
         }
@@ -130,7 +131,9 @@ class SnapshotIndex:
         )
         out: dict[int, list[Snapshot]] = {}
         for key, raw in found.items():
-            out.setdefault(wanted[key], []).extend(unpack_entries(raw))
+            seg, model, chain = wanted[key]
+            kept = [e for e in unpack_entries(raw) if belongs(e, model, chain)]
+            out.setdefault(seg, []).extend(kept)
         return out
 
     async def put(self, snapshot: Snapshot) -> None:

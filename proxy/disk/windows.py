@@ -63,7 +63,7 @@ class RecentWindows:
             return found[1]
         store = self._shared.store
         raw = await self._shared.call("window", store.window(model, self._wall()), [])
-        window = [_unpack(r) for r in raw]
+        window = [fp for fp in map(_unpack, raw) if fp is not None]
         self._copies[model] = (now, window)
         return window
 
@@ -86,6 +86,10 @@ def _cut(fp: Fingerprint) -> Fingerprint:
 
 
 @functools.lru_cache(maxsize=1024)  # a window's entries repeat from read to read
-def _unpack(raw: bytes) -> Fingerprint:
-    record = SlotRecord.unpack(raw)
+def _unpack(raw: bytes) -> Fingerprint | None:
+    """An entry's fingerprint; None for bytes that are no entry (another writer's)."""
+    try:
+        record = SlotRecord.unpack(raw)
+    except ValueError:
+        return None
     return Fingerprint(record.hashes, record.tokens, record.anchor)

@@ -51,7 +51,8 @@ class SharedReleases:
         if found is None:
             return None
         owner, _, release = found[0].rpartition(":")
-        return (int(release) if owner == shared.owner else None), max(0.0, found[1])
+        ours = owner == shared.owner and release.isdecimal()  # (else another writer's value)
+        return (int(release) if ours else None), max(0.0, found[1])
 
     async def claimed(self, releases: Sequence[int]) -> set[int] | None:
         """Which of this replica's releases some replica claimed; None when the store is down."""

@@ -174,8 +174,11 @@ class RedisStateStore:
         raw = await _call(self._redis.get(keys.affinity(key)))
         if raw is None:
             return None
-        backend, _, slot = _bytes(raw).decode().rpartition("|")
-        return (backend, int(slot))
+        try:  # (another writer's bytes are no affinity: ignored, as an absent one)
+            backend, _, slot = _bytes(raw).decode().rpartition("|")
+            return (backend, int(slot))
+        except ValueError:  # (UnicodeDecodeError is one)
+            return None
 
     async def set_affinity(self, key: str, ref: SlotRef, ttl: float, now: float) -> None:
         await _call(self._redis.set(keys.affinity(key), f"{ref[0]}|{ref[1]}", px=_ms(ttl)))
@@ -282,8 +285,11 @@ class RedisStateStore:
         found = await _call(self._claim(keys=names, args=[keys.claimed(""), _ms(ttl)]))
         if not found:
             return None
-        release, age = (_bytes(v).decode() for v in found)
-        return release, float(age)
+        try:
+            release, age = (_bytes(v).decode() for v in found)
+            return release, float(age)
+        except ValueError:  # (not a release this proxy put: none)
+            return None
 
     async def claimed(self, releases: Sequence[str], now: float) -> set[str]:
         if not releases:
@@ -330,7 +336,13 @@ class RedisStateStore:
 
     async def all_snapshots(self) -> dict[str, bytes]:
         found = await _call(self._redis.hgetall(keys.SNAPSHOTS))
-        return {_bytes(k).decode(): _bytes(v) for k, v in found.items()}
+        out = {}
+        for k, v in found.items():
+            try:
+                out[_bytes(k).decode()] = _bytes(v)
+            except UnicodeDecodeError:
+                continue  # (no field this proxy writes: another writer's, ignored)
+        return out
 
     async def ping(self) -> None:
         """Whether Redis answers again after an outage: on fresh connections (pooled ones

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import logging
 import signal
 import sys
 import time
@@ -172,6 +173,24 @@ async def test_connect_failure_retries_on_another_backend(fakes: Any, proxy: Any
     assert statuses == [200, 200, 200]
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_upstream_errors_total", kind="connect") >= 1
+
+
+async def test_a_backend_that_cannot_be_reached_is_not_named_to_the_client(
+    fakes: Any, proxy: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every backend gone between probes: the 502 says so, without the backend's address (an
+    internal one; ``routing.address_headers`` keeps it from clients), which goes to the log."""
+    backends = [await fakes(), await fakes()]
+    client = await proxy(backends, probe_loop=False)
+    for fake in backends:
+        await fake.stop()
+    with caplog.at_level(logging.WARNING):
+        resp = await client.post("/completion", json={"prompt": "x"})
+    text = await resp.text()
+    assert resp.status == 502, text
+    assert json.loads(text)["error"]["message"] == "backend unreachable"
+    assert "127.0.0.1" not in text
+    assert any(fake.url in record.getMessage() for fake in backends for record in caplog.records)
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"], ids=["slot", "no-slot"])

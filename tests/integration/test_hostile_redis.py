@@ -187,3 +187,39 @@ async def test_without_a_secret_replicas_do_not_forward(
     for text in [await _metrics(c) for c in pair]:
         assert metric(text, FORWARDS, outcome="sent") == 0
     assert "replicas.secret is not set" in caplog.text
+
+
+async def test_bytes_another_writer_left_are_ignored_as_absent(
+    fakes: Any, proxy: Any, redis_server: Any, tmp_path: Any
+) -> None:
+    """Values in the proxy's keys that it never wrote (an affinity with no slot number, or
+    not UTF-8; a window entry that is no record; a release id that is no number; a snapshot
+    index field that is not UTF-8) are read as absent. Before, each was a 500 for every
+    request that read it (every turn of the session; every long chat, for an hour) and the
+    last one ended start-up with an error, for every replica that restarted."""
+    redis = aioredis.Redis.from_url(redis_server.url)
+    await redis.hset(keys.SNAPSHOTS, b"\xff", b"[]")
+    backend = await fakes(n_slots=2, save_dir=tmp_path)
+    over = {"disk": {"slot_save_dir": str(tmp_path), "min_tokens": 64}, "admin_token": "t"}
+    client = await proxy([backend], redis_url=redis_server.url, **over)  # (start-up reads it)
+    await redis.set(keys.affinity("s1"), b"x|notanumber")
+    await redis.set(keys.affinity("s2"), b"\xff\xfe|0")
+    await redis.lpush(keys.window("default"), b"garbage")
+    long = "the quarterly report covers revenue and costs " * 60
+    for key in ("s1", "s2"):
+        body = {"messages": [{"role": "user", "content": long}], "max_tokens": 2}
+        resp = await client.post(CHAT, json={**body, "prompt_cache_key": key})
+        assert resp.status == 200, await resp.text()
+    releases = [k async for k in redis.scan_iter(match=keys.PREFIX + "ret:*")]
+    assert releases
+    value = await redis.get(releases[0])
+    assert isinstance(value, bytes)
+    owner = value.decode().rpartition(":")[0]
+    for name in releases:
+        await redis.set(name, f"{owner}:notanumber|1", px=60_000)
+    body = {"messages": [{"role": "user", "content": long}], "max_tokens": 2}
+    resp = await client.post(CHAT, json={**body, "prompt_cache_key": "s1"})
+    assert resp.status == 200, await resp.text()
+    resp = await client.get("/admin/disk", headers={"Authorization": "Bearer t"})
+    assert resp.status == 200, await resp.text()
+    await redis.aclose()

@@ -20,12 +20,11 @@ SECRET = "Tenant A's confidential merger memo. " + " ".join(
 )
 
 
-async def timed(client: Any, key: str) -> tuple[float, int]:
+async def timed(client: Any, key: str, header: str = "Authorization") -> tuple[float, int]:
     body = chat(SECRET, max_tokens=1, temperature=0)
     started = time.perf_counter()
-    resp = await client.post(
-        "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-    )
+    value = f"Bearer {key}" if header == "Authorization" else key
+    resp = await client.post("/v1/chat/completions", json=body, headers={header: value})
     assert resp.status == 200, await resp.text()
     seconds = time.perf_counter() - started
     return seconds, (await resp.json())["timings"]["cache_n"]
@@ -53,6 +52,24 @@ async def test_timing_probe_across_tenants(llama_servers: Any, proxy: Any, mode:
     else:
         assert probe_cached == 0  # computed from scratch
         assert probe > 2 * warm  # as slow as a cold prompt: the probe learns nothing
+
+
+async def test_keys_sent_in_x_api_key_are_tenants_too(llama_servers: Any, proxy: Any) -> None:
+    """The Anthropic SDK sends its key in ``X-Api-Key``: each such key is its own tenant (not
+    one anonymous tenant for all of them, who would then reuse each other's prompts)."""
+    server = llama_servers(slots=1)
+    client = await proxy(
+        [server],
+        api_key=["tenant-a", "tenant-b"],
+        isolation={"mode": "tenant"},
+        disk={"prefix_cache": "off"},
+        timeouts={"read_seconds": 120, "probe_seconds": 30},
+    )
+    await timed(client, "tenant-a", "X-Api-Key")
+    _, warm_cached = await timed(client, "tenant-a", "X-Api-Key")
+    assert warm_cached > 800  # within a tenant: cached
+    _, probe_cached = await timed(client, "tenant-b", "X-Api-Key")
+    assert probe_cached == 0  # another key: computed from scratch
 
 
 MEMO = "Tenant A's memo on the merger. " * 40  # within one batch of embeddings (512)

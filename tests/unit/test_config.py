@@ -306,3 +306,12 @@ def test_yaml_merge_keys_may_give_a_key_again(tmp_path: Path) -> None:
         "routing:\n  <<: *base\n  min_prefix_tokens: 32\n"
     )
     assert read_config_file(path)["routing"] == {"min_prefix_tokens": 32, "wait_min_tokens": 9}
+
+
+def test_a_backend_key_with_no_client_key_is_a_caution() -> None:
+    """A backend's api_key is sent on every request it serves: with no api_key of the proxy's
+    own, also on requests that present none, which the backend alone would refuse."""
+    keyed = {"backends": [{"url": "http://b:8080", "api_key": "k"}]}
+    assert "anyone who reaches the proxy" in " ".join(Settings(**keyed).cautions())
+    assert Settings(**keyed, api_key="client").cautions() == []
+    assert Settings(backends=["http://b:8080"]).cautions() == []

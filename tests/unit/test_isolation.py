@@ -17,6 +17,10 @@ def test_tenant_is_a_hash_of_the_key_or_the_header() -> None:
     a = tenant_of({"Authorization": "Bearer key-a"}, None)
     assert a == tenant_of({"Authorization": "bearer key-a"}, None)
     assert a != tenant_of({"Authorization": "Bearer key-b"}, None)
+    # a key sent in X-Api-Key (the Anthropic SDK's header) is the same tenant's, not anonymous
+    assert a == tenant_of({"X-Api-Key": "key-a"}, None)
+    assert tenant_of({"X-Api-Key": "key-b"}, None) not in (a, ANONYMOUS)
+    assert a == tenant_of({"Authorization": "Bearer key-a", "X-Api-Key": "key-b"}, None)
     assert "key-a" not in a
     assert tenant_of({}, None) == ANONYMOUS
     assert tenant_of({"X-Team": "t1"}, "X-Team") != tenant_of({"X-Team": "t2"}, "X-Team")

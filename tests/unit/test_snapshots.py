@@ -11,6 +11,7 @@ from proxy.core.disk.snapshots import (
     Offer,
     Snapshot,
     Stray,
+    belongs,
     evictions,
     file_name,
     index_key,
@@ -105,6 +106,25 @@ def test_only_names_the_proxy_makes_are_valid(name: object) -> None:
     assert not valid_name(name)
     entry = {**snap(1, 1).pack(), "name": name}
     assert unpack_entries(json.dumps([entry, snap(2, 2).pack()])) == [snap(2, 2)]
+
+
+def test_an_entry_naming_another_layouts_file_is_dropped() -> None:
+    """A store writer relabels a snapshot of model A as model B's (same shape): its file was
+    saved by A, and B's server would restore it without a word. The name no longer is the one
+    the proxy makes for the layout, so the entry is dropped."""
+    other = Layout("/m/other.gguf", "Q4_1", 2048, 2, False)
+    relabelled = {**snap(1, 1).pack(), "layout": other.__dict__}
+    chain_moved = {**snap(1, 1).pack(), "chain": 2}
+    assert unpack_entries(json.dumps([relabelled, chain_moved, snap(3, 3).pack()])) == [snap(3, 3)]
+
+
+def test_a_lookup_keeps_only_its_models_entries_for_its_prefix() -> None:
+    entry = snap(7, 2, aliases=(5,))
+    assert belongs(entry, LAYOUT.model_id, 7)
+    assert belongs(entry, LAYOUT.model_id, 5)
+    assert not belongs(entry, LAYOUT.model_id, 6)  # filed under another prefix's key
+    other = Layout("/m/other.gguf", "Q4_1", 2048, 2, False)
+    assert not belongs(entry, other.model_id, 7)  # filed under another model's key
 
 
 def test_generated_names_are_valid() -> None:

@@ -38,7 +38,11 @@ snapshots are evicted until the total size fits (``evictions``).
 The index is untrusted input (anyone who can write to the store can write it):
 ``unpack_entries`` keeps only well-formed entries whose name is one the proxy generates
 (``valid_name``: ``llp-`` and 32 lower-case hex digits, ``.bin``), so a stored name is never
-a path (``/etc/passwd``, ``../x``) when it is opened, deleted or sent to llama-server.
+a path (``/etc/passwd``, ``../x``) when it is opened, deleted or sent to llama-server; and
+the one it generates for the entry's layout and chain (``file_name``), so an entry cannot
+name another model's file as its own: a server restores a file saved by another model of the
+same shape without a word. A lookup keeps only the entries of the model and prefix it asks
+for (``belongs``).
 
 Strays: ``llp-*.bin`` files in a directory the index does not list (the index was lost with
 the store, or a save's entry was never written) still take space. ``stray_evictions``
@@ -180,7 +184,13 @@ def _sound(s: Snapshot) -> bool:
         and isinstance(layout.model, str)
         and isinstance(layout.ftype, str)
         and (layout.unified is None or isinstance(layout.unified, bool))
+        and s.name == file_name(layout, s.chain)
     )
+
+
+def belongs(s: Snapshot, model_id: str, chain: int) -> bool:
+    """Whether ``s`` is a snapshot of the model and prefix an index key names (``index_key``)."""
+    return s.layout.model_id == model_id and chain in s.keys
 
 
 def lookup_keys(

@@ -2,8 +2,9 @@
 
 A shared KV cache leaks through timing: a cached prompt answers faster, so a tenant could
 probe whether another tenant sent a given prompt. With ``isolation.mode: tenant`` every
-request belongs to a *tenant*: the hash of its API key (``Authorization: Bearer ...``) or
-of a configured header; requests without one share the anonymous tenant. Then:
+request belongs to a *tenant*: the hash of its API key (``Authorization: Bearer ...``, or
+``X-Api-Key`` when that is absent, as the key check reads it) or of a configured header;
+requests without one share the anonymous tenant. Then:
 
 - fingerprints are seeded with the tenant's salt (``salt``), so slot contents, snapshots,
   windows and cache_key affinities of two tenants never match: routing predicts no reuse
@@ -35,12 +36,13 @@ ANONYMOUS = "anonymous"
 
 
 def tenant_of(headers: Mapping[str, str], header: str | None) -> str:
-    """The tenant id of a request: a hash of its API key or of ``header``'s value (a value
+    """The tenant id of a request: a hash of its API key (in ``Authorization``, else in
+    ``X-Api-Key``, as ``headers.presented_key`` reads it) or of ``header``'s value (a value
     that is not UTF-8 is a 400)."""
     if header is not None:
         value = header_text(headers, header)
     else:
-        auth = header_text(headers, "Authorization")
+        auth = header_text(headers, "Authorization") or header_text(headers, "X-Api-Key")
         value = auth[7:] if auth[:7].lower() == "bearer " else auth
     if not value:
         return ANONYMOUS

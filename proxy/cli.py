@@ -1,4 +1,4 @@
-"""Command line: ``llama-cache-proxy serve`` (and ``bench``).
+"""Command line: ``llama-cache-proxy serve`` (and ``report``).
 
 Flags, ``LLAMA_CACHE_PROXY_*`` environment variables and a YAML/TOML config file all feed the
 one settings tree (``proxy.config.settings``); a bad value prints one line naming the field and the
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         "--listen", help="host:port (default 127.0.0.1:8000); hosts comma-separated: a,b:port"
     )
     serve.add_argument("--redis-url", help="shared state in Redis; omit for embedded state")
-    serve.add_argument("--config", type=Path, help="YAML or TOML config file")
+    serve.add_argument("--config", type=Path, help="YAML, TOML or JSON config file")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-format", choices=["text", "json"], help="json: one object a line")
     serve.add_argument("--admin-token", help="bearer token for /admin/*; none = admin off")

@@ -286,6 +286,7 @@ class ProxyMetrics:
                 self.slots.labels(backend, phase.value)
         for path, route in ROUTES.items():
             self.requests.labels(path, "200")
+            self.duration.labels(path)
             if route.slot_use is not SlotUse.NONE:  # (requests that generate)
                 self.slot_wait.labels(path)
                 for cache in TTFT_CACHE:

@@ -57,7 +57,11 @@ def run_report(url: str, token: str | None, out: TextIO = sys.stdout) -> int:
     try:
         status = fetch(url, token)
     except urllib.error.HTTPError as exc:
-        hint = " (set --admin-token)" if exc.code in (401, 404) else ""
+        hints = {
+            401: " (give the proxy's admin_token with --admin-token)",
+            404: " (the proxy runs without admin_token: its admin endpoints are off)",
+        }
+        hint = hints.get(exc.code, "")
         print(
             f"llama-cache-proxy report: {url}/admin/churn answered {exc.code}{hint}",
             file=sys.stderr,

@@ -114,6 +114,34 @@ def _manifests() -> list[dict[str, Any]]:
     return docs
 
 
+def _uid() -> str:
+    """The proxy image's user id (deploy/Dockerfile)."""
+    found = re.search(r"--uid (\d+)", (DEPLOY / "Dockerfile").read_text())
+    assert found is not None
+    return found.group(1)
+
+
+def test_the_proxies_own_the_snapshot_directory() -> None:
+    """llama-server (root in its image) saves snapshots into the shared directory; the
+    proxies, which run as the image's user, delete evicted ones, which needs write permission
+    on the directory: a one-shot step gives it to that user before a proxy starts."""
+    uid = _uid()
+    services = yaml.safe_load(_compose_config(PROFILES[0], SECRETS).stdout)["services"]
+    init = services["slots-init"]
+    assert init["command"] == ["chown", f"{uid}:{uid}", "/slots"]
+    assert init["volumes"] == ["slots:/slots:rw"]
+    assert services["proxy"]["depends_on"]["slots-init"] == {
+        "condition": "service_completed_successfully"
+    }
+    llama = next(d for d in _manifests() if d.get("metadata", {}).get("name") == "llama"
+                 and d["kind"] == "StatefulSet")  # fmt: skip
+    (owner,) = llama["spec"]["template"]["spec"]["initContainers"]
+    assert owner["command"] == ["chown", f"{uid}:{uid}", "/slots"]
+    assert {m["mountPath"] for m in owner["volumeMounts"]} == {"/slots"}
+    proxy = next(d for d in _manifests() if d["kind"] == "Deployment")
+    assert str(proxy["spec"]["template"]["spec"]["securityContext"]["runAsUser"]) == uid
+
+
 def test_kubernetes_manifests_are_well_formed() -> None:
     docs = _manifests()
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}

@@ -7,6 +7,7 @@ Each section is frozen and forbids unknown keys; every tunable names its unit an
 from __future__ import annotations
 
 import ipaddress
+import json
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -20,6 +21,13 @@ from proxy.core.routing.scoring import RoutingParams
 class _Frozen(BaseModel):
     # (an infinite or NaN number of seconds, tokens or bytes is never a setting that works)
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+def unset_if_empty(value: Any) -> Any:
+    """An empty string is no value: ``${VAR:-}`` in a compose file or an empty environment
+    variable leaves an optional setting unset (an empty admin token turned admin on, with a
+    token no client could present)."""
+    return None if value == "" else value
 
 
 class BackendSettings(_Frozen):
@@ -174,6 +182,16 @@ class RoutingSettings(_Frozen):
         default=30.0, ge=1, description="a dead replica's slot leases expire after this"
     )
 
+    @field_validator("cache_key_sources", mode="before")
+    @classmethod
+    def _sources(cls, value: Any) -> Any:
+        """From the environment: ``a,header:b`` or a JSON list, as the other list settings."""
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                return json.loads(value)
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
     def params(self) -> RoutingParams:
         """The pure policy's parameters (``core.routing.scoring.RoutingParams``)."""
         return RoutingParams(
@@ -200,6 +218,7 @@ class DiskSettings(_Frozen):
         default=None,
         description="the --slot-save-path every backend shares, as the proxy sees it",
     )
+    _slot_save_dir = field_validator("slot_save_dir", mode="before")(unset_if_empty)
     park: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="save a warm session before evicting it; auto: where the server will "
@@ -247,6 +266,8 @@ class IsolationSettings(_Frozen):
     tenant_header: str | None = Field(
         default=None, description="header naming the tenant; default: the bearer API key"
     )
+
+    _tenant_header = field_validator("tenant_header", mode="before")(unset_if_empty)
 
     @field_validator("mode", mode="before")
     @classmethod

@@ -2,7 +2,7 @@
 
 Settings come from three sources, merged in this order (later wins):
 
-1. a YAML or TOML config file (``--config FILE`` or ``LLAMA_CACHE_PROXY_CONFIG``),
+1. a YAML, TOML or JSON config file (``--config FILE`` or ``LLAMA_CACHE_PROXY_CONFIG``),
 2. environment variables ``LLAMA_CACHE_PROXY_<FIELD>``; nested fields use ``__``
    (``LLAMA_CACHE_PROXY_QUEUE__MAX_WAITING=64``); ``BACKENDS`` is a comma-separated URL list,
 3. command-line flags.
@@ -31,6 +31,7 @@ from proxy.config.sections import (
     RoutingSettings,
     TimeoutSettings,
     _Frozen,
+    unset_if_empty,
 )
 from proxy.config.sources import (
     ENV_PREFIX,
@@ -76,6 +77,7 @@ class Settings(_Frozen):
         default="text", description="json: one JSON object per log line (log shippers)"
     )
     admin_token: SecretStr | None = None
+    _admin_token = field_validator("admin_token", mode="before")(unset_if_empty)
     api_key: tuple[SecretStr, ...] = Field(
         default=(),
         description="keys clients must present, as llama-server's --api-key (comma-separated "

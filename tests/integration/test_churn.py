@@ -6,6 +6,8 @@ import asyncio
 import io
 from typing import Any
 
+import pytest
+
 from proxy.report import run_report
 from testbed.probes import metric
 
@@ -23,7 +25,9 @@ def turn(clock: str, n: int) -> dict[str, Any]:
     return {"messages": messages, "max_tokens": 4}
 
 
-async def test_a_changing_timestamp_is_reported_where_it_churns(fakes: Any, proxy: Any) -> None:
+async def test_a_changing_timestamp_is_reported_where_it_churns(
+    fakes: Any, proxy: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     fake = await fakes(n_slots=2)
     client = await proxy([fake], admin_token="t", admin_churn_text=True)
     for i, clock in enumerate(["09:12:36", "09:12:51", "09:13:07"]):
@@ -44,6 +48,11 @@ async def test_a_changing_timestamp_is_reported_where_it_churns(fakes: Any, prox
     assert "message 0 system" in text
     assert "09:13:07" in text
     assert await asyncio.to_thread(run_report, url, None, io.StringIO()) == 2  # no token
+    assert "answered 401 (give the proxy's admin_token" in capsys.readouterr().err
+    bare = await proxy([fake])  # no admin_token: its admin endpoints are off
+    url = str(bare.make_url("/")).rstrip("/")
+    assert await asyncio.to_thread(run_report, url, "t", io.StringIO()) == 2
+    assert "answered 404 (the proxy runs without admin_token" in capsys.readouterr().err
 
 
 async def test_churn_shows_no_prompt_text_or_session_key_by_default(fakes: Any, proxy: Any) -> None:

@@ -49,5 +49,6 @@ async def test_every_metric_a_dashboard_or_alert_uses_exists_at_start(
         'llama_cache_proxy_forwarded_requests_total{outcome="unreachable"} 0.0',
         'llama_cache_proxy_disk_saves_total{kind="scoped"} 0.0',
         'llama_cache_proxy_cache_key_total{outcome="reuse"} 0.0',
+        'llama_cache_proxy_request_duration_seconds_count{endpoint="/v1/chat/completions"} 0.0',
     ]:
         assert line in page

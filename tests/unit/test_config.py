@@ -315,3 +315,27 @@ def test_a_backend_key_with_no_client_key_is_a_caution() -> None:
     assert "anyone who reaches the proxy" in " ".join(Settings(**keyed).cautions())
     assert Settings(**keyed, api_key="client").cautions() == []
     assert Settings(backends=["http://b:8080"]).cautions() == []
+
+
+def test_an_empty_string_leaves_an_optional_setting_unset() -> None:
+    """``LLAMA_CACHE_PROXY_ADMIN_TOKEN: ${ADMIN_TOKEN:-}`` (the compose file) with no token:
+    admin stays off, as with no variable at all, instead of on with a token none can give."""
+    env = {
+        "LLAMA_CACHE_PROXY_ADMIN_TOKEN": "",
+        "LLAMA_CACHE_PROXY_DISK__SLOT_SAVE_DIR": "",
+        "LLAMA_CACHE_PROXY_ISOLATION__TENANT_HEADER": "",
+    }
+    settings = load_settings(cli={"backends": ["http://b:8080"]}, environ=env)
+    assert settings.admin_token is None
+    assert settings.disk.slot_save_dir is None
+    assert settings.isolation.tenant_header is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["prompt_cache_key, header:x-session-id", '["prompt_cache_key", "header:x-session-id"]'],
+)
+def test_cache_key_sources_from_the_environment(value: str) -> None:
+    env = {"LLAMA_CACHE_PROXY_ROUTING__CACHE_KEY_SOURCES": value}
+    settings = load_settings(cli={"backends": ["http://b:8080"]}, environ=env)
+    assert settings.routing.cache_key_sources == ("prompt_cache_key", "header:x-session-id")

@@ -225,11 +225,13 @@ def _middlewares(
 def _backend_counter(
     client: LlamaServerClient, settings: Settings, fleet: Fleet
 ) -> Callable[[str], Awaitable[int | None]]:
-    """Count with the first ready backend's tokenizer (all backends serve one model)."""
+    """Count with the first ready backend's tokenizer (all backends serve one model), never a
+    sleeping one's (``/tokenize`` would wake it and wait out its model load); None when every
+    ready backend sleeps (the caller counts with tiktoken)."""
 
     async def count(text: str) -> int | None:
         for backend in fleet.backends:
-            if backend.phase is BackendPhase.READY:
+            if backend.phase is BackendPhase.READY and not backend.asleep:
                 return await client.count_tokens(settings.backends[backend.index].base_url, text)
         return None
 

@@ -63,6 +63,13 @@ class _Unread(Exception):
     """A healthy backend's ``/props`` answered an error (``probe``)."""
 
 
+@dataclass(frozen=True)
+class Unread:
+    """A probe of a healthy backend that told nothing of its slots, and why (``probe``)."""
+
+    reason: str
+
+
 class SlotUse(Enum):
     PIN = "pin"  # honours id_slot: pinned to one idle slot
     EXCLUSIVE = "exclusive"  # server picks the slot: needs a whole idle backend
@@ -248,12 +255,12 @@ class LlamaServerClient:
         else:
             response.release()
 
-    async def probe(self, base_url: str, slots: bool = True) -> Probe | None:
+    async def probe(self, base_url: str, slots: bool = True) -> Probe | Unread:
         """``/health``, ``/props``, then, if ``slots`` and awake, ``/slots`` (a task: it wakes a
-        sleeping server and restarts its idle timer; the others do neither). None: healthy,
-        but ``/props`` answered an error, or it or ``/slots`` did not answer in time, which
-        tells nothing of its slots (the caller keeps what it knows: a backend whose ``/props``
-        is slower than the probe timeout was held down for good)."""
+        sleeping server and restarts its idle timer; the others do neither). ``Unread``:
+        healthy, but ``/props`` answered an error, or it or ``/slots`` did not answer in time,
+        which tells nothing of its slots (the caller keeps what it knows: a backend whose
+        ``/props`` is slower than the probe timeout was held down for good)."""
         try:
             async with self._http.get(base_url + "/health", **self._short(base_url)) as up:
                 if up.status != 200:
@@ -261,9 +268,9 @@ class LlamaServerClient:
             try:
                 return await self._slots(base_url, slots)
             except TimeoutError:  # healthy, but slow to tell more (a long prefill, a busy host)
-                return None
-        except _Unread:
-            return None
+                return Unread("/props or /slots did not answer within the probe timeout")
+        except _Unread as exc:
+            return Unread(str(exc))
         # (TypeError, KeyError, AttributeError: an answer not shaped as llama-server's)
         except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, KeyError, AttributeError):
             return Probe(BackendPhase.DOWN)

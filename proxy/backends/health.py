@@ -29,7 +29,7 @@ from proxy.backends.scheduler import Scheduler
 from proxy.config.settings import HealthSettings, Settings
 from proxy.core.server.fleet import BackendPhase, Probe, SlotPhase
 from proxy.metrics import ProxyMetrics
-from proxy.upstream import LlamaServerClient
+from proxy.upstream import LlamaServerClient, Unread
 
 log = logging.getLogger(__name__)
 QUIET_SECONDS = 1.25  # between /slots calls to a draining backend: its 1 s check, and a margin
@@ -57,6 +57,7 @@ class Prober:
         self._drains: dict[int, asyncio.Task[None]] = {}
         self._asked: dict[int, float] = {}  # backend -> when its /slots was last called
         self._models: dict[int, str] = {}  # backend -> the model its info series names
+        self._unread_why: dict[int, str] = {}  # backend -> why its last probe read nothing
         self.on_ready = on_ready
 
     async def probe_all(self) -> None:
@@ -75,11 +76,29 @@ class Prober:
         started = self._asked[index] = self._clock()
         url, slots = self._backends[index].base_url, self._fleet.wants_slots(index)
         probe = await self._client.probe(url, slots)
-        if probe is None:  # (healthy, its slots not readable now: the next probe tells)
+        if isinstance(probe, Unread):  # (healthy, its slots not readable now: the next tells)
+            self._unread(index, probe.reason)
             return None
+        self._unread(index, None)
         if self.fold(index, probe, started) and self._on_restart is not None:
             await self._on_restart(index)
         return probe
+
+    def _unread(self, index: int, reason: str | None) -> None:
+        """Log why a healthy backend's probes tell nothing of its slots, once per reason (one
+        never read stays not ready, which nothing else would explain), and when they do again."""
+        before = self._unread_why.get(index)
+        if reason == before:
+            return
+        label = self._fleet.backends[index].label
+        if reason is not None:
+            self._unread_why[index] = reason
+            ready = self._fleet.backends[index].phase is BackendPhase.READY
+            state = "its slot table kept as it was" if ready else "not ready until they can"
+            log.warning("backend=%s healthy, its slots not read (%s): %s", label, reason, state)
+        else:
+            del self._unread_why[index]
+            log.info("backend=%s slots read again", label)
 
     def fold(self, index: int, probe: Probe, started: float) -> bool:
         """Apply a probe; True when the backend's slot contents were invalidated."""
@@ -125,12 +144,16 @@ class Prober:
             self._metrics.slots.labels(backend.label, phase.value).set(count)
 
     async def run(self) -> None:
+        """A round every ``interval_seconds``, from its start: a round that waits for a backend
+        that never answers (up to the probe timeout) does not stretch the others' period."""
         while True:
+            started = self._clock()
             try:
                 await self.probe_all()
             except Exception:  # (a round that fails must not end the probing for good)
                 log.exception("probe round failed; the next one runs as usual")
-            await asyncio.sleep(self._health.interval_seconds)
+            elapsed = self._clock() - started
+            await asyncio.sleep(max(0.0, self._health.interval_seconds - elapsed))
 
     def drain_all(self, indexes: list[int], after: float = 0.0) -> None:
         for index in indexes:

@@ -240,6 +240,7 @@ class ProxyHandlers:
         label = self._fleet.backends[index].label
         self._metrics.upstream_errors.labels(label, "loading" if loading else "connect").inc()
         self._scheduler.mark_down(index, BackendPhase.LOADING if loading else BackendPhase.DOWN)
+        self._metrics.backend_ready.labels(label).set(0)  # (as /readyz says, not a probe later)
 
     async def _send(
         self,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 import uuid
@@ -103,7 +104,13 @@ class SharedState:
         return (self._fleet.backends[backend].label, slot)
 
     async def call(self, op: str, call: Awaitable[T], default: T) -> T:
-        """Await a store operation; on an outage count it, log once, return ``default``."""
+        """Await a store operation; on an outage count it, log once, return ``default``. While
+        the store is down it is not asked (``default`` at once: a stalled Redis would make
+        each call wait out its socket timeout); ``maintain`` pings it until it is back."""
+        if not self.up:
+            if inspect.iscoroutine(call):
+                call.close()
+            return default
         try:
             result = await call
         except StateStoreUnavailable as exc:

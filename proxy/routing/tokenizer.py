@@ -132,11 +132,14 @@ class TokenCounter:
     async def prepare(
         self, texts: Iterable[str], tokenize: Callable[[str], Awaitable[int | None]]
     ) -> None:
-        """Fill the cache from an exact tokenizer (the backend's) for texts not seen yet."""
+        """Fill the cache from an exact tokenizer (the backend's) for texts not seen yet, one
+        at a time, until one fails (a slow or sleeping backend costs a request one timeout, not
+        one per message; what is left is counted with tiktoken and asked for again next time)."""
         for text in self.unknown(texts):
             value = await tokenize(text)
-            if value is not None:
-                self.remember(text, value)
+            if value is None:
+                return
+            self.remember(text, value)
 
 
 def _chunk_key(previous: int, block_tokens: int, chunk: str | bytes) -> bytes:

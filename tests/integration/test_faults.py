@@ -173,6 +173,9 @@ async def test_connect_failure_retries_on_another_backend(fakes: Any, proxy: Any
     assert statuses == [200, 200, 200]
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_upstream_errors_total", kind="connect") >= 1
+    # down as /readyz tells it, not only once a probe (there is none here) finds it so
+    label = dead.url.removeprefix("http://")
+    assert metric(page, "llama_cache_proxy_backend_ready", backend=label) == 0
 
 
 async def test_a_backend_that_cannot_be_reached_is_not_named_to_the_client(
@@ -616,6 +619,29 @@ async def test_a_props_error_from_a_healthy_backend_leaves_its_slot_table_as_it_
         await until(lambda: fake.failing == 0, "a probe read /props")
         again = await client.post("/v1/chat/completions", json=body)  # (no probe for 60 s)
         assert again.status == 200, await again.text()
+    finally:
+        await fake.stop()
+
+
+async def test_a_healthy_backend_whose_slots_cannot_be_read_says_why_once(
+    proxy: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``/health`` answers ok but ``/props`` an error, probe after probe (a gateway in front
+    of the server, say): the backend stays not ready, and the log says why, once, rather than
+    nothing at all."""
+    fake = _PropsBlip(n_slots=2)
+    fake.failing = 10**6
+    await fake.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="proxy.backends.health"):
+            client = await proxy([fake], health={"interval_seconds": 0.05})
+            await until(lambda: fake.failing <= 10**6 - 4, "four probes read /props")
+        assert (await client.get("/readyz")).status == 503
+        said = [r.getMessage() for r in caplog.records if "slots not read" in r.getMessage()]
+        assert said == [
+            f"backend={fake.url.removeprefix('http://')} healthy, its slots not read "
+            "(/props answered 503): not ready until they can"
+        ]
     finally:
         await fake.stop()
 

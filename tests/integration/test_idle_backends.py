@@ -78,3 +78,25 @@ async def test_with_unified_kv_a_continuation_goes_where_its_prefix_is(
     body = {"prompt": LONG + " The knight finally reached the castle gates.", "n_predict": 4}
     answer = await (await client.post("/completion", json=body)).json()
     assert answer["timings"]["cache_n"] > 0, answer["id_slot"]
+
+
+async def test_the_backend_tokenizer_never_wakes_a_sleeping_backend(
+    fakes: Any, proxy: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``routing.tokenizer: backend`` counts with a ready backend's ``/tokenize``; a sleeping
+    one's would wake it (a task) and wait out its model load, for a request that may run
+    elsewhere. Another awake backend counts instead; with none, tiktoken does."""
+    sleeper, awake = await fakes(), await fakes()
+    sleeper.sleep_idle_s = 0.2
+    caplog.set_level(logging.INFO, "proxy.backends.health")
+    client = await proxy(
+        [sleeper, awake], routing={"tokenizer": "backend"}, health={"interval_seconds": 0.1}
+    )
+    gone = "sleeping: its slot and RAM caches are gone"
+    await until(lambda: gone in caplog.text, "the proxy sees the first backend sleep", within=5)
+    before = sleeper.tokenize_calls
+    body = {"messages": [{"role": "user", "content": LONG}], "max_tokens": 2}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200, await resp.text()
+    assert sleeper.tokenize_calls == before
+    assert awake.tokenize_calls > 0

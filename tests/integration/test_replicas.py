@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from typing import Any
 
@@ -290,6 +291,32 @@ async def test_redis_outage_degrades_to_local_state_and_resyncs(
     assert metric(page, "llama_cache_proxy_state_store_up") == 0
     assert metric(page, "llama_cache_proxy_state_store_errors_total") >= 1
     redis_server.start()
+    await until_metric(client, "llama_cache_proxy_state_store_up", lambda n: n == 1)
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+
+
+async def test_a_stalled_redis_is_not_asked_again_until_it_answers(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """Redis stops answering (SIGSTOP: connections open, replies never come). Once a call has
+    timed out the store counts as down, and requests are served on local state without
+    asking it: before, each request's affinity, release and record calls each waited out the
+    socket timeout, about 3 s a request for the whole outage."""
+    client = await proxy([await fakes(n_slots=2)], redis_url=redis_server.url)
+    body = chat("before " * 40, max_tokens=4, prompt_cache_key="s1")
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert (await client.post("/v1/chat/completions", json=body)).status == 200
+        await until_metric(client, "llama_cache_proxy_state_store_up", lambda n: n == 0)
+        errors = "llama_cache_proxy_state_store_errors_total"
+        before = metric(await (await client.get("/metrics")).text(), errors)
+        for _ in range(4):
+            assert (await client.post("/v1/chat/completions", json=body)).status == 200
+        assert metric(await (await client.get("/metrics")).text(), errors) == before
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
     await until_metric(client, "llama_cache_proxy_state_store_up", lambda n: n == 1)
     assert (await client.post("/v1/chat/completions", json=body)).status == 200
 

@@ -57,3 +57,24 @@ def test_the_count_memo_keeps_digests_within_its_byte_budget(monkeypatch: Any) -
     assert held < 4 * 1024 * 1024  # the last text, not the 200 MiB of them
     assert counter.count("00000199" + "x" * (1024 * 1024)) == (8 + 1024 * 1024) % 7
     assert counter.unknown(["00000000" + "x" * (1024 * 1024)])  # the oldest went first
+
+
+async def test_the_backend_is_asked_until_it_fails_once() -> None:
+    """A backend that cannot count (slow past the probe timeout, or gone) costs a request one
+    failed call, not one per new message; the texts left are asked for again next time."""
+    counter, asked = TokenCounter(), []
+
+    async def failing(text: str) -> int | None:
+        asked.append(text)
+        return None
+
+    await counter.prepare(["a b", "c d", "e f"], failing)
+    assert asked == ["a b"]
+
+    async def counting(text: str) -> int | None:
+        asked.append(text)
+        return 7
+
+    await counter.prepare(["a b", "c d", "e f"], counting)
+    assert asked == ["a b", "a b", "c d", "e f"]
+    assert counter.unknown(["a b", "c d", "e f"]) == []

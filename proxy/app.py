@@ -28,8 +28,14 @@ from proxy.http.api_keys import make_key_check
 from proxy.http.cors import CorsMirror
 from proxy.http.forwarding import Forwarder, advertised_url
 from proxy.http.handlers import ProxyHandlers
-from proxy.http.middleware import Handler, ProtocolLog, make_middleware, make_preflight
+from proxy.http.middleware import (
+    Handler,
+    ProtocolLog,
+    make_middleware,
+    make_preflight,
+)
 from proxy.http.status import StatusHandlers
+from proxy.http.streaming import STREAMS
 from proxy.metrics import ProxyMetrics
 from proxy.offload import Offload
 from proxy.replicas.shared_state import SharedState
@@ -155,6 +161,7 @@ def create_app(
         },
     )
     app[HANDLERS], app[METRICS], app[SCHEDULER], app[PROBER] = handlers, metrics, scheduler, prober
+    app[STREAMS] = set()
     status = StatusHandlers(
         fleet, metrics, client, [(b.label, b.base_url) for b in settings.backends]
     )
@@ -205,6 +212,9 @@ def create_app(
 
     async def answer_waiters(app: web.Application) -> None:  # before handlers are cancelled
         scheduler.close()
+        streams = app[STREAMS]
+        for stream in list(streams):  # (each ends with an error event, not a cut body)
+            stream.stop()
 
     app.on_shutdown.append(answer_waiters)
     app.cleanup_ctx.append(upstream_ctx)

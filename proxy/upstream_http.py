@@ -395,6 +395,14 @@ class Response:
             else:
                 self.close()
 
+    def abort(self, reason: str) -> None:
+        """End the answer now (the proxy stops): a reader waiting for the body gets
+        ``UpstreamBroken(reason)``, and the connection is closed (the server cancels the task)."""
+        if self._error is None and not self._done:
+            self._error = UpstreamBroken(reason)
+        self._conn._wake()
+        self.close()
+
     def close(self) -> None:
         """Done with the answer, unfinished: its connection is closed."""
         if self._conn.response is self:

@@ -61,6 +61,7 @@ class Ending(StrEnum):
     UPSTREAM_ERROR = "upstream_error"  # the backend failed after the status line said 200
     PROXY_ERROR = "proxy_error"  # the proxy failed relaying an answer whose status line was sent
     CLIENT_GONE = "client_gone"  # the client left first (status 499)
+    SHUTDOWN = "shutdown"  # the proxy stopped while the answer streamed (an error event ends it)
 
 
 @dataclass

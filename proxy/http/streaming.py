@@ -59,7 +59,7 @@ from aiohttp import web
 from proxy.core.prompt.headers import client_response_headers
 from proxy.core.prompt.usage import Reply, SseScanner, Usage, read_body
 from proxy.core.request.anthropic_reply import StreamReply, reply_body, sse_error
-from proxy.errors import BadGateway, ProxyError, sse_error_event
+from proxy.errors import BadGateway, ProxyError, ServiceUnavailable, sse_error_event
 from proxy.http.middleware import RECORD, Ending
 from proxy.upstream import BackendLoading, loading_answer, translate_stream_error
 from proxy.upstream_http import Response, UpstreamBroken
@@ -126,6 +126,13 @@ class _Stream:
         self._request, self._upstream, self._clock = request, upstream, clock
         self._anthropic, self._translator = anthropic, translator
         self._scanner = SseScanner()
+        self.stopped = False
+
+    def stop(self) -> None:
+        """The proxy stops: end the answer now, with an error event saying so (its backend
+        connection is closed, so the server cancels the task)."""
+        self.stopped = True
+        self._upstream.abort("the proxy is shutting down")
 
     async def relay(
         self,
@@ -141,6 +148,8 @@ class _Stream:
         outcome = Outcome(response)
         recorded = False
         await response.prepare(request)
+        live = request.app.get(STREAMS, set())
+        live.add(self)
         try:
             async for chunk in self._upstream.chunks():
                 if outcome.first_byte_at is None:
@@ -161,6 +170,9 @@ class _Stream:
                 if recorded:
                     return _completed(outcome, scanner)  # the client left with its whole reply
                 raise  # the client left: nothing to tell it
+            if self.stopped:  # (``stop``: the proxy is stopping, the backend did not fail)
+                stop = ServiceUnavailable("the proxy is shutting down", code="shutting_down")
+                return await self._failed(outcome, recorded, on_usage, stop, Ending.SHUTDOWN)
             error = translate_stream_error(exc)
             return await self._failed(outcome, recorded, on_usage, error, Ending.UPSTREAM_ERROR)
         except asyncio.CancelledError:
@@ -175,6 +187,8 @@ class _Stream:
                 f"the proxy could not relay the answer (request id {record.request_id})"
             )
             return await self._failed(outcome, recorded, on_usage, error, Ending.PROXY_ERROR)
+        finally:
+            live.discard(self)
         tail = scanner.close()
         if translator is not None:
             tail = translator.end(tail)
@@ -216,6 +230,10 @@ class _Stream:
             await outcome.response.write(event)
             await outcome.response.write_eof()
         return outcome
+
+
+# the answers streaming now: at shutdown each ends with an error event (``_Stream.stop``)
+STREAMS: web.AppKey[set[_Stream]] = web.AppKey("streams")
 
 
 def _completed(outcome: Outcome, scanner: SseScanner) -> Outcome:

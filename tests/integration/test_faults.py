@@ -155,6 +155,44 @@ async def test_requests_waiting_at_shutdown_are_answered_503(fakes: Any) -> None
             await proc.wait()
 
 
+async def test_a_stream_cut_by_shutdown_ends_with_an_error_event(fakes: Any) -> None:
+    """SIGTERM while a reply streams: after the grace period the stream ends with an error
+    event saying the proxy is shutting down, and a proper end of the body (it was cut mid-body,
+    which clients report as a broken connection, and logged as the client having left)."""
+    fake = await fakes(n_slots=1, gen_s_per_token=0.05)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = ["-m", "proxy", "serve", "--backend", fake.url, "--listen", f"127.0.0.1:{port}"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *serve, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def up() -> bool:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(url + "/readyz") as resp:
+                        return resp.status == 200
+                return False
+
+            await until(up, "the proxy is ready", within=30)
+            body = chat("a long story", max_tokens=400, stream=True)
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.content.readline()  # the reply streams
+                proc.send_signal(signal.SIGTERM)
+                rest = (await resp.read()).decode()  # (a cut body raised here)
+        events = [line for line in rest.splitlines() if line.startswith("data: {")]
+        assert json.loads(events[-1][6:])["error"]["code"] == "shutting_down"
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert proc.stderr is not None
+        assert "outcome=shutdown" in (await proc.stderr.read()).decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def test_no_backend_up_answers_503_after_the_wait(proxy: Any) -> None:
     client = await proxy(["http://127.0.0.1:9"], queue={"max_wait_seconds": 0.2})
     resp = await client.post("/v1/chat/completions", json=chat("hi"))

@@ -10,6 +10,8 @@ import logging
 import signal
 import sys
 import time
+from asyncio.subprocess import Process
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -108,13 +110,13 @@ async def test_a_request_that_may_not_wait_takes_the_idle_slot_beside_a_busy_one
     assert fake.violations == []
 
 
-async def test_requests_waiting_at_shutdown_are_answered_503(fakes: Any) -> None:
-    """SIGTERM while one request runs and two wait for the only slot: the two get a 503
-    with ``Retry-After`` (they never reached a backend), the process ends at once, cleanly."""
-    fake = await fakes(n_slots=1, gen_s_per_token=0.05)
+@contextlib.asynccontextmanager
+async def _served(backend: str) -> AsyncIterator[tuple[Process, aiohttp.ClientSession, str]]:
+    """``python -m proxy serve`` in front of ``backend``, once ready: its process (stderr
+    piped), a client session and its URL; killed at the end if it is still running."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    serve = ["-m", "proxy", "serve", "--backend", fake.url, "--listen", f"127.0.0.1:{port}"]
+    serve = ["-m", "proxy", "serve", "--backend", backend, "--listen", f"127.0.0.1:{port}"]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, *serve, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
     )
@@ -127,70 +129,60 @@ async def test_requests_waiting_at_shutdown_are_answered_503(fakes: Any) -> None
                         return resp.status == 200
                 return False
 
-            async def post(text: str) -> tuple[int, Any, dict[str, str]]:
-                body = chat(text, max_tokens=200)
-                async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                    return resp.status, await resp.json(), dict(resp.headers)
-
-            async def two_queued() -> bool:
-                async with session.get(url + "/metrics") as resp:
-                    return metric(await resp.text(), "llama_cache_proxy_requests_queued") == 2
-
             await until(up, "the proxy is ready", within=30)
-            running = asyncio.create_task(post("the first"))
-            await until(lambda: fake.slots[0].busy, "the first request holds the slot")
-            waiting = [asyncio.create_task(post(f"waiter {i}")) for i in range(2)]
-            await until(two_queued, "two requests wait")
-            proc.send_signal(signal.SIGTERM)
-            for task in waiting:
-                status, body, headers = await task
-                assert status == 503
-                assert body["error"]["code"] == "shutting_down"
-                assert "Retry-After" in headers
-            await asyncio.gather(running, return_exceptions=True)  # cut off, as at any stop
-        assert await asyncio.wait_for(proc.wait(), 10) == 0
+            yield proc, session, url
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
 
 
-async def test_a_stream_cut_by_shutdown_ends_with_an_error_event(fakes: Any) -> None:
-    """SIGTERM while a reply streams: after the grace period the stream ends with an error
-    event saying the proxy is shutting down, and a proper end of the body (it was cut mid-body,
-    which clients report as a broken connection, and logged as the client having left)."""
+async def test_requests_waiting_at_shutdown_are_answered_503(fakes: Any) -> None:
+    """SIGTERM while one request runs and two wait for the only slot: the two get a 503
+    with ``Retry-After`` (they never reached a backend), the process ends at once, cleanly."""
     fake = await fakes(n_slots=1, gen_s_per_token=0.05)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    serve = ["-m", "proxy", "serve", "--backend", fake.url, "--listen", f"127.0.0.1:{port}"]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, *serve, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
-    )
-    try:
-        async with aiohttp.ClientSession() as session:
+    async with _served(fake.url) as (proc, session, url):
 
-            async def up() -> bool:
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(url + "/readyz") as resp:
-                        return resp.status == 200
-                return False
-
-            await until(up, "the proxy is ready", within=30)
-            body = chat("a long story", max_tokens=400, stream=True)
+        async def post(text: str) -> tuple[int, Any, dict[str, str]]:
+            body = chat(text, max_tokens=200)
             async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                assert resp.status == 200
-                await resp.content.readline()  # the reply streams
-                proc.send_signal(signal.SIGTERM)
-                rest = (await resp.read()).decode()  # (a cut body raised here)
+                return resp.status, await resp.json(), dict(resp.headers)
+
+        async def two_queued() -> bool:
+            async with session.get(url + "/metrics") as resp:
+                return metric(await resp.text(), "llama_cache_proxy_requests_queued") == 2
+
+        running = asyncio.create_task(post("the first"))
+        await until(lambda: fake.slots[0].busy, "the first request holds the slot")
+        waiting = [asyncio.create_task(post(f"waiter {i}")) for i in range(2)]
+        await until(two_queued, "two requests wait")
+        proc.send_signal(signal.SIGTERM)
+        for task in waiting:
+            status, body, headers = await task
+            assert status == 503
+            assert body["error"]["code"] == "shutting_down"
+            assert "Retry-After" in headers
+        await asyncio.gather(running, return_exceptions=True)  # cut off, as at any stop
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_a_stream_cut_by_shutdown_ends_with_an_error_event(fakes: Any) -> None:
+    """SIGTERM while a reply streams: the stream ends at once with an error event saying the
+    proxy is shutting down, and a proper end of the body (it was cut mid-body after the grace
+    period, which clients report as a broken connection, and logged as the client gone)."""
+    fake = await fakes(n_slots=1, gen_s_per_token=0.05)
+    async with _served(fake.url) as (proc, session, url):
+        body = chat("a long story", max_tokens=400, stream=True)
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.content.readline()  # the reply streams
+            proc.send_signal(signal.SIGTERM)
+            rest = (await resp.read()).decode()  # (a cut body raised here)
         events = [line for line in rest.splitlines() if line.startswith("data: {")]
         assert json.loads(events[-1][6:])["error"]["code"] == "shutting_down"
         assert await asyncio.wait_for(proc.wait(), 10) == 0
         assert proc.stderr is not None
         assert "outcome=shutdown" in (await proc.stderr.read()).decode()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_no_backend_up_answers_503_after_the_wait(proxy: Any) -> None:

@@ -129,3 +129,9 @@ async def test_a_stream_starts_with_the_prompts_size_and_no_messages_is_served(
     assert status == 200, via
     assert json.loads(via)["type"] == "message"
     assert total(json.loads(via)["usage"]) == total(json.loads(direct)["usage"])
+    text = {**empty, "messages": "hi"}  # not an array: the server converts it to no message
+    status, direct = await post(server.url + "/v1/messages", text)
+    assert status == 200, direct
+    status, via = await post(str(client.make_url("/v1/messages")), text)
+    assert status == 200, via
+    assert total(json.loads(via)["usage"]) == total(json.loads(direct)["usage"])

@@ -146,14 +146,12 @@ def test_images_and_thinking_settings() -> None:
     "body",
     [
         {},
-        {"messages": "hi"},
         {"messages": ["hi"]},
         {"messages": [{"role": "user", "content": [1]}]},
         {"messages": [], "system": 3},
     ],
     ids=[
         "no-messages",
-        "messages-not-array",
         "message-not-object",
         "block-not-object",
         "system-number",
@@ -339,6 +337,11 @@ def test_empty_messages_are_served_as_the_server_serves_them() -> None:
     """Both render the generation prompt alone (b11434 answers an empty chat 200)."""
     empty = json.dumps({"model": "m", "max_tokens": 5, "messages": []}).encode()
     assert parse_for(ROUTES["/v1/messages"], empty).data["messages"] == []
+    # ``messages`` that is not an array converts to none on /v1/messages, as the server's
+    text = json.dumps({"model": "m", "max_tokens": 5, "messages": "hi", "system": "s"}).encode()
+    assert parse_for(ROUTES["/v1/messages"], text).data["messages"] == [
+        {"role": "system", "content": "s"}
+    ]
     assert parse_for(ROUTES["/v1/chat/completions"], empty).data["messages"] == []
 
 

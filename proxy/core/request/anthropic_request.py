@@ -24,8 +24,9 @@ server's:
   prompt's counts (``prompt_n``, ``cache_n``), so ``message_start`` can report them as the
   server's own does (``core.request.anthropic_reply``); the client never sees the chunks.
 
-Every other field is dropped, as the server drops it. Shapes the server would choke on
-(no ``messages``, a message or block that is not an object) are a 400 here.
+Every other field is dropped, as the server drops it. ``messages`` that is not an array
+converts to no message, as the server converts it. Shapes the server would choke on (no
+``messages``, a message or block that is not an object) are a 400 here.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest("'messages' is required", param="messages")
     messages = body["messages"]
     if not isinstance(messages, list):
-        raise type_error("messages", "an array")
+        messages = []  # (as the server converts it: no message, not an error)
     out: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:

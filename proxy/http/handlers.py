@@ -132,7 +132,8 @@ class ProxyHandlers:
             pin = placement.pin if self._settings.routing.pin_slots or plan is None else None
             try:
                 await self._prepare(plan, placement, parsed)
-                work = partial(pin_body, parsed.data, pin, self._may_reuse(plan, placement, pin))
+                reuse = self._may_reuse(plan, placement, pin)
+                work = partial(pin_body, parsed.data, pin, reuse, parsed.source)
                 body = await self._offload.run(len(raw), work)
             except BaseException:
                 # disk-tier work may have reached the slot: drain it, let the lease expire

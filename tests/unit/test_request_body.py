@@ -75,6 +75,28 @@ def test_pin_body_sets_only_owned_fields() -> None:
     assert data["id_slot"] == 9  # the client's dict is not modified
 
 
+def test_the_clients_bytes_go_as_they_came_with_the_two_fields_after_them() -> None:
+    """No re-encoding: number spellings, key order and spacing are the client's (and a large
+    body is not encoded again); a body that names either field, or the proxy's own
+    ``prefix_cache``, is written anew."""
+    raw = rb'{"prompt": "x", "temperature": 1e-7, "z": "\u00e9"}' + b"  \n"
+    parsed = parse_body(raw, chat=False)
+    forwarded = pin_body(parsed.data, 3, True, parsed.source)
+    assert (
+        forwarded
+        == rb'{"prompt": "x", "temperature": 1e-7, "z": "\u00e9","id_slot":3,"cache_prompt":true}'
+    )
+    assert json.loads(forwarded) == {**parsed.data, "id_slot": 3, "cache_prompt": True}
+    empty = parse_body(b"{}", chat=False)
+    assert pin_body(empty.data, None, False, empty.source) == b'{"cache_prompt":false}'
+    for named in (b'{"prompt": "x", "id_slot": 1}', b'{"prompt": "x", "cache_prompt": false}'):
+        parsed = parse_body(named, chat=False)
+        assert json.loads(pin_body(parsed.data, 0, True, parsed.source))["id_slot"] == 0
+    scoped = parse_body(b'{"prompt": "x", "prefix_cache": {"scope": "off"}}', chat=False)
+    assert scoped.source is None
+    assert b"prefix_cache" not in pin_body(scoped.data, 0, True, scoped.source)
+
+
 def test_a_clients_cache_prompt_false_is_kept() -> None:
     """A run that reuses nothing (reused KV may not reproduce it bit for bit)."""
     data = {"prompt": "x", "cache_prompt": False}

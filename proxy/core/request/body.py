@@ -45,6 +45,7 @@ class ParsedBody:
     client_id_slot: int | None
     prefix_cache: Scope | None = None  # per-request disk scope (stripped from ``data``)
     tasks: int = 1  # server tasks the body makes: a batch ``prompt`` makes one per element
+    source: bytes | None = None  # the bytes ``data`` was read from, when it holds all of them
 
 
 def type_error(field: str, expected: str) -> InvalidRequest:
@@ -157,6 +158,7 @@ def parse_body(raw: bytes, *, chat: bool, batches: bool = False) -> ParsedBody:
     completions = count(data.get(field))
     if completions is not None and completions < 1:
         raise InvalidRequest(f"'{field}' must be at least 1", param=field, code="invalid_value")
+    stripped = "prefix_cache" in data  # (the proxy's own field: not forwarded)
     return ParsedBody(
         data=data,
         stream=bool(data.get("stream") or False),
@@ -164,6 +166,7 @@ def parse_body(raw: bytes, *, chat: bool, batches: bool = False) -> ParsedBody:
         client_id_slot=count(data.get("id_slot")),
         prefix_cache=_prefix_cache(data.pop("prefix_cache", None)),
         tasks=batch_size(data.get("prompt")) if batches else 1,
+        source=None if stripped else raw,
     )
 
 
@@ -209,14 +212,25 @@ def is_chat(body: dict[str, Any]) -> bool:
     return "messages" in body or "input" in body
 
 
-def pin_body(data: dict[str, Any], slot: int | None, reuse: bool = True) -> bytes:
+def pin_body(
+    data: dict[str, Any], slot: int | None, reuse: bool = True, source: bytes | None = None
+) -> bytes:
     """The forwarded body: the client's, with ``id_slot`` and ``cache_prompt`` set by us.
 
     ``slot=None`` (the server picks, e.g. ``n>1``) removes any client ``id_slot``;
     ``reuse=False`` (cache isolation) makes the server compute the prompt from scratch, as
     does a client's own ``cache_prompt: false`` (kept: it asks for a run that reuses
-    nothing, which reused KV may not reproduce bit for bit).
+    nothing, which reused KV may not reproduce bit for bit). With ``source`` (the bytes
+    ``data`` was read from, all of it) and neither field in it, the two are written after the
+    client's own bytes, which go as they came (no re-encoding: the number spellings the
+    client chose, and a large body's encoding time, are kept).
     """
+    if source is not None and "id_slot" not in data and "cache_prompt" not in data:
+        end = source.rstrip()
+        if end.endswith(b"}"):
+            pin = f'"id_slot":{slot},' if slot is not None else ""
+            fields = f'{"," if data else ""}{pin}"cache_prompt":{"true" if reuse else "false"}}}'
+            return end[:-1] + fields.encode()
     out = dict(data)
     out.pop("id_slot", None)
     if slot is not None:

@@ -194,6 +194,7 @@ def create_app(
                 tasks.append(asyncio.create_task(disk.index.maintain(disk.directories(), every)))
             if shared.enabled:
                 await shared.refresh()
+                await shared.heartbeat()  # (a replica never listed pins nothing in an outage)
                 tasks.append(asyncio.create_task(shared.maintain(scheduler.wake)))
             yield
             shared.stopped = True

@@ -357,6 +357,22 @@ def test_another_replicas_newer_record_dates_the_slots_last_use() -> None:
     assert slot.last_used == 49.5  # an older record changes nothing
 
 
+def test_another_replicas_record_shorter_than_a_parked_entry_is_folded_in() -> None:
+    """A RAM entry of more segments than another replica's new record for a slot: whether
+    the record loaded it is asked of entries it contains only (every such fold raised an
+    IndexError, and the replica's maintenance rounds and requests that read the view failed)."""
+    long, short = (
+        fingerprint_chat({"messages": [{"role": "user", "content": f"{w} " * 30}] * n}, len)
+        for w, n in (("x", 6), ("y", 1))
+    )
+    fleet = ready_fleet(1)
+    backend = fleet.backends[0]
+    backend.slots[0].content, backend.slots[0].record_at = long, 900.0
+    backend.ram_entries = [RamEntry(long, 1.0, long.total)]
+    fleet.fold_shared(0, set(), {0: (short, 30, 1000.0)}, now=5.0, wall=1000.0)
+    assert backend.slots[0].content == short
+
+
 def test_another_replicas_tasks_change_the_ram_cache_as_ours_do() -> None:
     """Another replica starts a task on slot 1: the server saves idle slot 0 to RAM. Its
     record then shows slot 1 holding an unrelated prompt: what slot 1 held was parked."""

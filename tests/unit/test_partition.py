@@ -77,3 +77,26 @@ def test_a_fence_acts_at_once_and_is_reported_once_it_has_stood_a_heartbeat_ttl(
     peers.beat(["a", "b"], set(), now=13.0)
     assert not peers.fences
     assert not peers.reported
+
+
+def test_a_replica_that_never_reached_the_store_pins_nothing_in_an_outage() -> None:
+    """Started while the store is down, it knows no peer, but its peers may be pinning their
+    parts of a split it is not in: every slot it would pin could be theirs."""
+    peers = Peers("new", hold=30.0)
+    assert peers.may_claim(("b0", 0), 0, [2], now=100.0) is False
+    peers.beat([], [], now=100.0)  # it reached the store once, alone
+    assert peers.may_claim(("b0", 0), 0, [2], now=101.0) is True
+
+
+def test_a_lease_standing_in_the_store_keeps_only_a_slot_of_this_replicas_part() -> None:
+    """The store went down while replica a leased slot 1, which is b's part of the split: in
+    a full outage b cannot see that lease and pins its part, so a does not pin it on the
+    strength of the lease (both pinned it before); its own part's leased slot it still does."""
+    peers = Peers("a", hold=30.0)
+    peers.beat(["a", "b"], [], now=0.0)
+    peers.went_down([("b0", 0), ("b0", 1)], now=1.0)
+    assert peers.owns(0, 0, [2])
+    assert not peers.owns(0, 1, [2])
+    assert peers.may_claim(("b0", 0), 0, [2], now=1.5) is True  # its part, leased
+    assert peers.may_claim(("b0", 1), 0, [2], now=1.5) is None  # b's part: not before claims
+    assert peers.may_claim(("b0", 1), 0, [2], now=5.0) is False  # nor after

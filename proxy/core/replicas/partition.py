@@ -12,7 +12,9 @@ down, replicas that knew each other split the fleet instead of sharing it:
   (``position = slots of the backends before it + slot id``); slot ``position`` belongs to
   the replica ranked ``position mod n`` among the ``n`` sorted replica ids. With 2 replicas
   on 2 backends x 2 slots, each gets one slot of each backend, so both keep every backend;
-- a replica that knew no other one (or none yet) keeps every slot, as on the embedded store.
+- a replica that knew no other one keeps every slot, as on the embedded store; one whose
+  heartbeat never reached the store (it started while the store was down) pins none: its
+  peers may be pinning their parts of a split it is not in.
 
 Every replica computes the same split from the same list, so the parts are disjoint.
 
@@ -27,11 +29,13 @@ before its next heartbeat), or until a live replica advertises the URL it advert
 and the vanished one is dead — a compose container or a service restarted in place gets its
 address back). The replica that lost the store claims its part only once its
 peers must have read its heartbeat lapse (``Peers.claim_from``: ``HEARTBEAT_TTL`` +
-``FENCE_MARGIN`` after its last heartbeat); until then it pins only slots whose leases it
-held as the store went away (``Peers.went_down``: they stand in the store, so peers keep off
-them, until they expire). A replica whose own store goes down later keeps off fenced parts
-too. A partial outage longer than ``hold`` (or a crashed replica's part after it) is shared
-again, seen busy only through ``/slots``; replicas whose last lists differ split differently.
+``FENCE_MARGIN`` after its last heartbeat); until then it pins only slots of its part whose
+leases it held as the store went away (``Peers.went_down``: they stand in the store, so peers
+keep off them, until they expire; a leased slot of another's part is not pinned, since in a
+full outage its owner cannot see the lease). A replica whose own store goes down later keeps
+off fenced parts too. A partial outage longer than ``hold`` (or a crashed replica's part after
+it) is shared again, seen busy only through ``/slots``; replicas whose last lists differ split
+differently.
 
 A replica whose peers may not know it yet pins nothing on local claims. A heartbeat writes
 an entry and reads the list in one step, so a peer's entry tells when it last read the list
@@ -152,10 +156,13 @@ class Peers:
         self, ref: Ref, index: int, slot_counts: Sequence[int], now: float
     ) -> bool | None:
         """Whether the store being down this replica may pin slot ``ref`` (of backend
-        ``index``): one whose lease still stands, or one of its part once its peers must have
-        fenced it; None: not yet (until ``claim_from``)."""
-        if now < self.stale.get(ref, float("-inf")):
-            return True
+        ``index``): one of its part whose lease still stands, or any of its part once its
+        peers must have fenced it; None: not yet (until ``claim_from``). None at all before
+        its first heartbeat reached the store: it cannot know which slots its peers pin."""
+        if self.beat_at == float("-inf"):
+            return False  # never reached the store: which slots its peers pin is not known
+        if now < self.stale.get(ref, float("-inf")) and self.owns(index, ref[1], slot_counts):
+            return True  # (another's part: in a full outage its owner cannot see the lease)
         if self.unknown_to:  # a peer split the fleet without this replica
             return False
         if now < self.claim_from():

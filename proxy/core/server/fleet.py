@@ -376,9 +376,9 @@ def _loaded(backend: BackendState, old: Fingerprint | None, new: Fingerprint) ->
     if old is None:
         return False  # (an empty slot parks nothing)
     shared = new.tokens_at(common_segments(old.hashes, new.hashes))
-    return any(
-        new.tokens_at(len(e.content.hashes)) - shared > ram_cache.PRIMER_TOKENS
-        and ram_cache.contains(new, e.content)
+    return any(  # (contained first: a longer entry has no token count in ``new``)
+        ram_cache.contains(new, e.content)
+        and new.tokens_at(len(e.content.hashes)) - shared > ram_cache.PRIMER_TOKENS
         for e in backend.ram_entries
     )
 

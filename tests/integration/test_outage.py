@@ -242,21 +242,28 @@ async def test_a_replica_restarted_at_its_address_lifts_the_fence_on_its_predece
 
 
 async def test_a_lease_held_as_the_store_went_down_keeps_its_slot_until_it_expires() -> None:
-    """The store goes away while A runs a request under a lease. The lease stands in the
-    store, so peers keep off that slot until it expires: A runs its next request there at
-    once (claims of its part wait until its peers must have fenced it), even when the slot
-    is not of its part; after that only its part."""
+    """The store goes away while A runs requests under leases on both slots. A lease stands
+    in the store, so peers keep off that slot until it expires: A runs its next request on
+    the slot of its part at once (other claims of its part wait until its peers must have
+    fenced it). The slot of another's part it leaves, lease or not: in a full outage that
+    replica cannot see the lease and pins its part (both pinned it before)."""
     store, now = Breakable(), [100.0]
     a, b = replica(store, now), replica(store, now)
     for r in (a, b, a):
         await r.heartbeat()
-    theirs = next(s for s in range(2) if not a.peers.owns(0, s, [2]))
+    mine = next(s for s in range(2) if a.peers.owns(0, s, [2]))
+    theirs = 1 - mine
+    assert await took(a, mine)
     assert await took(a, theirs)
     store.down = True
-    await a.give_back(Placement(0, (theirs,), theirs))  # the release fails: an outage
-    assert await took(a, theirs)  # no wait: its lease stands
-    await a.give_back(Placement(0, (theirs,), theirs))
-    now[0] += 30.0 - STALE_MARGIN  # lease_ttl_seconds
+    for slot in (mine, theirs):
+        await a.give_back(Placement(0, (slot,), slot))  # the release fails: an outage
+    assert await took(a, mine)  # no wait: its lease stands
+    await a.give_back(Placement(0, (mine,), mine))
+    now[0] += 2.0  # past the claims' start (its peers have fenced its part)
+    assert not await took(a, theirs)
+    now[0] += 30.0 - STALE_MARGIN  # lease_ttl_seconds: the lease has expired
+    assert await took(a, mine)  # its part
     assert not await took(a, theirs)
 
 

@@ -28,12 +28,7 @@ from proxy.http.api_keys import make_key_check
 from proxy.http.cors import CorsMirror
 from proxy.http.forwarding import Forwarder, advertised_url
 from proxy.http.handlers import ProxyHandlers
-from proxy.http.middleware import (
-    Handler,
-    ProtocolLog,
-    make_middleware,
-    make_preflight,
-)
+from proxy.http.middleware import Handler, ProtocolLog, make_middleware, make_preflight
 from proxy.http.status import StatusHandlers
 from proxy.http.streaming import STREAMS
 from proxy.metrics import ProxyMetrics

@@ -1,7 +1,9 @@
 """Every metric name and label in one place, on a registry the composition root owns.
 
 Hit rate (token-weighted) = rate(cached_tokens_total) / rate(prompt_tokens_total), from each
-backend response's ``timings`` (``cache_n`` and ``prompt_n + cache_n``). Labels are bounded:
+backend response's ``timings`` (``cache_n`` and ``prompt_n + cache_n``), less the tokens a
+disk-tier warm-up computed for the request (they reached the KV by a prefill, not from a cache;
+its prefill seconds count too). Labels are bounded:
 endpoint (the fixed route table), status, backend label, cache outcome, error kind, slot
 phase, decision reason, prediction outcome, cache_key outcome, state-store operation, disk
 event and refusal reason.
@@ -223,7 +225,10 @@ class ProxyMetrics:
             "prompt_tokens", "Prompt tokens of completed requests", ["backend"]
         )
         self.cached_tokens = counter(
-            "cached_tokens", "Prompt tokens served from a slot's KV cache", ["backend"]
+            "cached_tokens",
+            "Prompt tokens served from a slot's KV cache (not the ones a disk-tier warm-up"
+            " computed for the request)",
+            ["backend"],
         )
         self.prefill_seconds = counter(
             "prefill_seconds",
@@ -292,16 +297,20 @@ class ProxyMetrics:
                 for cache in TTFT_CACHE:
                     self.ttft.labels(path, cache)
 
-    def response(self, path: str, label: str, ttft: float | None, usage: Usage | None) -> None:
-        """A backend response's time to first byte and usage (cache hit: half the prompt)."""
+    def response(
+        self, path: str, label: str, ttft: float | None, usage: Usage | None, warmed: int = 0
+    ) -> None:
+        """A backend response's time to first byte and usage (cache hit: half the prompt);
+        ``warmed``: of its cached tokens, those a disk-tier warm-up computed for it."""
+        cached = 0 if usage is None else max(0, usage.cached_tokens - warmed)
         if ttft is not None:
             cache = "unknown"
             if usage is not None and usage.prompt_tokens > 0:
-                cache = "hit" if usage.cached_tokens * 2 >= usage.prompt_tokens else "miss"
+                cache = "hit" if cached * 2 >= usage.prompt_tokens else "miss"
             self.ttft.labels(path, cache).observe(ttft)
         if usage is None:
             return
         if usage.prompt_ms is not None:
             self.prefill_seconds.labels(label).inc(usage.prompt_ms / 1000)
         self.prompt_tokens.labels(label).inc(usage.prompt_tokens)
-        self.cached_tokens.labels(label).inc(usage.cached_tokens)
+        self.cached_tokens.labels(label).inc(cached)

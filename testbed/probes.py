@@ -1,9 +1,10 @@
 """Readings of a running proxy: a metric from its ``/metrics`` text, its ``Server-Timing``
-header, and a wait until its replicas have listed each other."""
+header, and a wait until its replicas have listed each other; and a llama-server's metric."""
 
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 import aiohttp
 
@@ -35,6 +36,12 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def server_metric(url: str, name: str) -> float:
+    """A metric of the llama-server at ``url`` (started with ``--metrics``), read now."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        return metric(resp.read().decode(), name)
 
 
 def server_timing(header: str) -> dict[str, float]:

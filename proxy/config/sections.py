@@ -100,7 +100,11 @@ class QueueSettings(_Frozen):
     """Requests wait here when every slot is busy."""
 
     max_waiting: int = Field(default=256, ge=0, description="queued requests before 503")
-    max_wait_seconds: float = Field(default=30.0, gt=0, description="wait before 503")
+    # as long as a backend may stay silent (``timeouts.read_seconds``): llama-server queues a
+    # request for a slot without a bound, and a client that waits for it directly would not
+    # get a 503 sooner (a shorter bound answers 503 to a turn the server would have run, and a
+    # client that retries it may send it changed)
+    max_wait_seconds: float = Field(default=600.0, gt=0, description="wait before 503")
     retry_after_seconds: int = Field(default=2, ge=1, description="Retry-After on a 503")
 
 

@@ -40,6 +40,7 @@ class DiskPlan:
     saved: dict[int, Snapshot] = field(default_factory=dict)  # chain -> written here
     restored: Snapshot | None = None
     restored_tokens: int = 0  # of the restored tokens, those the request should reuse
+    warmed: int = 0  # prompt tokens a warm-up computed for the request (scoped save)
     tenant: str | None = None  # writes to slots are this tenant's (cache isolation)
     client: str = ANONYMOUS  # whose write cap its saves count against
 

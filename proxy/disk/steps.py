@@ -301,6 +301,7 @@ class DiskSteps:
                 )
                 answer = await self._client.warm(url, ids, slot_id, reuse, body.get("lora"))
                 timings = answer.get("timings") or {}
+                self._warmed(dp, index, timings)
                 await self._tier.judge_restore(dp, int(timings.get("cache_n", 0)), len(ids))
                 slot.content, slot.n_tokens = prefix_of(fp, k), len(ids)
                 slot.owner = dp.tenant
@@ -309,6 +310,15 @@ class DiskSteps:
         except SlotActionFailed as exc:
             log.warning("[disk-cache] scoped save skipped: %s", exc)
             self._unsupported(index, exc)
+
+    def _warmed(self, dp: DiskPlan, index: int, timings: dict[str, Any]) -> None:
+        """The warm-up's prefill is the request's: the tokens it computed are no cache hit of
+        the request's, and its seconds are prefill seconds (``metrics``)."""
+        computed, ms = timings.get("prompt_n"), timings.get("prompt_ms")
+        dp.warmed += computed if isinstance(computed, int) and computed > 0 else 0
+        if isinstance(ms, int | float) and ms > 0:
+            label = self._tier.fleet.backends[index].label
+            self._metrics.prefill_seconds.labels(label).inc(ms / 1000)
 
     def _snapshot(
         self,

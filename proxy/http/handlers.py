@@ -280,7 +280,7 @@ class ProxyHandlers:
                     upstream,
                     self._route_headers(request, plan),
                     self._clock,
-                    lambda done: self._record(index, done, request),
+                    lambda done: self._record(index, done, request, plan),
                     before_eof,
                     anthropic=via is not None,
                     tasks=tasks,
@@ -346,10 +346,13 @@ class ProxyHandlers:
         replica = self._shared.token if self._shared.enabled else None  # (``core.replicas.homes``)
         return request[RECORD].route_headers(self._settings.routing, planned, replica)
 
-    def _record(self, index: int, outcome: Outcome, request: web.Request) -> None:
+    def _record(
+        self, index: int, outcome: Outcome, request: web.Request, plan: Plan | None
+    ) -> None:
         record = request[RECORD]
         first = outcome.first_byte_at
         ttft = None if first is None else first - record.started
         label = self._settings.backends[index].label
-        self._metrics.response(request.path, label, ttft, outcome.usage)
+        warmed = plan.disk.warmed if plan is not None and plan.disk is not None else 0
+        self._metrics.response(request.path, label, ttft, outcome.usage, warmed)
         record.counted(outcome.usage)

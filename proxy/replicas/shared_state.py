@@ -257,7 +257,7 @@ class SharedState:
             }
             if self.peers.fences:  # (rare: a peer's heartbeat lapsed)
                 leased |= {s.id for s in backend.slots if self._fenced(backend.index, s.id)}
-            self._fleet.fold_shared(backend.index, leased, mine, now, wall)
+            self._fleet.fold_shared(backend.index, leased, mine, now, wall, self._lease_ttl)
 
     async def forget_backend(self, index: int) -> None:
         backend = self._fleet.backends[index]

@@ -70,6 +70,10 @@ async def test_auto_scope_saves_the_shared_prefix_once_and_restores_it_after_res
     # the warm-up prefilled the system prompt; the real request reused it: each token once
     prompt = (await second.json())["usage"]["prompt_tokens"]
     assert fake.tokens_processed - before == prompt
+    # and the hit rate counts the tokens the warm-up computed as computed, not as cached
+    text = await (await client.get("/metrics")).text()
+    cached = metric(text, "llama_cache_proxy_cached_tokens_total")
+    assert metric(text, "llama_cache_proxy_prompt_tokens_total") - cached == fake.tokens_processed
 
     fake = await restart(fakes, fake, client, n_slots=2, save_dir=tmp_path)
     third = await client.post("/v1/chat/completions", json=turn(2, 1))

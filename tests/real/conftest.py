@@ -60,14 +60,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.real)
 
 
-@pytest.fixture
-def fake_processes() -> Iterator[list[str]]:
-    """Two fake llama-servers (4 slots, 5 ms per token) as processes; their URLs."""
+def _fake_processes(gen_ms: int) -> Iterator[list[str]]:
     procs, urls = [], []
     for _ in range(2):
         port = free_port()
         args = fake_command(port, 4)
-        proc = subprocess.Popen([*args, "--gen-ms", "5", "--ctx", "200000"])
+        proc = subprocess.Popen([*args, "--gen-ms", str(gen_ms), "--ctx", "200000"])
         procs.append(proc)
         urls.append(f"http://127.0.0.1:{port}")
         wait_http(urls[-1] + "/health", 30, proc)
@@ -75,6 +73,18 @@ def fake_processes() -> Iterator[list[str]]:
     for proc in procs:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture
+def fake_processes() -> Iterator[list[str]]:
+    """Two fake llama-servers (4 slots, 5 ms per token) as processes; their URLs."""
+    yield from _fake_processes(5)
+
+
+@pytest.fixture
+def slow_fake_processes() -> Iterator[list[str]]:
+    """The same at 60 ms per token: a reply of the fakes' longest (256 tokens) takes 15 s."""
+    yield from _fake_processes(60)
 
 
 @pytest.fixture

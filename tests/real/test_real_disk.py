@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from proxy.app import PROBER
-from testbed.probes import metric
+from testbed.probes import metric, server_metric
 from testbed.stack import LlamaServer, gemma3_model
 from tests.waiting import once_placed, until_down
 
@@ -40,11 +40,6 @@ def direct(server: LlamaServer, body: dict[str, Any]) -> dict[str, Any]:
     with urllib.request.urlopen(request, timeout=120) as resp:
         answer: dict[str, Any] = json.loads(resp.read())
         return answer
-
-
-def server_metric(server: LlamaServer, name: str) -> float:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
-        return metric(resp.read().decode(), name)
 
 
 def disk(server: LlamaServer, **over: Any) -> dict[str, Any]:
@@ -80,16 +75,21 @@ async def test_scoped_save_no_double_prefill_then_restore_after_restart_is_ident
 ) -> None:
     server = llama_servers(slots=2)
     cold = direct(server, {**turn(2), "cache_prompt": False})  # the reference: a cold run
+    start = server_metric(server.url, "llamacpp:prompt_tokens_total")
     client = await proxy([server], disk=disk(server), health={"interval_seconds": 0.2})
     await post(client, turn(0))  # the window learns the agent's prompt shape
-    processed = server_metric(server, "llamacpp:prompt_tokens_total")
+    processed = server_metric(server.url, "llamacpp:prompt_tokens_total")
     second, _ = await post(client, turn(1))  # auto:30 selects the system prompt: saved
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_disk_saves_total", kind="scoped") == 1
     # no double prefill: warm-up + request processed each prompt token at most once
-    extra = server_metric(server, "llamacpp:prompt_tokens_total") - processed
+    extra = server_metric(server.url, "llamacpp:prompt_tokens_total") - processed
     assert extra <= second["usage"]["prompt_tokens"] - second["timings"]["cache_n"] + 1
     assert second["timings"]["cache_n"] >= 300  # the request reused the warmed prefix
+    # the proxy's hit rate counts as computed every token the server computed, warm-up too
+    computed = metric(page, "llama_cache_proxy_prompt_tokens_total")
+    computed -= metric(page, "llama_cache_proxy_cached_tokens_total")
+    assert computed == server_metric(server.url, "llamacpp:prompt_tokens_total") - start
 
     await settle(client, server)  # a restart: every slot is empty, the file is on disk
     third, headers = await post(client, turn(2))
@@ -217,7 +217,7 @@ async def test_sessions_arriving_together_save_the_shared_prefix_once(
         [server], disk=disk(server), health={"interval_seconds": 0.2}, routing=patient
     )
     await post(client, turn(0))  # the window learns the agent's prompt shape
-    processed = server_metric(server, "llamacpp:prompt_tokens_total")
+    processed = server_metric(server.url, "llamacpp:prompt_tokens_total")
     answers = await asyncio.gather(post(client, turn(1)), post(client, turn(2)))
     page = await (await client.get("/metrics")).text()
     assert metric(page, "llama_cache_proxy_disk_saves_total", kind="scoped") == 1
@@ -225,7 +225,7 @@ async def test_sessions_arriving_together_save_the_shared_prefix_once(
     assert metric(page, "llama_cache_proxy_disk_events_total", event="hit") == 1
     assert {h["X-Cache-Slot"] for _, h in answers} == {"1", "2"}
     # the system prompt was computed once more, for the save; each request then its tail
-    extra = server_metric(server, "llamacpp:prompt_tokens_total") - processed
+    extra = server_metric(server.url, "llamacpp:prompt_tokens_total") - processed
     tails = sum(a["usage"]["prompt_tokens"] - a["timings"]["cache_n"] for a, _ in answers)
     saved = min(a["timings"]["cache_n"] for a, _ in answers)
     assert saved > 300

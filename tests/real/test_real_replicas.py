@@ -5,6 +5,7 @@ record of busy-slot pins can be read back)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from functools import partial
 from typing import Any
 
@@ -78,6 +79,57 @@ async def test_replicas_never_pin_a_slot_twice_and_dead_leases_expire(
     finally:
         for proxy in proxies:
             proxy.stop()
+
+
+async def test_a_frozen_replicas_expired_lease_frees_no_slot_still_running(
+    slow_fake_processes: list[str], redis_server: Any
+) -> None:
+    """A replica freezes (SIGSTOP) while its requests run: their connections stay open, so the
+    servers keep generating past the leases' expiry and the fence of its part. The other
+    replica pins none of those slots until a ``/slots`` read shows it idle (the fakes record
+    every pin of a busy slot), and serves its own requests once they are."""
+    env = {"LLAMA_CACHE_PROXY_ROUTING__LEASE_TTL_SECONDS": TTL}
+    fakes = slow_fake_processes
+    a, b = (ProxyProcess(fakes, redis_url=redis_server.url, env=env) for _ in "ab")
+    a.start()
+    b.start()
+    try:
+        for proxy in (a, b):
+            wait_http(proxy.url + "/readyz", 30, proxy.proc)
+        await until_listed([a.url, b.url])
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            # 8 generations of 15 s on the 8 slots, through replica a
+            url = a.url + "/v1/chat/completions"
+            long = {"max_tokens": 256}
+            held = [
+                asyncio.create_task(session.post(url, json={**body(3000 + i), **long}))
+                for i in range(8)
+            ]
+            store = redis.Redis.from_url(redis_server.url)
+
+            def leases() -> set[bytes | str]:  # the replicas holding leases
+                return {o for o in map(store.get, store.keys("llp:v1:lease:*")) if o is not None}
+
+            await until(lambda: len(store.keys("llp:v1:lease:*")) >= 4, "the requests run", 10)
+            owners = leases()  # a's, and b's for requests a relayed to it
+            assert a.proc is not None
+            a.proc.send_signal(signal.SIGSTOP)
+            await until(lambda: not owners <= leases(), "the frozen replica's leases expire", 10)
+            served = (stream(session, b.url, 4000 + i, 2) for i in range(8))
+            statuses = await asyncio.gather(*served)
+            assert statuses == [200] * 8
+            for url in fakes:
+                async with session.get(url + "/debug/violations") as resp:
+                    assert (await resp.json())["violations"] == []
+            for task in held:
+                task.cancel()
+            store.close()
+    finally:
+        if a.proc is not None:
+            a.proc.send_signal(signal.SIGCONT)
+        a.stop(kill=True)
+        b.stop()
 
 
 async def settled(client: Any, server: Any) -> bool:

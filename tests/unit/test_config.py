@@ -339,3 +339,10 @@ def test_cache_key_sources_from_the_environment(value: str) -> None:
     env = {"LLAMA_CACHE_PROXY_ROUTING__CACHE_KEY_SOURCES": value}
     settings = load_settings(cli={"backends": ["http://b:8080"]}, environ=env)
     assert settings.routing.cache_key_sources == ("prompt_cache_key", "header:x-session-id")
+
+
+def test_a_request_waits_for_a_slot_as_long_as_a_backend_may_stay_silent() -> None:
+    """llama-server queues without a bound: a client's wait ends no sooner through the proxy
+    than the read timeout would end it directly."""
+    settings = Settings(backends=["http://b:8080"])
+    assert settings.queue.max_wait_seconds == settings.timeouts.read_seconds

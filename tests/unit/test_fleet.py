@@ -591,3 +591,43 @@ def test_another_replicas_primed_request_is_folded_in_as_a_load() -> None:
     backend.ram_entries = [RamEntry(session, 1.0)]
     fleet.fold_shared(0, set(), {0: (after, 500, 1000.0)}, now=5.0, wall=1000.0)
     assert [e.content for e in backend.ram_entries] == [session]
+
+
+@pytest.mark.parametrize(("kv", "kept"), [(300, 3), (500, 3), (150, 1), (0, 0)])
+def test_an_aborted_prompt_stays_in_its_slot_as_far_as_the_drain_reads(kv: int, kept: int) -> None:
+    """llama-server keeps the KV of a task cut short: the whole prompt once it is prefilled
+    (with part of a reply: a longer KV), a prefix of it when cut during the prefill, nothing
+    of it when cut before."""
+    fleet = ready_fleet(1)
+    slot, placement = fleet.backends[0].slots[0], Placement(0, (0,), 0)
+    prompt = Fingerprint((1, 2, 3), (100, 200, 300))
+    fleet.claim(placement, now=1.0, content=prompt)
+    fleet.release(placement, now=2.0, clean=False)
+    assert phase_of(fleet) is SlotPhase.DRAINING
+    fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, kv, 1),)), now=3.0)
+    assert phase_of(fleet) is SlotPhase.IDLE
+    held = slot.content.hashes if slot.content is not None else ()
+    assert held == prompt.hashes[:kept]
+
+
+def test_a_lease_that_may_have_expired_leaves_the_slot_busy_until_seen_idle() -> None:
+    """A lease that ends a TTL or more after this replica first saw it may have expired: its
+    replica died, or gave up a request the server may still run. The slot is not pinned
+    until a newer record (that request ended cleanly) or a ``/slots`` read shows it idle; a
+    lease that ends sooner was given back."""
+    content = fingerprint_chat({"messages": [{"role": "user", "content": "a " * 40}]}, len)
+    fleet = ready_fleet(3)
+    fleet.fold_shared(0, {0, 1, 2}, {}, now=6.0, wall=1000.0, lease_ttl=30.0)
+    fleet.fold_shared(0, {1, 2}, {}, now=20.0, wall=1014.0, lease_ttl=30.0)
+    assert phase_of(fleet, slot=0) is SlotPhase.IDLE  # given back
+    fleet.fold_shared(0, set(), {}, now=36.0, wall=1030.0, lease_ttl=30.0)
+    assert [phase_of(fleet, slot=s) for s in (1, 2)] == [SlotPhase.EXTERNAL] * 2
+    assert place(fleet.backends, Need(slot=1)) is NoPlacement.BUSY
+    fleet.fold_shared(0, set(), {1: (content, 40, 1030.5)}, now=37.0, wall=1031.0, lease_ttl=30.0)
+    assert phase_of(fleet, slot=1) is SlotPhase.IDLE
+    seen = tuple(SlotProbe(i, i == 2, 40, 9) for i in range(3))
+    fleet.apply_probe(0, Probe(BackendPhase.READY, seen), now=38.0)
+    assert phase_of(fleet, slot=2) is SlotPhase.EXTERNAL  # still running there
+    seen = tuple(SlotProbe(i, False, 40, 9) for i in range(3))
+    fleet.apply_probe(0, Probe(BackendPhase.READY, seen), now=39.0)
+    assert phase_of(fleet, slot=2) is SlotPhase.IDLE

@@ -137,8 +137,9 @@ class Fleet:
     ) -> None:
         """End a claim. ``sent=False``: the slot is as before (``remote``: a slot that is
         another replica's, its lease refused; so marked before a waiter wakes). ``clean=False``
-        (aborted upstream) drains and forgets the content. Otherwise the pinned slot holds
-        ``content`` (prompt and reply) or, without it, the prompt that was in flight."""
+        (aborted upstream) drains, the pinned slot holding as much of the prompt in flight as
+        the drain's read shows. Otherwise the pinned slot holds ``content`` (prompt and reply)
+        or, without it, the prompt that was in flight."""
         backend = self.backends[placement.backend]
         for slot_id in placement.slots:
             if slot_id >= len(backend.slots):
@@ -150,6 +151,7 @@ class Fleet:
             undo, slot.undo = slot.undo, None
             if not sent:
                 slot.phase = SlotPhase.REMOTE if slot_id == remote else SlotPhase.IDLE
+                slot.remote_since = now
                 if undo is not None:
                     slot.last_used = undo.last_used
                     later = backend.turns != undo.turn or backend.ram_entries is not undo.ram_after
@@ -158,8 +160,15 @@ class Fleet:
                 continue
             parked_at, slot.last_used = slot.last_used, now
             slot.phase = SlotPhase.IDLE if clean else SlotPhase.DRAINING
-            if not clean or slot_id != placement.pin:
+            if slot_id != placement.pin:
                 slot.content = None
+                continue
+            if not clean:
+                # the server keeps what it computed of a task cut short: a prefix of the
+                # prompt, which the drain's ``/slots`` read trims to the KV's length
+                # (``_reconcile``; a length it counts in the server's tokens)
+                slot.content = pending
+                slot.n_tokens = backend.kv_tokens(pending) if pending is not None else 0
                 continue
             before, slot.content = slot.content, content if content is not None else pending
             if backend.ram and pending is None:  # else parked when claimed
@@ -239,10 +248,16 @@ class Fleet:
         records: dict[int, tuple[Fingerprint, int, float]],
         now: float,
         wall: float,
+        lease_ttl: float = float("inf"),
     ) -> None:
         """Fold other replicas' leases (a leased EXTERNAL slot is theirs; an ended lease: just
         used) and newer slot records in; a newer record dates the last use (``wall``: the
         store's clock when it was read, which the records' stamps are in; ``now``: ours).
+        A lease ends when its replica gives it back, its record following, or when it expires
+        (``lease_ttl`` seconds after the last renewal): its replica died or gave the request
+        up, and the request may still run on the server. So a lease that ended a TTL or more
+        after it was first seen leaves the slot EXTERNAL, until a newer record (the request
+        ended cleanly) or a ``/slots`` read shows it idle; one that ended sooner was given back.
         Their tasks change the backend's RAM cache as ours do (``claim``): a task they
         started saves every idle slot, and content their request replaced is parked when
         the server's hook ran (so a replica that forwards by its own view of a backend it
@@ -251,11 +266,17 @@ class Fleet:
         started = False
         for slot in backend.slots:
             if slot.phase in (SlotPhase.IDLE, SlotPhase.EXTERNAL) and slot.id in leased:
-                slot.phase, started = SlotPhase.REMOTE, True
+                slot.phase, slot.remote_since, started = SlotPhase.REMOTE, now, True
             elif slot.phase is SlotPhase.REMOTE and slot.id not in leased:
-                slot.phase, slot.last_used = SlotPhase.IDLE, max(slot.last_used, now)
+                expired = now - slot.remote_since >= lease_ttl
+                slot.phase = SlotPhase.EXTERNAL if expired else SlotPhase.IDLE
+                slot.last_used = max(slot.last_used, now)
             found = records.get(slot.id)
-            if found is not None and found[2] > slot.record_at and slot.phase is not SlotPhase.BUSY:
+            if found is None or found[2] <= slot.record_at:
+                continue
+            if slot.phase is SlotPhase.EXTERNAL and slot.id not in leased:
+                slot.phase = SlotPhase.IDLE  # a replica's request ended there cleanly since
+            if slot.phase is not SlotPhase.BUSY:
                 primes = self.primes and backend.primable
                 primed = primes and _loaded(backend, slot.content, found[0])
                 parked = _ram_entry_of(backend, slot, found[0], primed) if backend.ram else None

@@ -101,6 +101,7 @@ class SlotState:
     content: Fingerprint | None = None  # what the KV holds, as a prompt fingerprint
     pending: Fingerprint | None = None  # the prompt in flight on it, while BUSY
     record_at: float = 0.0  # wall time of the shared record this content matches
+    remote_since: float = 0.0  # when a view first showed another replica's lease on it
     owner: str | None = None  # tenant whose request wrote the KV (cache isolation)
     # what the claim in flight changed, undone if it is given back unsent (``Undo``)
     undo: Undo | None = field(default=None, compare=False, repr=False)

@@ -451,3 +451,44 @@ async def test_a_saving_under_the_bar_does_not_wait_for_its_busy_slot(
     assert second.headers["X-Cache-Route"] == "cold"
     assert second.headers["X-Cache-Slot"] == other.headers["X-Cache-Slot"]
     assert cached < 20
+
+
+def agent_body(system: str, user: str, tools: bool = True) -> dict[str, Any]:
+    tool = {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}
+    body: dict[str, Any] = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    return {**body, "tools": [tool]} if tools else body
+
+
+async def test_sessions_whose_system_prompts_part_in_a_last_line_share_the_rest(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """Agents that end the system prompt with a line of their own (a session id, as
+    OpenClaw's Responses API requests do): a new session's prompt shares all of another's
+    system prompt but that line, to the token. Both slots are taken, one by that session, one
+    by an unrelated long prompt used before it: the new session takes the first, whose loss
+    beyond the system prompt is a short user message, and the server reuses the system
+    prompt there, as predicted (without looking into the message, the two slots looked
+    alike and the least recently used went: a cold start)."""
+    server = llama_servers(slots=2)
+    client = await proxy([server.url])
+    rules = " ".join(f"Rule {i}: keep change {i} small and tested." for i in range(100))
+    system = f"You are a coding agent. {rules}\nRuntime: session="
+    other = " ".join(f"Unrelated note {i} about the weather." for i in range(60))
+    for body in (
+        agent_body(other, "Summarise.", tools=False),
+        agent_body(system + "alpha", "Fix bug 1."),
+    ):
+        first = await client.post("/v1/chat/completions", json=body)
+        assert first.status == 200, await first.text()
+    resp = await client.post("/v1/chat/completions", json=agent_body(system + "beta", "Fix bug 2."))
+    assert resp.status == 200
+    answer = await resp.json()
+    cached, prompt = answer["timings"]["cache_n"], answer["usage"]["prompt_tokens"]
+    predicted = int(resp.headers["X-Cache-Predicted-Tokens"])
+    print(f"new session: cache_n {cached} of {prompt}, predicted {predicted}")
+    assert cached >= 0.8 * prompt, (cached, prompt)
+    assert abs(predicted - cached) <= 0.1 * cached, (predicted, cached)

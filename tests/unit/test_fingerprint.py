@@ -7,10 +7,12 @@ from hypothesis import strategies as st
 
 from proxy.core.prompt.fingerprint import (
     MESSAGE_OVERHEAD,
+    PART_BYTES,
     Fingerprint,
     common_segments,
     fingerprint_chat,
     reply_segment,
+    shared_tokens,
 )
 from proxy.core.prompt.raw_blocks import (
     CHUNK_CHARS,
@@ -249,3 +251,38 @@ def test_a_list_not_all_token_ids_counts_as_its_text() -> None:
     for prompt in (["ab", [1, 2]], [1, "a"], [1.5], [[1, 2], [3]]):
         fingerprint_raw(prompt, text_blocks, lambda at, part: ((), ()), 16)
         assert seen[-1] == str(prompt)
+
+
+def _agent(system: str, user: str = "Fix the bug.", seed: int = 0) -> Fingerprint:
+    tools = [{"type": "function", "function": {"name": "read"}}]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return fingerprint_chat({"messages": messages, "tools": tools}, len, seed)
+
+
+RULES = "You are a coding agent. " + " ".join(f"Rule {i} holds." for i in range(300))
+
+
+def test_prompts_parting_in_a_last_line_of_the_system_prompt_share_the_rest() -> None:
+    """The server reuses to the token: two sessions whose system prompts differ only in a
+    last line share all of it but the piece holding that line."""
+    a, b = _agent(RULES + "\nsession=alpha"), _agent(RULES + "\nsession=beta")
+    assert common_segments(a.hashes, b.hashes) == 1  # the tools only, by whole segments
+    system = a.tokens[1] - a.tokens[0]
+    shared = shared_tokens(a, b)
+    assert a.tokens[0] + system - PART_BYTES * system // len(RULES) <= shared < a.tokens[1]
+    assert shared_tokens(b, a) == shared
+
+
+def test_prompts_parting_early_or_in_their_first_user_message_share_no_piece() -> None:
+    a = _agent(RULES)
+    assert shared_tokens(a, _agent("Another agent. " + RULES)) == a.tokens[0]
+    # the first user message is where a conversation starts: never counted in part
+    long = "Session 1. " + "x " * 600
+    c, d = _agent(RULES, long + "one"), _agent(RULES, long + "two")
+    assert shared_tokens(c, d) == c.tokens[1]
+
+
+def test_no_piece_is_shared_across_tenants() -> None:
+    """Under cache isolation each tenant's chains, pieces too, are salted apart."""
+    a, b = _agent(RULES + "\na", seed=1), _agent(RULES + "\nb", seed=2)
+    assert shared_tokens(a, b) == 0

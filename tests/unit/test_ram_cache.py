@@ -234,3 +234,15 @@ def test_a_task_that_changes_nothing_in_the_ram_cache_keeps_its_list() -> None:
     f.claim(Placement(0, (0,), 0), now=102.0, content=segments_fp(10, 20, 30, 40, 50))
     assert backend.ram_entries is cache
     assert all(s.saved is not None and s.saved[1] is cache for s in backend.slots[1:])
+
+
+def test_a_session_parting_in_the_system_prompts_last_line_keeps_the_slot_unparked() -> None:
+    """Two agent sessions whose system prompts differ only in a last line: pinned to the
+    other's slot, a prompt keeps nearly all of it, to the token, so the server's hook does not
+    run and nothing is parked (by whole segments it kept the tools alone, and a park was
+    predicted that the server did not make)."""
+    from tests.unit.test_fingerprint import RULES, _agent
+
+    slot, prompt = _agent(RULES + "\nsession=alpha"), _agent(RULES + "\nsession=beta")
+    assert not ram_cache.hook_runs(slot, prompt)
+    assert ram_cache.hook_runs(slot, _agent("Another agent. " + RULES))

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.prompt.fingerprint import Fingerprint
+from proxy.core.prompt.fingerprint import PART_BYTES, Fingerprint, Part
 from proxy.core.routing import options, waiting
 from proxy.core.routing.decision import Decision, Reason, RoutingParams, predicted_reuse, route
 from proxy.core.routing.scoring import (
@@ -692,11 +692,27 @@ def test_a_parked_turn_the_server_may_load_in_a_tie_is_counted_as_loaded() -> No
     assert parked not in f.backends[0].ram_entries
 
 
+def pieces(ids: list[int], offset: int) -> tuple[Part, ...]:
+    """Each segment's four pieces (``Fingerprint.parts``): segments 1 and 2 share their first
+    two, 3 and 4 their first three, after the same segments before them."""
+    out = []
+    for i, s in enumerate(ids):
+        family, alike = (1, 2) if s <= 2 else (3, 3)
+        chained = [
+            hash((tuple(ids[:i]), family if j < alike else s, j)) & (2**64 - 1) for j in range(4)
+        ]
+        packed = b"".join(h.to_bytes(8, "little") for h in chained)
+        out.append((i + offset, 4 * PART_BYTES, packed))
+    return tuple(out)
+
+
 @st.composite
 def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | None]:
     """Up to three backends of up to six slots; chains that may open with an empty
     preamble (a chat template's, no token) shared by every prompt: a chat prompt's, whose
-    user messages may be known (the first one ends the anchor), or a raw prompt's."""
+    user messages may be known (the first one ends the anchor), or a raw prompt's. A chat
+    prompt's segments are long: segments 1 and 2 start alike (two of their four pieces),
+    and so do 3 and 4 (three), so chains may part inside a message (``shared_tokens``)."""
     counts = draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
     f = fleet(*counts, exact=tuple(draw(st.booleans()) for _ in counts))
     preamble = draw(st.booleans())
@@ -713,7 +729,7 @@ def wide_scenes(draw: st.DrawFn) -> tuple[Fleet, Fingerprint, tuple[int, int] | 
         anchor = next((i + 1 for i, s in enumerate(ids) if s >= user), len(ids)) + preamble
         known = kind == "chat"
         users = tuple(i + preamble for i, s in enumerate(ids) if s >= user) if known else ()
-        return Fingerprint(c.hashes, tokens, anchor, users=users)
+        return Fingerprint(c.hashes, tokens, anchor, users=users, parts=pieces(ids, preamble))
 
     ids = st.lists(st.integers(1, 4), min_size=1, max_size=5)
     chains = st.builds(chain, ids, st.sampled_from(["chat", "anchored", "raw"]))
@@ -847,7 +863,8 @@ def chain(rest: list[int], size_of: dict[int, int], user: int) -> Fingerprint:
     tokens = tuple(itertools.accumulate(size_of[k] for k in ids))
     users = tuple(i for i, k in enumerate(ids) if k >= user)
     anchor = users[0] + 1 if users else len(ids)
-    return Fingerprint(fp(*ids).hashes, tokens, anchor, users=users)
+    parts = pieces(list(ids), 0)  # (long segments: chains may part inside one)
+    return Fingerprint(fp(*ids).hashes, tokens, anchor, users=users, parts=parts)
 
 
 @st.composite

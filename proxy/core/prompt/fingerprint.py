@@ -33,11 +33,23 @@ the chain exactly as the client will send it back.
 Token counts are estimates from the injected ``count`` function (tiktoken by default, or the
 backend's tokenizer), plus ``MESSAGE_OVERHEAD`` template tokens per message; they rank slots,
 while real reuse is read back from llama-server's ``cache_n``.
+
+*Parts*: the server reuses a slot up to the first token that differs, which may lie inside a
+message: two agent sessions whose system prompts differ only in a last line (a session id, a
+date) share most of that message. So a segment before the anchor's (the preamble, system
+messages) of ``PART_BYTES`` or more also carries the chain of hashes of its key's
+``PART_BYTES`` pieces (``Fingerprint.parts``), seeded with the chain hash before it (a tenant's
+salt reaches them too). Where two chains part in such a segment, ``shared_tokens`` adds the
+share of it their pieces have in common, its tokens counted in proportion to its bytes; only
+past a shared segment holding tokens (two prompts whose first such segment differs are
+strangers to routing), and only in the estimates of what a slot serves and keeps, not in the
+chains (a segment still counts as shared only whole).
 """
 
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +57,9 @@ from typing import Any
 import xxhash
 
 MESSAGE_OVERHEAD = 4  # role markers and separators of a typical chat template
+# bytes of a segment's key per piece hashed for partial sharing (``parts``): a few pieces for
+# a long system prompt, whose parting (a last line) is then placed to within 512 bytes
+PART_BYTES = 512
 _MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
 _PREAMBLE_KEYS = ("tools", "chat_template_kwargs", "instructions")
 
@@ -69,6 +84,9 @@ class Fingerprint:
     # segments at which a user message starts (chat): where a checkpointing backend
     # (``core.server.reuse_rules``) can roll a slot back to
     users: tuple[int, ...] = ()
+    # the long segments' pieces (module docstring): (segment, its key's bytes, the pieces'
+    # chain hashes packed 8 bytes each); a truncated chain keeps none
+    parts: tuple[Part, ...] = field(default=(), compare=False, repr=False)
     # the first segment holding a token (-1: none; a chat preamble may be empty), and the
     # *head*: it and its chain hash. Two chains share a token exactly when their heads are
     # equal (equal segments carry equal token estimates); None when no segment holds one.
@@ -92,7 +110,13 @@ class Fingerprint:
         """This chain followed by ``segments`` (e.g. the reply the client will send back)."""
         hashes, tokens = list(self.hashes), list(self.tokens)
         _append(hashes, tokens, segments, count)
-        return Fingerprint(tuple(hashes), tuple(tokens), self.anchor, users=self.users)
+        return Fingerprint(
+            tuple(hashes), tuple(tokens), self.anchor, users=self.users, parts=self.parts
+        )
+
+    def part(self, segment: int) -> Part | None:
+        """Segment ``segment``'s pieces, if it has them."""
+        return next((p for p in self.parts if p[0] == segment), None)
 
     def same_conversation(self, shared: int) -> bool:
         """True when a request sharing ``shared`` segments with this content continues its
@@ -101,8 +125,21 @@ class Fingerprint:
         return shared >= self.anchor
 
 
+Part = tuple[int, int, bytes]  # (segment, its key's length in bytes, packed piece hashes)
+
+
 def chain(previous: int, key: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(key, seed=previous))
+
+
+def _pieces(previous: int, key: bytes) -> bytes:
+    """The chain of ``key``'s whole ``PART_BYTES`` pieces, 8 bytes each (in this machine's
+    order: they are compared, never stored elsewhere)."""
+    digest, view, out = xxhash.xxh3_64_intdigest, memoryview(key), []
+    for start in range(0, len(key) - PART_BYTES + 1, PART_BYTES):
+        previous = digest(view[start : start + PART_BYTES], previous)
+        out.append(previous)
+    return array("Q", out).tobytes()
 
 
 def _append(
@@ -111,10 +148,41 @@ def _append(
     segments: Sequence[Segment],
     count: Counter,
     seed: int = 0,
+    parts: list[Part] | None = None,
+    parted: int = 0,
 ) -> None:
+    """Chain ``segments`` on; the long ones of the first ``parted`` with their pieces."""
     for segment in segments:
-        hashes.append(chain(hashes[-1] if hashes else seed, segment.key))
+        previous = hashes[-1] if hashes else seed
+        if parts is not None and len(hashes) < parted and len(segment.key) >= PART_BYTES:
+            parts.append((len(hashes), len(segment.key), _pieces(previous, segment.key)))
+        hashes.append(chain(previous, segment.key))
         tokens.append((tokens[-1] if tokens else 0) + count(segment.text))
+
+
+def shared_tokens(a: Fingerprint, b: Fingerprint, shared: int | None = None) -> int:
+    """Tokens of ``a`` that ``b`` holds too (``shared``: their common segments, if known):
+    the shared segments' and, past a shared segment holding tokens, the common share of the
+    segment where they part, if that lies before ``a``'s anchor segment (module docstring):
+    what another conversation serves a request stays within the prompt before its
+    conversation (routing bounds another conversation's slot by that)."""
+    shared = common_segments(a.hashes, b.hashes) if shared is None else shared
+    kept = a.tokens_at(shared)
+    if shared <= a.first or shared >= a.anchor - 1 or shared >= len(b.hashes):
+        return kept
+    mine, theirs = a.part(shared), b.part(shared)
+    if mine is None or theirs is None:
+        return kept
+    pieces, same = mine[2], theirs[2]
+    common = 0
+    for at in range(0, min(len(pieces), len(same)), 8):
+        if pieces[at : at + 8] != same[at : at + 8]:
+            break
+        common += 1
+    if not common:
+        return kept
+    segment_tokens = a.tokens[shared] - kept
+    return kept + segment_tokens * common * PART_BYTES // mine[1]
 
 
 def common_segments(a: Sequence[int], b: Sequence[int], lo: int = 0) -> int:
@@ -194,13 +262,16 @@ def fingerprint_segments(segments: Sequence[Segment], count: Counter, seed: int 
     """The chain of already split chat segments (``chat_segments``)."""
     hashes: list[int] = []
     tokens: list[int] = []
-    _append(hashes, tokens, segments, _overhead(count), seed)
+    parts: list[Part] = []
     anchor = next(
         (i + 1 for i, seg in enumerate(segments[1:], 1) if not seg.text.startswith("system")),
         len(segments),
     )
+    # pieces before the first message not a system one: where sessions' prompts part (and
+    # what ``shared_tokens`` reads), at a cost per request in proportion to those bytes
+    _append(hashes, tokens, segments, _overhead(count), seed, parts, anchor - 1)
     users = tuple(i for i, seg in enumerate(segments) if i and seg.text.startswith("user"))
-    return Fingerprint(tuple(hashes), tuple(tokens), anchor, users=users)
+    return Fingerprint(tuple(hashes), tuple(tokens), anchor, users=users, parts=tuple(parts))
 
 
 def reply_segment(content: str, tool_calls: list[Any] | None) -> Segment:

@@ -57,7 +57,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from proxy.core.disk.snapshots import Offer
-from proxy.core.prompt.fingerprint import Fingerprint, common_segments
+from proxy.core.prompt.fingerprint import Fingerprint, common_segments, shared_tokens
 from proxy.core.routing.index import BackendIndex
 from proxy.core.routing.return_odds import ReturnOdds
 from proxy.core.server import ram_cache
@@ -164,10 +164,13 @@ def shared_segments(fp: Fingerprint, content: Fingerprint | None) -> int:
 
 
 def _reuse(fp: Fingerprint, content: Fingerprint, exact: bool, shared: int | None = None) -> int:
+    """What ``content`` serves ``fp``: up to where they part (into the parting segment:
+    ``shared_tokens``), or on an ``exact`` backend up to a checkpoint."""
     shared = shared_segments(fp, content) if shared is None else shared
     if exact and (shared < len(content.hashes) or shared == len(fp.hashes)):
         shared = checkpoint_reuse(content.users, min(shared, len(fp.hashes) - 1))
-    return max(0, min(fp.tokens_at(shared), fp.total - 1))
+        return max(0, min(fp.tokens_at(shared), fp.total - 1))
+    return max(0, min(shared_tokens(fp, content, shared), fp.total - 1))
 
 
 def predicted_reuse(fp: Fingerprint, slot: SlotState, exact: bool, parked: int = 0) -> int:

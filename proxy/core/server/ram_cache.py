@@ -36,7 +36,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from proxy.core.prompt.fingerprint import Fingerprint, common_segments
+from proxy.core.prompt.fingerprint import Fingerprint, common_segments, shared_tokens
 
 # A load is counted on only when the prompt keeps under this share of the pinned slot's
 # content. The server's bar is half, in its own tokens; the shares here are estimates (a raw
@@ -210,7 +210,7 @@ def hook_runs(content: Fingerprint, prompt: Fingerprint, length: int | None = No
     """Whether ``prompt``, pinned to a slot holding ``content`` (``length``: its KV length in
     estimate units, a raw prompt's reply included), makes the server save the slot and load
     from its RAM cache: it keeps less than half of the content (``consulted``)."""
-    kept = prompt.tokens_at(common_segments(prompt.hashes, content.hashes))
+    kept = shared_tokens(prompt, content)  # (to the token: into a message both start alike)
     return consulted(kept, content.total if length is None else length, prompt.total)
 
 
@@ -230,7 +230,7 @@ def needs_park(
     can bring it back (``in_ram``: a primer runs the hook first, or an idle save made a copy).
     ``always``: also where the server does."""
     shared = common_segments(prompt.hashes, content.hashes)
-    kept = prompt.tokens_at(shared)
+    kept = shared_tokens(prompt, content, shared)
     if content.same_conversation(shared) or kept >= content.total:
         return False
     return always or not ram or not (in_ram or consulted(kept, length, prompt.total))

@@ -131,7 +131,9 @@ def create_app(
         churn,
         tokens,
     )
-    forwarder = Forwarder(shared, fleet, metrics, clock, settings.replicas, client)
+    # a home may queue the request for a slot before its backend's answer starts
+    head = settings.queue.max_wait_seconds + settings.timeouts.read_seconds
+    forwarder = Forwarder(shared, fleet, metrics, clock, settings.replicas, client, head)
     handlers = ProxyHandlers(
         settings,
         scheduler,

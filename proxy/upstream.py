@@ -229,12 +229,14 @@ class LlamaServerClient:
         method: str,
         body: bytes | None,
         headers: list[tuple[str, str]],
+        head_seconds: float | None = None,
     ) -> AsyncIterator[Response]:
         """Open a request; yields the response with its headers read, body not yet.
-        ``path`` is as the client sent it, query string included, still percent-encoded."""
+        ``path`` is as the client sent it, query string included, still percent-encoded;
+        ``head_seconds``: the bound on the wait for the headers (default: the read timeout)."""
         headers = with_credential(headers, self._keys.get(base_url))
         try:
-            response = await self._pool.request(base_url, path, method, body, headers)
+            response = await self._pool.request(base_url, path, method, body, headers, head_seconds)
         except ConnectFailed as exc:  # (its address is for the log, not for clients)
             log.warning("backend %s unreachable: %s", base_url, exc)
             raise UpstreamConnectError("backend unreachable") from None

@@ -441,8 +441,10 @@ class Pool:
         method: str,
         body: bytes | None,
         headers: list[tuple[str, str]],
+        head_seconds: float | None = None,
     ) -> Response:
-        """Send the request; returns the answer with its head read."""
+        """Send the request; returns the answer with its head read, within ``head_seconds``
+        (default: ``read_seconds``)."""
         origin = self.origin(base_url)
         head = _head(origin, method, path, body, headers)
         for attempt in (1, 2):
@@ -455,7 +457,7 @@ class Pool:
                     conn.transport.writelines((head, body))
                 else:
                     conn.transport.write(head)
-                await response._head(self.read_seconds)
+                await response._head(head_seconds or self.read_seconds)
             except UpstreamBroken:
                 response.close()
                 if reused and attempt == 1 and method in _IDEMPOTENT and not conn.answered:

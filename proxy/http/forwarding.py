@@ -106,7 +106,11 @@ class Forwarder:
         clock: Callable[[], float],
         trust: ReplicaSettings,
         client: LlamaServerClient,
+        head_seconds: float,
     ) -> None:
+        """``head_seconds``: how long a home may take to send an answer's headers: its
+        queue's bound, then its backend's read timeout."""
+        self._head_seconds = head_seconds
         self._secret = trust.key
         self._allow, self._window = trust.allow, trust.forward_window_seconds
         self._refused: set[str] = set()  # URLs off the allowlist, logged once each
@@ -215,6 +219,7 @@ class Forwarder:
                 method=request.method,
                 body=body,
                 headers=headers,
+                head_seconds=self._head_seconds,
             ) as upstream:
                 self._metrics.forwards.labels("sent").inc()
                 record.backend, record.relayed = f"replica:{url}", True

@@ -277,3 +277,34 @@ async def test_an_anthropic_stream_cut_between_replicas_ends_with_anthropics_err
     name, data = events[-1].split("\n")
     assert name == "event: error"
     assert json.loads(data.removeprefix("data: "))["error"]["type"] == "timeout_error"
+
+
+async def test_a_request_its_home_queues_past_the_read_timeout_is_relayed(
+    fakes: Any, proxy: Any, redis_server: Any
+) -> None:
+    """The home queues a forwarded request for a slot (up to ``queue.max_wait_seconds``)
+    before its backend answers: the relaying replica waits for the answer's headers that
+    long and then the read timeout, not the read timeout alone (a 504 while the home still
+    had the request queued). A session's slot is busy with a long answer on the home; its
+    next prompt reaches the other replica, which forwards it to wait there."""
+    backends = [await fakes(n_slots=1, gen_s_per_token=0.1) for _ in range(2)]
+    options = {"timeouts": {"read_seconds": 0.4}, "queue": {"max_wait_seconds": 10.0}}
+    pair = [await proxy(backends, redis_url=redis_server.url, **options) for _ in "ab"]
+    await _met(*pair)
+    history = [{"role": "system", "content": "Rule: keep it small. " * 400}]
+    history.append({"role": "user", "content": "session 0: begin"})
+    first = await pair[0].post(CHAT, json={"messages": history, "max_tokens": 2, "stream": True})
+    assert first.status == 200
+    reply = delta_text(await events_to_done(first))
+    home, relay = pair  # a new session is placed where it arrives (a tie goes to its own)
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "next"}]
+    # a long answer for the session on the home (6 tokens of 0.1 s)...
+    busy = await home.post(CHAT, json={"messages": history, "max_tokens": 6, "stream": True})
+    assert busy.status == 200
+    # ... while its next prompt reaches the other replica, which forwards it to wait there
+    later = [*history, {"role": "assistant", "content": "x"}, {"role": "user", "content": "go"}]
+    second = await relay.post(CHAT, json={"messages": later, "max_tokens": 2, "stream": True})
+    assert second.status == 200, await second.text()
+    assert delta_text(await events_to_done(second))
+    await busy.read()
+    assert metric(await _metrics(relay), FORWARDS, outcome="sent") == 1

@@ -213,7 +213,9 @@ class SharedState:
     async def publish(self, backend: int, slot: int, fp: Fingerprint, n_tokens: int) -> None:
         if not self.enabled:
             return
-        record = SlotRecord(fp.hashes, fp.tokens, fp.anchor, n_tokens, 0.0, fp.sealed, fp.users)
+        record = SlotRecord(
+            fp.hashes, fp.tokens, fp.anchor, n_tokens, 0.0, fp.sealed, fp.users, fp.parts
+        )
         put = self.store.put_slot(self._ref(backend, slot), record, self._record_ttl, self.wall())
         stamp = await self.call("put_slot", put, None)  # the store's: a view then leaves it out
         slots = self._fleet.backends[backend].slots  # (it may have come back with fewer)

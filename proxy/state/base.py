@@ -57,7 +57,9 @@ import sys
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
+
+from proxy.core.prompt.fingerprint import Part
 
 SlotRef = tuple[str, int]
 Known = Mapping[SlotRef, float]  # per slot, the updated_at of the record the caller holds
@@ -81,17 +83,20 @@ class SlotRecord:
     # or recurrent backend's checkpoints are); packed after the token counts, flagged by the
     # count's top bit, so a record without them reads as before
     users: tuple[int, ...] = ()
+    # ``Fingerprint.parts``: the long system messages' pieces (where two prompts part inside
+    # one); packed after the user segments, flagged by the count's next bit
+    parts: tuple[Part, ...] = ()
 
-    def content(self) -> tuple[tuple[int, ...], tuple[int, ...], int, bool, tuple[int, ...]]:
+    def content(self) -> tuple[Any, ...]:
         """The slot content's fields, in ``Fingerprint``'s order (hashes, tokens, anchor,
-        sealed, users)."""
-        return self.hashes, self.tokens, self.anchor, self.sealed, self.users
+        sealed, users, parts)."""
+        return self.hashes, self.tokens, self.anchor, self.sealed, self.users, self.parts
 
     def pack(self) -> bytes:
         """Little-endian: counts, hashes, token counts, the user-message segments (when any),
-        then ``n_tokens`` and the stamp; the last ``STAMP_BYTES`` are the stamp, so a store
-        can read or set it alone."""
-        count = len(self.hashes) | bool(self.users) << 31
+        the pieces (when any), then ``n_tokens`` and the stamp; the last ``STAMP_BYTES`` are
+        the stamp, so a store can read or set it alone."""
+        count = len(self.hashes) | bool(self.users) << 31 | bool(self.parts) << 30
         head = struct.pack("<II", count, self.anchor | self.sealed << 31)
         hashes, tokens = array("Q", self.hashes), array("I", self.tokens)
         users = array("I", self.users)
@@ -102,6 +107,10 @@ class SlotRecord:
         body = hashes.tobytes() + tokens.tobytes()
         if self.users:
             body += struct.pack("<I", len(users)) + users.tobytes()
+        if self.parts:
+            body += struct.pack("<I", len(self.parts))
+            for segment, size, pieces in self.parts:
+                body += struct.pack("<III", segment, size, len(pieces)) + pieces
         return head + body + struct.pack("<IQ", self.n_tokens, stamp_ms(self.updated_at))
 
     @classmethod
@@ -111,7 +120,7 @@ class SlotRecord:
         if len(raw) < 20:
             raise ValueError("not a slot record: too short")
         count, anchor = struct.unpack_from("<II", raw)
-        flagged, count = bool(count >> 31), count & 0x7FFFFFFF
+        flagged, pieced, count = bool(count >> 31), bool(count >> 30 & 1), count & 0x3FFFFFFF
         hashes_end = 8 + 8 * count
         end = tokens_end = hashes_end + 4 * count
         users = array("I")
@@ -121,6 +130,9 @@ class SlotRecord:
             (n_users,) = struct.unpack_from("<I", raw, tokens_end)
             end = tokens_end + 4 + 4 * n_users
             users.frombytes(raw[tokens_end + 4 : end][: 4 * n_users])
+        parts: list[Part] = []
+        if pieced:
+            end = _unpack_parts(raw, end, count, parts)
         if len(raw) != end + 12:
             raise ValueError("not a slot record: its length does not match its count")
         hashes = array("Q")
@@ -136,8 +148,33 @@ class SlotRecord:
             raise ValueError("not a slot record: a user segment past its segments")
         sealed, anchor = bool(anchor >> 31), anchor & 0x7FFFFFFF
         return cls(
-            tuple(hashes), tuple(tokens), anchor, n_tokens, updated / 1000, sealed, tuple(users)
+            tuple(hashes),
+            tuple(tokens),
+            anchor,
+            n_tokens,
+            updated / 1000,
+            sealed,
+            tuple(users),
+            tuple(parts),
         )
+
+
+def _unpack_parts(raw: bytes, at: int, count: int, parts: list[Part]) -> int:
+    """Read ``SlotRecord.pack``'s pieces from ``at`` into ``parts``; where they end."""
+    if len(raw) < at + 4:
+        raise ValueError("not a slot record: too short for its pieces")
+    (n_parts,) = struct.unpack_from("<I", raw, at)
+    at += 4
+    for _ in range(n_parts):
+        if len(raw) < at + 12:
+            raise ValueError("not a slot record: too short for its pieces")
+        segment, size, length = struct.unpack_from("<III", raw, at)
+        at += 12
+        if segment >= count or length % 8 or len(raw) < at + length:
+            raise ValueError("not a slot record: pieces that do not fit it")
+        parts.append((segment, size, raw[at : at + length]))
+        at += length
+    return at
 
 
 STAMP_BYTES = 8  # a packed record ends with its stamp: little-endian milliseconds

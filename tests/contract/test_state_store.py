@@ -416,3 +416,20 @@ async def test_releases_and_their_claims_expire(store: StateStore, clock: Clock)
     await clock.passes(0.3)
     assert await store.claim_release([40], ttl=5, now=clock.now()) is None
     assert await store.claimed(["r1:2"], now=clock.now()) == set()
+
+
+async def test_a_record_keeps_its_system_messages_pieces(store: StateStore) -> None:
+    """A long system message's pieces (``Fingerprint.parts``: where two prompts part inside
+    it) read back on every replica, so its predictions there reach into the message too;
+    pieces that do not fit their record are no record."""
+    parts = ((1, 2048, bytes(range(32))),)
+    record = SlotRecord((7, 8, 9), (100, 140, 200), 2, 210, 0.0, users=(2,), parts=parts)
+    stored = await put(store, ("b0", 0), record, now())
+    assert (await store.view([("b0", 0)], now())).records == {("b0", 0): stored}
+    assert stored.parts == parts
+    assert SlotRecord.unpack(record.pack()) == replace(record, updated_at=0.0)
+    for wrong in (((5, 2048, bytes(8)),), ((1, 2048, bytes(7)),)):
+        with pytest.raises(ValueError):
+            SlotRecord.unpack(replace(record, parts=wrong).pack())
+    with pytest.raises(ValueError):
+        SlotRecord.unpack(record.pack()[:-13])

@@ -49,6 +49,7 @@ chains (a segment still counts as shared only whole).
 from __future__ import annotations
 
 import json
+import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -133,13 +134,16 @@ def chain(previous: int, key: bytes | memoryview) -> int:
 
 
 def _pieces(previous: int, key: bytes) -> bytes:
-    """The chain of ``key``'s whole ``PART_BYTES`` pieces, 8 bytes each (in this machine's
-    order: they are compared, never stored elsewhere)."""
+    """The chain of ``key``'s whole ``PART_BYTES`` pieces, 8 bytes each, little-endian (as
+    slot records store them for other replicas)."""
     digest, view, out = xxhash.xxh3_64_intdigest, memoryview(key), []
     for start in range(0, len(key) - PART_BYTES + 1, PART_BYTES):
         previous = digest(view[start : start + PART_BYTES], previous)
         out.append(previous)
-    return array("Q", out).tobytes()
+    packed = array("Q", out)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _append(

@@ -194,6 +194,7 @@ class FakeLlamaServer:
         self.disconnect_poll_s = disconnect_poll_s
         self._result_at = time.monotonic()  # the last task result (``disconnect_poll_s``)
         self._answering: set[int] = set()  # tasks whose stream has begun
+        self._done_at: dict[int | None, float] = {}  # a task generating its reply: when it ends
         self.linger_s = 0.0
         self.model = model
         self.loading = False
@@ -599,12 +600,13 @@ class FakeLlamaServer:
             return await self._run(request, body, prompt, slots, drop_after, stall)
         except (asyncio.CancelledError, ConnectionResetError):
             if self.disconnect_poll_s is not None and task not in self._answering:
-                await self._until_checked(started, self.disconnect_poll_s)
+                await self._until_checked(started, self.disconnect_poll_s, self._done_at.get(task))
             else:
                 await asyncio.sleep(self.abort_release_s)
             raise
         finally:
             self._answering.discard(task)
+            self._done_at.pop(task, None)
             await self._free(slots, task)
 
     async def _cut(self, request: web.Request, stall: bool) -> web.StreamResponse:
@@ -622,11 +624,15 @@ class FakeLlamaServer:
         """A task result reached the HTTP side (``disconnect_poll_s``)."""
         self._result_at = time.monotonic()
 
-    async def _until_checked(self, since: float, poll: float) -> None:
+    async def _until_checked(self, since: float, poll: float, done_at: float | None) -> None:
         """Until the server checks a waiting request's socket: ``poll`` seconds after the
-        later of the wait's start and the last task result (each result restarts it)."""
+        later of the wait's start and the last task result (each result restarts it); or
+        until the task would have generated its whole reply (``done_at``): the server frees
+        the slot then, whether anyone reads the answer or not."""
         while True:
             left = max(since, self._result_at) + poll - time.monotonic()
+            if done_at is not None:
+                left = min(left, done_at - time.monotonic())
             if left <= 0:
                 return
             await asyncio.sleep(left)
@@ -748,6 +754,7 @@ class FakeLlamaServer:
         reply, final = await self._prefill(body, prompt, slot)
         if body.get("stream"):
             return await self._stream(request, body, reply, final, slots, drop_after, stall)
+        self._done_at[slot.task_id] = time.monotonic() + len(reply) * self.gen_s_per_token
         for word in reply:
             await self._gen_step(slot, word)
         slot.tokens = slot.tokens[:-1]

@@ -341,8 +341,32 @@ async def _disconnect_observations(url: str) -> dict[str, bool]:
     return seen
 
 
+async def _generated_observations(url: str) -> dict[str, bool]:
+    """A client leaves a non-streamed request of 24 tokens after 0.1 s while ``/slots`` is
+    read every 0.25 s: no quiet second comes, but the task ends when it has generated its
+    reply, and the slot is freed then (polled for up to 30 s: a busy machine is slow)."""
+    short = {"prompt": "I believe the meaning of life is", "n_predict": 24, "ignore_eos": True}
+    seen = {}
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(TimeoutError):
+            await session.post(url + "/completion", json=short, timeout=QUICK)
+        busy = []
+        for _ in range(120):
+            async with session.get(url + "/slots") as resp:
+                busy.append((await resp.json())[0]["is_processing"])
+            if not busy[-1]:
+                break
+            await asyncio.sleep(0.25)
+        seen["busy_at_first"] = busy[0]
+        seen["idle_once_generated_while_slots_are_read"] = not busy[-1]
+    return seen
+
+
 async def test_fake_checks_a_waiting_clients_socket_as_the_real_server(llama_servers: Any) -> None:
     real = llama_servers(slots=1)
     fake = FakeLlamaServer(n_slots=1, gen_s_per_token=0.05, disconnect_poll_s=1.0)
     expected = await _same_on_both(_disconnect_observations, real.url, fake)
     assert expected == {"busy_while_slots_are_read": True, "idle_after_a_quiet_second": True}
+    fake = FakeLlamaServer(n_slots=1, gen_s_per_token=0.05, disconnect_poll_s=1.0)
+    expected = await _same_on_both(_generated_observations, real.url, fake)
+    assert expected == {"busy_at_first": True, "idle_once_generated_while_slots_are_read": True}

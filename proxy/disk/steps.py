@@ -31,10 +31,6 @@ LOOKAHEAD_CHARS = 256  # text after a boundary tokenized with it to check the cu
 UNCAPPED = WriteQuota(limit=0, window=1.0)
 
 
-def prefix_of(fp: Fingerprint, segments: int) -> Fingerprint:
-    return Fingerprint(fp.hashes[:segments], fp.tokens[:segments], fp.anchor)
-
-
 class DiskSteps:
     def __init__(self, client: LlamaServerClient, tier: Tier, metrics: ProxyMetrics) -> None:
         self._client = client
@@ -211,7 +207,7 @@ class DiskSteps:
         self._tier.learn_restore(
             index, int(answer.get("n_read", 0)), float(timings.get("restore_ms", 0))
         )
-        slot.content, slot.n_tokens = prefix_of(dp.fp, offer.segments), restored
+        slot.content, slot.n_tokens = dp.fp.prefix(offer.segments), restored
         slot.owner = dp.tenant
         # the request is known to share only the matched part of the file (an alias match
         # of a whole-slot snapshot): that part, in the file's tokens, is what must be reused
@@ -303,7 +299,7 @@ class DiskSteps:
                 timings = answer.get("timings") or {}
                 self._warmed(dp, index, timings)
                 await self._tier.judge_restore(dp, int(timings.get("cache_n", 0)), len(ids))
-                slot.content, slot.n_tokens = prefix_of(fp, k), len(ids)
+                slot.content, slot.n_tokens = fp.prefix(k), len(ids)
                 slot.owner = dp.tenant
                 await self.save_slot(dp, fp, k, index, slot_id, layout, "scoped")
                 return

@@ -57,6 +57,7 @@ T = TypeVar("T")
 # up to one early: a claim woken just before its start waits on (refused, a slot of this
 # replica's own part would stay REMOTE until the store came back)
 CLAIM_POLL = 0.001
+MAINTAIN_SECONDS = 0.5  # between maintenance rounds: renewals, the view, the heartbeat
 __all__ = ["FENCE_MARGIN", "HEARTBEAT_TTL", "SharedState"]
 
 
@@ -259,14 +260,19 @@ class SharedState:
             }
             if self.peers.fences:  # (rare: a peer's heartbeat lapsed)
                 leased |= {s.id for s in backend.slots if self._fenced(backend.index, s.id)}
-            self._fleet.fold_shared(backend.index, leased, mine, now, wall, self._lease_ttl)
+            # (a lease is first seen up to a maintenance round after it was taken: a lease
+            # that ends sooner than its TTL after that, less two rounds, was given back)
+            lapse = self._lease_ttl - 2 * MAINTAIN_SECONDS
+            self._fleet.fold_shared(backend.index, leased, mine, now, wall, lapse)
 
     async def forget_backend(self, index: int) -> None:
         backend = self._fleet.backends[index]
         refs = [(backend.label, s.id) for s in backend.slots]
         await self.call("clear_slots", self.store.clear_slots(refs), None)
 
-    async def maintain(self, on_change: Callable[[], None], every: float = 0.5) -> None:
+    async def maintain(
+        self, on_change: Callable[[], None], every: float = MAINTAIN_SECONDS
+    ) -> None:
         """Background: renew held leases, refresh the view, detect recovery and resync; a
         round that raises is logged (again when its error changes) and the next one runs.
         Ends on ``stopped`` too: redis-py 8.1 can swallow a cancel (a SIGTERM hung in CI)."""

@@ -11,6 +11,7 @@ from proxy.core.prompt.fingerprint import (
     Fingerprint,
     common_segments,
     fingerprint_chat,
+    message_segment,
     reply_segment,
     shared_tokens,
 )
@@ -286,3 +287,17 @@ def test_no_piece_is_shared_across_tenants() -> None:
     """Under cache isolation each tenant's chains, pieces too, are salted apart."""
     a, b = _agent(RULES + "\na", seed=1), _agent(RULES + "\nb", seed=2)
     assert shared_tokens(a, b) == 0
+
+
+def test_a_prefix_keeps_what_is_known_of_its_segments() -> None:
+    """A slot's content cut short (a shorter KV, a restored prefix) keeps its user messages'
+    starts and its pieces within the segments kept."""
+    fp = _agent(RULES + "\nsession=alpha")
+    fp = fp.extend(
+        [reply_segment("ok", None), message_segment({"role": "user", "content": "on"})], len
+    )
+    cut = fp.prefix(3)
+    assert cut.hashes == fp.hashes[:3]
+    assert cut.users == (2,)
+    assert cut.parts == fp.parts
+    assert fp.prefix(1).parts == ()

@@ -597,13 +597,15 @@ def test_another_replicas_primed_request_is_folded_in_as_a_load() -> None:
 def test_an_aborted_prompt_stays_in_its_slot_as_far_as_the_drain_reads(kv: int, kept: int) -> None:
     """llama-server keeps the KV of a task cut short: the whole prompt once it is prefilled
     (with part of a reply: a longer KV), a prefix of it when cut during the prefill, nothing
-    of it when cut before."""
+    of it when cut before; whose KV it is, under cache isolation, is not known."""
     fleet = ready_fleet(1)
     slot, placement = fleet.backends[0].slots[0], Placement(0, (0,), 0)
     prompt = Fingerprint((1, 2, 3), (100, 200, 300))
     fleet.claim(placement, now=1.0, content=prompt)
+    slot.owner = "tenant b"  # (cache isolation: as the request's claim records it)
     fleet.release(placement, now=2.0, clean=False)
     assert phase_of(fleet) is SlotPhase.DRAINING
+    assert slot.owner is None  # cut before it started, the task left another tenant's KV
     fleet.apply_probe(0, Probe(BackendPhase.READY, (SlotProbe(0, False, kv, 1),)), now=3.0)
     assert phase_of(fleet) is SlotPhase.IDLE
     held = slot.content.hashes if slot.content is not None else ()
@@ -631,3 +633,18 @@ def test_a_lease_that_may_have_expired_leaves_the_slot_busy_until_seen_idle() ->
     seen = tuple(SlotProbe(i, False, 40, 9) for i in range(3))
     fleet.apply_probe(0, Probe(BackendPhase.READY, seen), now=39.0)
     assert phase_of(fleet, slot=2) is SlotPhase.IDLE
+
+
+def test_a_lapsed_lease_on_a_backend_whose_slots_cannot_be_read_is_taken_for_idle() -> None:
+    """No ``/slots`` read will show such a slot idle (``--no-slots``, or its key not given to
+    the proxy): a probe that read none takes it for idle, what it holds unknown; not one
+    whose lease ended after the probe was sent."""
+    fleet = ready_fleet(2)
+    fleet.backends[0].slots[0].content = Fingerprint((1,), (100,))
+    fleet.fold_shared(0, {0, 1}, {}, now=6.0, wall=1000.0, lease_ttl=30.0)
+    fleet.fold_shared(0, {1}, {}, now=40.0, wall=1034.0, lease_ttl=30.0)
+    fleet.fold_shared(0, set(), {}, now=42.0, wall=1036.0, lease_ttl=30.0)
+    assert [phase_of(fleet, slot=s) for s in (0, 1)] == [SlotPhase.EXTERNAL] * 2
+    fleet.apply_probe(0, Probe(BackendPhase.READY, ready_probe(2), read=False), now=41.0)
+    assert [phase_of(fleet, slot=s) for s in (0, 1)] == [SlotPhase.IDLE, SlotPhase.EXTERNAL]
+    assert fleet.backends[0].slots[0].content is None

@@ -115,6 +115,17 @@ class Fingerprint:
             tuple(hashes), tuple(tokens), self.anchor, users=self.users, parts=self.parts
         )
 
+    def prefix(self, segments: int) -> Fingerprint:
+        """The chain of the first ``segments`` segments (a slot's KV cut short), with what
+        it knows of them: where their user messages start, their pieces."""
+        return Fingerprint(
+            self.hashes[:segments],
+            self.tokens[:segments],
+            self.anchor,
+            users=tuple(u for u in self.users if u < segments),
+            parts=tuple(p for p in self.parts if p[0] < segments),
+        )
+
     def part(self, segment: int) -> Part | None:
         """Segment ``segment``'s pieces, if it has them."""
         return next((p for p in self.parts if p[0] == segment), None)

@@ -166,8 +166,10 @@ class Fleet:
             if not clean:
                 # the server keeps what it computed of a task cut short: a prefix of the
                 # prompt, which the drain's ``/slots`` read trims to the KV's length
-                # (``_reconcile``; a length it counts in the server's tokens)
-                slot.content = pending
+                # (``_reconcile``; a length it counts in the server's tokens). A task cut
+                # before it started left the KV as it was, whoever wrote it: its tenant is
+                # unknown (``core.prompt.isolation``: no tenant reuses it)
+                slot.content, slot.owner = pending, None
                 slot.n_tokens = backend.kv_tokens(pending) if pending is not None else 0
                 continue
             before, slot.content = slot.content, content if content is not None else pending
@@ -314,6 +316,8 @@ class Fleet:
         if slept:
             self._forget(backend)
         if not probe.read:
+            if not (restarted or slept):
+                _lapsed_unseen(backend, now)
             return restarted or slept
         for seen in probe.slots:
             slot = backend.slots[seen.id]
@@ -413,8 +417,18 @@ def _reconcile(slot: SlotState, seen_tokens: int) -> None:
         slot.content = None
         return
     keep = content.total * seen_tokens / slot.n_tokens
-    segments = sum(1 for t in content.tokens if t <= keep)
-    slot.content = Fingerprint(content.hashes[:segments], content.tokens[:segments], content.anchor)
+    slot.content = content.prefix(sum(1 for t in content.tokens if t <= keep))
+
+
+def _lapsed_unseen(backend: BackendState, sent: float) -> None:
+    """A probe read no ``/slots`` (disabled, or its key not given to the proxy) though a slot
+    is EXTERNAL (only another replica's lapsed lease leaves one on such a backend: a slot seen
+    processing needs a read): no read will show it idle, so it is taken for idle, what it
+    holds unknown, as a drain given up unseen is; only one EXTERNAL before the probe was
+    sent (its lease's end dates it: ``fold_shared``)."""
+    for slot in backend.slots:
+        if slot.phase is SlotPhase.EXTERNAL and slot.last_used <= sent:
+            slot.phase, slot.content, slot.n_tokens, slot.owner = SlotPhase.IDLE, None, 0, None
 
 
 def _saved(slot: SlotState, ram_entries: list[RamEntry]) -> bool:

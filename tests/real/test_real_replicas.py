@@ -124,6 +124,9 @@ async def test_a_frozen_replicas_expired_lease_frees_no_slot_still_running(
                     assert (await resp.json())["violations"] == []
             for task in held:
                 task.cancel()
+            for answer in await asyncio.gather(*held, return_exceptions=True):
+                if isinstance(answer, aiohttp.ClientResponse):
+                    answer.close()  # (else its connection is collected unclosed, later)
             store.close()
     finally:
         if a.proc is not None:

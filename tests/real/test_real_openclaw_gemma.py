@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from testbed.probes import metric
 from testbed.stack import ProxyProcess
 from tests.real.test_real_openclaw import OPENCLAW, configure, install, scrape
@@ -52,6 +54,7 @@ class Turns:
         return turn
 
 
+@pytest.mark.timeout(900)  # five OpenClaw turns of 12k-token prompts: minutes on a busy CPU
 def test_openclaw_sessions_sharing_one_slot_come_back_from_their_snapshots(
     gemma_servers: Any,
 ) -> None:

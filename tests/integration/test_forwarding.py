@@ -292,7 +292,7 @@ async def test_a_request_its_home_queues_past_the_read_timeout_is_relayed(
     pair = [await proxy(backends, redis_url=redis_server.url, **options) for _ in "ab"]
     await _met(*pair)
     history = [{"role": "system", "content": "Rule: keep it small. " * 400}]
-    history.append({"role": "user", "content": "session 0: begin"})
+    history.append({"role": "user", "content": "agent 0: begin"})
     first = await pair[0].post(CHAT, json={"messages": history, "max_tokens": 2, "stream": True})
     assert first.status == 200
     reply = delta_text(await events_to_done(first))

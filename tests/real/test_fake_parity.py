@@ -320,20 +320,32 @@ async def test_fake_slot_files_match_real_server(llama_servers: Any) -> None:
     assert expected["cross_slot_restore_reused"] is True
 
 
+async def _left_then_polled(
+    session: aiohttp.ClientSession, url: str, n_predict: int, polls: int, until_idle: bool
+) -> list[bool]:
+    """A client leaves a non-streamed request of ``n_predict`` tokens after 0.1 s; then
+    ``/slots`` is read every 0.25 s, ``polls`` times (``until_idle``: until the slot is idle):
+    whether the slot was processing at each read."""
+    body = {"prompt": "I believe the meaning of life is", "n_predict": n_predict}
+    with pytest.raises(TimeoutError):
+        await session.post(url + "/completion", json={**body, "ignore_eos": True}, timeout=QUICK)
+    busy: list[bool] = []
+    for _ in range(polls):
+        async with session.get(url + "/slots") as resp:
+            busy.append((await resp.json())[0]["is_processing"])
+        if until_idle and not busy[-1]:
+            break
+        await asyncio.sleep(0.25)
+    return busy
+
+
 async def _disconnect_observations(url: str) -> dict[str, bool]:
-    """A client leaves a non-streamed request after 0.1 s: the server checks its socket only
-    after a second with no task result, so the slot stays busy while ``/slots`` is read every
-    0.25 s (each answer is a result), and is freed once it has had a quiet second."""
-    endless = {"prompt": "I believe the meaning of life is", "n_predict": 2000, "ignore_eos": True}
+    """The server checks a waiting request's socket only after a second with no task
+    result, so the slot of a long generation stays busy while ``/slots`` is read (each answer
+    is a result), and is freed once it has had a quiet second."""
     seen = {}
     async with aiohttp.ClientSession() as session:
-        with pytest.raises(TimeoutError):
-            await session.post(url + "/completion", json=endless, timeout=QUICK)
-        busy = []
-        for _ in range(10):  # 2.5 s
-            async with session.get(url + "/slots") as resp:
-                busy.append((await resp.json())[0]["is_processing"])
-            await asyncio.sleep(0.25)
+        busy = await _left_then_polled(session, url, 2000, 10, until_idle=False)  # 2.5 s
         seen["busy_while_slots_are_read"] = all(busy)
         await asyncio.sleep(1.6)
         async with session.get(url + "/slots") as resp:
@@ -342,24 +354,12 @@ async def _disconnect_observations(url: str) -> dict[str, bool]:
 
 
 async def _generated_observations(url: str) -> dict[str, bool]:
-    """A client leaves a non-streamed request of 24 tokens after 0.1 s while ``/slots`` is
-    read every 0.25 s: no quiet second comes, but the task ends when it has generated its
-    reply, and the slot is freed then (polled for up to 30 s: a busy machine is slow)."""
-    short = {"prompt": "I believe the meaning of life is", "n_predict": 24, "ignore_eos": True}
-    seen = {}
+    """While ``/slots`` is read no quiet second comes, but a task of 24 tokens ends when it
+    has generated its reply, and the slot is freed then (polled for up to 30 s: a busy
+    machine is slow)."""
     async with aiohttp.ClientSession() as session:
-        with pytest.raises(TimeoutError):
-            await session.post(url + "/completion", json=short, timeout=QUICK)
-        busy = []
-        for _ in range(120):
-            async with session.get(url + "/slots") as resp:
-                busy.append((await resp.json())[0]["is_processing"])
-            if not busy[-1]:
-                break
-            await asyncio.sleep(0.25)
-        seen["busy_at_first"] = busy[0]
-        seen["idle_once_generated_while_slots_are_read"] = not busy[-1]
-    return seen
+        busy = await _left_then_polled(session, url, 24, 120, until_idle=True)
+    return {"busy_at_first": busy[0], "idle_once_generated_while_slots_are_read": not busy[-1]}
 
 
 async def test_fake_checks_a_waiting_clients_socket_as_the_real_server(llama_servers: Any) -> None:

@@ -278,7 +278,7 @@ def test_prompts_parting_early_or_in_their_first_user_message_share_no_piece() -
     a = _agent(RULES)
     assert shared_tokens(a, _agent("Another agent. " + RULES)) == a.tokens[0]
     # the first user message is where a conversation starts: never counted in part
-    long = "Session 1. " + "x " * 600
+    long = "Conversation one. " + "x " * 600
     c, d = _agent(RULES, long + "one"), _agent(RULES, long + "two")
     assert shared_tokens(c, d) == c.tokens[1]
 

@@ -246,3 +246,37 @@ def test_a_session_parting_in_the_system_prompts_last_line_keeps_the_slot_unpark
     slot, prompt = _agent(RULES + "\nsession=alpha"), _agent(RULES + "\nsession=beta")
     assert not ram_cache.hook_runs(slot, prompt)
     assert ram_cache.hook_runs(slot, _agent("Another agent. " + RULES))
+
+
+def test_an_entry_parting_in_the_system_prompts_last_line_is_shared_to_the_token() -> None:
+    """A session parked in RAM whose system prompt differs from the request's only in a last
+    line: the server compares tokens, so the request keeps nearly all of the entry's system
+    prompt and the entry is loaded; by whole segments it kept the tools alone, under a
+    quarter, and was taken for one never loaded."""
+    from tests.unit.test_fingerprint import RULES, _agent
+
+    parked, request = _agent(RULES + "\nsession=alpha"), _agent(RULES + "\nsession=beta")
+    entry = RamEntry(parked, 0.0)
+    assert entry.quarter == 2
+    assert common_segments(request.hashes, parked.hashes) == 1
+    assert ram_cache.shared_segments(request, [entry]) == (1,)
+    # a prompt parting early in the system prompt keeps under a quarter: never loaded
+    assert ram_cache.shared_segments(_agent("Another agent. " + RULES), [entry]) == (0,)
+
+
+def test_a_request_pinned_to_a_stranger_is_predicted_the_parked_entry_it_shares_in_part() -> None:
+    """Pinned to a slot holding an unrelated prompt, the server loads the parked session that
+    shares all of the request's system prompt but its last line: the prediction counts it."""
+    from proxy.core.prompt.fingerprint import shared_tokens
+    from proxy.core.routing.decision import route
+    from tests.unit.test_fingerprint import RULES, _agent
+    from tests.unit.test_routing import PARAMS, decided
+
+    f = fleet(1)
+    hold(f, 0, 0, _agent("An unrelated agent. " + RULES, "Other work."), at=90.0)
+    parked, request = _agent(RULES + "\nsession=alpha"), _agent(RULES + "\nsession=beta")
+    f.backends[0].ram_entries = [RamEntry(parked, 80.0)]
+    d = decided(route(request, f.backends, PARAMS, now=100.0, allow_wait=False))
+    assert d.placement is not None
+    assert d.placement.from_ram == f.backends[0].ram_entries[0]
+    assert d.predicted == shared_tokens(request, parked) > request.tokens[0]

@@ -262,8 +262,14 @@ def ram_view(
         if not n:
             continue
         entry = entries[i]
-        # (_reuse without the exact rule, inlined for the usual model)
-        reuse = _reuse(fp, entry.content, True, n) if exact else min(tokens[n - 1], cap)
+        # (_reuse without the exact rule, inlined for the usual model: into the segment
+        # where they part, by its pieces, as the server compares tokens)
+        if exact:
+            reuse = _reuse(fp, entry.content, True, n)
+        elif fp.parts:
+            reuse = min(shared_tokens(fp, entry.content, n), cap)
+        else:
+            reuse = min(tokens[n - 1], cap)
         served[i], shared[i] = (reuse, kv_length(entry.content, entry.size, scale)), n
         if reuse > 0:
             loadable.append(i)

@@ -86,17 +86,32 @@ def shared_segments(fp: Fingerprint, entries: Sequence[RamEntry]) -> tuple[int, 
     which the server never loads. One hash compare at the entry's quarter decides that (chain
     hashes cover whole prefixes) and one more at the next segment finds the usual case, a
     prompt sharing just an entry's header (a common system prompt): only entries sharing
-    more are binary-searched, so the routing view costs a few compares per entry."""
+    more are binary-searched, so the routing view costs a few compares per entry.
+    A prompt that parts inside the segment where the entry's quarter lies (a system prompt
+    that differs in a last line) may still share a quarter of it, to the token
+    (``shared_tokens``): the server compares tokens, and loads such an entry."""
     hashes, n, out = fp.hashes, len(fp.hashes), []
     for entry in entries:
         q, own = entry.quarter, entry.content.hashes
         if q > n or hashes[q - 1] != own[q - 1]:
-            out.append(0)
+            out.append(_into_quarter(fp, entry))
         elif q == n or q == len(own) or hashes[q] != own[q]:
             out.append(q)
         else:
             out.append(common_segments(hashes, own, q + 1))
     return tuple(out)
+
+
+def _into_quarter(fp: Fingerprint, entry: RamEntry) -> int:
+    """For an entry ``fp`` does not share whole segments up to its quarter with: the
+    segments before that quarter's segment when they are shared and the prompt's share of
+    that segment (its pieces) reaches the quarter; else 0. Pieces count only before the
+    prompt's conversation (``shared_tokens``), and only in the segment the quarter lies in:
+    a prompt parting earlier keeps less than the segments before it."""
+    at, own = entry.quarter - 1, entry.content.hashes
+    if not fp.parts or at < 1 or at >= len(fp.hashes) or fp.hashes[at - 1] != own[at - 1]:
+        return 0
+    return at if shared_tokens(fp, entry.content, at) >= 0.25 * entry.content.total else 0
 
 
 def consulted(kept: int, content_tokens: int, prompt_tokens: int, share: float = 0.5) -> bool:

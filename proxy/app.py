@@ -224,7 +224,7 @@ def _middlewares(
 ) -> list[Middleware]:
     """Request records, logging and errors; CORS preflights (any path) to a backend; then
     the API key check, when keys are set."""
-    keys = tuple(key.get_secret_value() for key in settings.api_key)
+    keys = settings.client_keys()
     own = frozenset({"/healthz", "/readyz"})
     checks = [make_key_check(keys, PUBLIC | own)] if keys else []
     return [make_middleware(metrics, clock, CorsMirror()), make_preflight(preflight), *checks]

@@ -135,8 +135,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"llama-cache-proxy: {exc}", file=sys.stderr)
         return 2
     _configure_logging(settings.log_level, settings.log_format)
-    for caution in settings.cautions():
-        logging.getLogger(__name__).warning("%s", caution)
     logging.getLogger(__name__).info(
         "listening on %s, backends=%s, state=%s",
         settings.listen,

@@ -81,7 +81,8 @@ class Settings(_Frozen):
     api_key: tuple[SecretStr, ...] = Field(
         default=(),
         description="keys clients must present, as llama-server's --api-key (comma-separated "
-        "or a list): Authorization: Bearer KEY or X-Api-Key; none: no key is checked",
+        "or a list): Authorization: Bearer KEY or X-Api-Key; none: the backends' api_keys, "
+        "if any (else no key is checked)",
     )
     admin_churn_text: bool = Field(
         default=False,
@@ -178,16 +179,14 @@ class Settings(_Frozen):
     def port(self) -> int:
         return int(self.listen.rpartition(":")[2])
 
-    def cautions(self) -> list[str]:
-        """What this configuration allows that its operator may not mean to (logged at
-        start-up): a backend's key sent for clients that present none."""
-        keyed = [b.label for b in self.backends if b.key is not None]
-        if keyed and not self.api_key:
-            return [
-                f"backends {', '.join(keyed)} have an api_key but the proxy checks none: "
-                "anyone who reaches the proxy uses them with their key (set api_key)"
-            ]
-        return []
+    def client_keys(self) -> tuple[str, ...]:
+        """The keys clients must present: ``api_key``; without it, the keys of the backends
+        started with ``--api-key`` (each forwarded request carries its backend's key in place
+        of the client's, so a proxy checking none would let anyone use them: in front of such
+        a server the proxy refuses what the server alone would refuse)."""
+        if self.api_key:
+            return tuple(key.get_secret_value() for key in self.api_key)
+        return tuple(dict.fromkeys(b.key for b in self.backends if b.key is not None))
 
 
 # settings that were removed, and what took their place: an old config names what to change

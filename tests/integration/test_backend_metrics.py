@@ -20,8 +20,10 @@ async def test_one_backend_metrics_follow_the_proxys_own_verbatim(fakes: Any, pr
     fake = await fakes()
     fake.metrics, fake.api_key = True, "backend-key"
     client = await proxy([{"url": fake.url, "api_key": "backend-key"}])
-    assert (await client.post("/v1/chat/completions", json=chat("hello there"))).status == 200
-    resp = await client.get("/metrics")
+    key = {"Authorization": "Bearer backend-key"}  # the proxy checks its backends' keys
+    body = chat("hello there")
+    assert (await client.post("/v1/chat/completions", json=body, headers=key)).status == 200
+    resp = await client.get("/metrics", headers=key)
     page = await resp.text()
     assert resp.status == 200
     assert resp.headers["Content-Type"].startswith("text/plain; version=")

@@ -70,7 +70,7 @@ async def test_backend_key_is_sent_on_probes_and_in_place_of_the_clients(
 ) -> None:
     fake = await fakes(n_slots=2)
     fake.api_key = "backend-key"
-    client = await proxy([{"url": fake.url, "api_key": "backend-key"}])
+    client = await proxy([{"url": fake.url, "api_key": "backend-key"}], api_key="client-key")
     headers = {"Authorization": "Bearer client-key", "X-Api-Key": "client-key"}
     resp = await client.post("/completion", json={"prompt": "x"}, headers=headers)
     assert resp.status == 200
@@ -78,6 +78,25 @@ async def test_backend_key_is_sent_on_probes_and_in_place_of_the_clients(
     assert sent["Authorization"] == "Bearer backend-key"
     assert "X-Api-Key" not in sent
     assert len(client.app[SCHEDULER].fleet.backends[0].slots) == 2  # /slots was read
+
+
+async def test_without_its_own_keys_the_proxy_refuses_what_its_keyed_backend_would(
+    fakes: Any, proxy: Any
+) -> None:
+    """A backend's key is sent in place of the client's: with no ``api_key`` of the proxy's
+    own, the proxy checks the backend's key, or anyone reaching it would use that key."""
+    fake = await fakes(n_slots=2)
+    fake.api_key = "backend-key"
+    client = await proxy([{"url": fake.url, "api_key": "backend-key"}])
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        resp = await client.post("/completion", json={"prompt": "x"}, headers=headers)
+        assert (resp.status, await resp.read()) == (401, INVALID_KEY.encode())
+        assert (await client.get("/metrics", headers=headers)).status == 401
+    assert (await client.get("/health")).status == 200
+    resp = await client.post(
+        "/completion", json={"prompt": "x"}, headers={"X-Api-Key": "backend-key"}
+    )
+    assert resp.status == 200
 
 
 async def test_backend_with_a_key_the_proxy_lacks_stays_ready(fakes: Any, proxy: Any) -> None:

@@ -50,7 +50,12 @@ async def test_backend_with_api_key_works_with_the_key_and_stays_up_without(
     keyed = await proxy([{"url": server.url, "api_key": "k"}])
     await _until_ready(keyed)
     body = chat("Say hi.", max_tokens=4, temperature=0)
-    assert (await keyed.post("/v1/chat/completions", json=body)).status == 200
+    assert (await keyed.post("/v1/chat/completions", json=body, headers=KEY)).status == 200
+    # with no api_key of its own the proxy checks the backend's: refused as the server refuses
+    resp = await keyed.post("/v1/chat/completions", json=body)
+    assert (resp.status, await resp.read()) == await _direct(
+        server, "POST", "/v1/chat/completions", body, {}
+    )
     bare = await proxy([server.url])
     await _until_ready(bare)  # /slots and /props answer 401: ready all the same
     assert (await bare.post("/v1/chat/completions", json=body, headers=KEY)).status == 200

@@ -308,13 +308,16 @@ def test_yaml_merge_keys_may_give_a_key_again(tmp_path: Path) -> None:
     assert read_config_file(path)["routing"] == {"min_prefix_tokens": 32, "wait_min_tokens": 9}
 
 
-def test_a_backend_key_with_no_client_key_is_a_caution() -> None:
+def test_without_client_keys_the_proxy_checks_its_backends_keys() -> None:
     """A backend's api_key is sent on every request it serves: with no api_key of the proxy's
-    own, also on requests that present none, which the backend alone would refuse."""
-    keyed = {"backends": [{"url": "http://b:8080", "api_key": "k"}]}
-    assert "anyone who reaches the proxy" in " ".join(Settings(**keyed).cautions())
-    assert Settings(**keyed, api_key="client").cautions() == []
-    assert Settings(backends=["http://b:8080"]).cautions() == []
+    own, clients must present a backend's key, as the backend alone would require."""
+    keyed = {"backends": [{"url": "http://a:8080", "api_key": "k"}, "http://b:8080"]}
+    assert Settings(**keyed).client_keys() == ("k",)
+    assert Settings(**keyed, api_key="client").client_keys() == ("client",)
+    assert Settings(backends=["http://b:8080"]).client_keys() == ()
+    hosts = [("a", "k"), ("b", "k"), ("c", "j")]
+    three = {"backends": [{"url": f"http://{h}:8080", "api_key": k} for h, k in hosts]}
+    assert Settings(**three).client_keys() == ("k", "j")
 
 
 def test_an_empty_string_leaves_an_optional_setting_unset() -> None:

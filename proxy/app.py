@@ -148,9 +148,10 @@ def create_app(
         prober,
     )
 
+    cors = CorsMirror(client.probe_cors)  # what the backends give any origin, as probed
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=_middlewares(settings, metrics, clock, handlers.preflight),
+        middlewares=_middlewares(settings, metrics, clock, handlers.preflight, cors),
         handler_args={
             "logger": ProtocolLog(logging.getLogger("aiohttp.server")),
             "auto_decompress": False,  # an encoded body is refused (415), never inflated
@@ -220,14 +221,18 @@ def create_app(
 
 
 def _middlewares(
-    settings: Settings, metrics: ProxyMetrics, clock: Callable[[], float], preflight: Handler
+    settings: Settings,
+    metrics: ProxyMetrics,
+    clock: Callable[[], float],
+    preflight: Handler,
+    cors: CorsMirror,
 ) -> list[Middleware]:
-    """Request records, logging and errors; CORS preflights (any path) to a backend; then
-    the API key check, when keys are set."""
+    """Request records, logging and errors (the proxy's own answers with ``cors``' headers);
+    CORS preflights (any path) to a backend; then the API key check, when keys are set."""
     keys = settings.client_keys()
     own = frozenset({"/healthz", "/readyz"})
     checks = [make_key_check(keys, PUBLIC | own)] if keys else []
-    return [make_middleware(metrics, clock, CorsMirror()), make_preflight(preflight), *checks]
+    return [make_middleware(metrics, clock, cors), make_preflight(preflight), *checks]
 
 
 def _backend_counter(

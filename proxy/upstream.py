@@ -132,6 +132,9 @@ ROUTES: dict[str, Route] = {
     "/cors-proxy": _route("GET+POST", _NONE, json=False),
 }
 HEALTH = ("/health", "/v1/health")  # answered by the proxy: is any backend ready
+# the Origin of the proxy's own /health probes: a backend that echoes it in its CORS headers
+# allows every origin (llama-server's default), which the proxy's own answers then do too
+PROBE_ORIGIN = "http://llama-cache-proxy.invalid"
 PUBLIC = frozenset(HEALTH)  # llama-server checks no API key there (server-http.cpp)
 _SLOTS_OWNED = (
     "the proxy manages slots itself (pins, saves and restores); a client's slot action "
@@ -198,6 +201,8 @@ class LlamaServerClient:
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=timeouts.probe_seconds)
         self._pool = Pool(timeouts.connect_seconds, timeouts.read_seconds, on_open=on_open)
+        # base URL -> the CORS headers of its last healthy /health answer to ``PROBE_ORIGIN``
+        self.probe_cors: dict[str, dict[str, str]] = {}
 
     async def open(self) -> None:
         """Open the client's own connection pool (inside the running event loop)."""
@@ -263,10 +268,17 @@ class LlamaServerClient:
         healthy, but ``/props`` answered an error, or it or ``/slots`` did not answer in time,
         which tells nothing of its slots (the caller keeps what it knows: a backend whose
         ``/props`` is slower than the probe timeout was held down for good)."""
+        options = self._short(base_url)
+        options["headers"] = {**options["headers"], "Origin": PROBE_ORIGIN}
         try:
-            async with self._http.get(base_url + "/health", **self._short(base_url)) as up:
+            async with self._http.get(base_url + "/health", **options) as up:
                 if up.status != 200:
                     return Probe(BackendPhase.LOADING if up.status == 503 else BackendPhase.DOWN)
+                self.probe_cors[base_url] = {
+                    name.title(): value
+                    for name, value in up.headers.items()
+                    if name.lower().startswith("access-control-") or name.lower() == "vary"
+                }
             try:
                 return await self._slots(base_url, slots)
             except TimeoutError:  # healthy, but slow to tell more (a long prefill, a busy host)

@@ -228,6 +228,7 @@ class FakeLlamaServer:
     def app(self) -> web.Application:
         checks = [self._loading_check, self._key_check]
         app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=checks)
+        app.on_response_prepare.append(_echo_origin)
         r = app.router
         r.add_get("/health", self.health)
         r.add_get("/v1/health", self.health)
@@ -417,9 +418,9 @@ class FakeLlamaServer:
 
     # -- metadata endpoints ---------------------------------------------------------------
     async def preflight(self, request: web.Request) -> web.Response:
-        """CORS preflight on any path, as llama-server's defaults answer it."""
+        """CORS preflight on any path, as llama-server's defaults answer it (the origin is
+        echoed on every answer: ``_echo_origin``)."""
         headers = {
-            "Access-Control-Allow-Origin": "*",
             "Access-Control-Allow-Credentials": "true",
             "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
             "Access-Control-Allow-Headers": "*",
@@ -1076,3 +1077,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+async def _echo_origin(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer allows the request's origin, as llama-server's defaults do: it echoes the
+    ``Origin`` header (empty without one)."""
+    response.headers.setdefault("Access-Control-Allow-Origin", request.headers.get("Origin", ""))

@@ -212,7 +212,22 @@ async def test_a_cors_preflight_on_any_path_is_the_backends_answer(fakes: Any, p
         )
         assert resp.status == 200, path
         assert resp.headers["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS"
-        assert resp.headers["Access-Control-Allow-Origin"] == "*"
+        assert resp.headers["Access-Control-Allow-Origin"] == "http://x"
+
+
+async def test_the_proxys_own_answers_allow_an_origin_as_its_backends_allow_any(
+    fakes: Any, proxy: Any
+) -> None:
+    """A browser app's first request may be one the proxy answers itself (its health check,
+    an error): it carries the CORS headers llama-server gives any origin (it echoes the
+    origin, as the backends echoed the proxy's probe), or the browser hides the answer."""
+    fake = await fakes()
+    client = await proxy([fake])
+    await until(lambda: client.app[SCHEDULER].fleet.backends[0].slots != [], "probed")
+    for path, status in (("/health", 200), ("/nope", 404)):
+        resp = await client.get(path, headers={"Origin": "http://app.example"})
+        assert resp.status == status
+        assert resp.headers["Access-Control-Allow-Origin"] == "http://app.example", path
 
 
 async def test_router_model_management_is_forwarded_and_its_events_relayed_as_they_come(

@@ -61,7 +61,21 @@ async def _observations(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session, session.get(url + "/props") as resp:
         seen["total_slots"] = (await resp.json())["total_slots"]
     seen["stream_timings_on"] = await _stream_timings(url)
+    seen["origins_allowed"] = await _origins_allowed(url)
     return seen
+
+
+async def _origins_allowed(url: str) -> list[str | None]:
+    """The CORS origin each answer allows: a health check's, an error's and a preflight's
+    to a browser's origin, and a health check's without one."""
+    app = {"Origin": "http://app.example"}
+    asks = [("GET", "/health", app), ("GET", "/nope", app), ("OPTIONS", "/completion", app)]
+    allowed = []
+    async with aiohttp.ClientSession() as session:
+        for method, path, headers in [*asks, ("GET", "/health", {})]:
+            async with session.request(method, url + path, headers=headers) as resp:
+                allowed.append(resp.headers.get("Access-Control-Allow-Origin"))
+    return allowed
 
 
 async def _stream_timings(url: str) -> dict[str, list[str]]:

@@ -43,6 +43,24 @@ async def test_health_through_the_proxy_equals_the_servers(llama_servers: Any, p
         assert (resp.status, await resp.read()) == await _direct(server, "GET", path, None, {})
 
 
+async def test_an_origin_is_allowed_on_the_proxys_own_answers_as_the_server_allows_it(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """A browser app on another origin: its first request may be one the proxy answers
+    itself (the health check, an unknown path). The server allows every origin by default
+    (it echoes ``Origin``), and so does the proxy, before any answer was forwarded to it."""
+    server = llama_servers(slots=1)
+    client = await proxy([server.url])
+    await _until_ready(client)
+    origin = {"Origin": "http://app.example"}
+    async with aiohttp.ClientSession() as session:
+        for path in ("/health", "/nope"):
+            async with session.get(server.url + path, headers=origin) as direct:
+                allowed = direct.headers.get("Access-Control-Allow-Origin")
+            resp = await client.get(path, headers=origin)
+            assert resp.headers.get("Access-Control-Allow-Origin") == allowed == origin["Origin"]
+
+
 async def test_backend_with_api_key_works_with_the_key_and_stays_up_without(
     llama_servers: Any, proxy: Any
 ) -> None:

@@ -51,6 +51,8 @@ STOP_SECONDS = 3.0  # at shutdown, how long background tasks get to end
 # bytes resets the connection, and the client may lose the answer)
 LINGER_SECONDS = 1.0
 
+DOWN_PROBE_ROUNDS = 3  # probe rounds (health.interval_seconds) a fleet may be all down
+
 
 def create_app(
     settings: Settings,
@@ -76,7 +78,10 @@ def create_app(
     )
     for state, backend in zip(fleet.backends, settings.backends, strict=True):
         state.reuse_known = backend.kv_reuse != "auto"  # probed (``reuse_probe``)
-    scheduler = Scheduler(fleet, settings.queue, metrics, clock)
+    # a restarting llama-server listens (answering 503 while it loads) within a few probe
+    # rounds: a fleet all down for longer is not restarting, and waiting requests get a 503
+    down = DOWN_PROBE_ROUNDS * settings.health.interval_seconds + settings.timeouts.probe_seconds
+    scheduler = Scheduler(fleet, settings.queue, metrics, clock, down)
     keys = {b.base_url: b.key for b in settings.backends}
     labels = {b.base_url: b.label for b in settings.backends}
 

@@ -155,6 +155,12 @@ ROUTER_ROUTES = (
 )
 
 
+async def _echo_origin(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer allows the request's origin, as llama-server's defaults do: it echoes the
+    ``Origin`` header (empty without one)."""
+    response.headers.setdefault("Access-Control-Allow-Origin", request.headers.get("Origin", ""))
+
+
 class FakeLlamaServer:
     def __init__(
         self,
@@ -1077,9 +1083,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-async def _echo_origin(request: web.Request, response: web.StreamResponse) -> None:
-    """Every answer allows the request's origin, as llama-server's defaults do: it echoes the
-    ``Origin`` header (empty without one)."""
-    response.headers.setdefault("Access-Control-Allow-Origin", request.headers.get("Origin", ""))

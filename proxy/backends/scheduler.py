@@ -28,11 +28,13 @@ A full queue or an expired wait answers 503 with ``Retry-After``, unless the req
 to wait beside a slot it could take (for a busy slot that saves more): then ``settle``, its
 decision with no waiting by choice, places it there. At shutdown every waiter is answered 503
 (``close``): none of them reached a backend. While no backend is ready
-(start-up, a restart, an outage) requests wait the same way, and go as soon as a probe finds
+(start-up, a restart's model load) requests wait the same way, and go as soon as a probe finds
 a backend ready (``wake``); so do requests that use no slot (``backend``). A backend that
 fails a request is down until a probe finds it ready, and every waiter decides again
-(``mark_down``). A waiter cancelled (client gone) at the moment it was granted a slot gives
-the slot straight back, so no claim leaks; a waiter whose decision raises fails alone.
+(``mark_down``). Once every backend has been down (none loading, none not yet probed) for
+``down_seconds``, waiting and arriving requests are answered 503: none is restarting. A
+waiter cancelled (client gone) at the moment it was granted a slot gives the slot straight
+back, so no claim leaks; a waiter whose decision raises fails alone.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -77,8 +80,12 @@ class Scheduler:
         settings: QueueSettings,
         metrics: ProxyMetrics,
         clock: Callable[[], float],
+        down_seconds: float = math.inf,
     ) -> None:
+        """``down_seconds``: how long requests wait while every backend is down."""
         self.fleet = fleet
+        self._down_seconds = down_seconds
+        self._down_since: float | None = None  # since when every backend is down
         self._settings = settings
         self._metrics = metrics
         self._clock = clock
@@ -110,7 +117,27 @@ class Scheduler:
         result = decide()
         if isinstance(result, Placement):
             self.fleet.claim(result, self._clock(), content)
+        elif result is NoPlacement.DOWN and self._long_down():
+            raise self._down()
         return result
+
+    def _down(self) -> ServiceUnavailable:
+        return self._unavailable("no backend is up", "no_backend")
+
+    def _long_down(self) -> bool:
+        """Every backend has been down (none loading or not yet probed) for ``down_seconds``:
+        none is restarting (llama-server listens, answering 503, while it loads a model), so
+        a request is answered 503 now rather than kept for a backend that may not come back."""
+        since = self._down_since
+        return since is not None and self._clock() >= since + self._down_seconds
+
+    def _note_phases(self) -> None:
+        """Keep when the fleet went all down (None while a backend is up or coming up)."""
+        down = all(b.phase is BackendPhase.DOWN for b in self.fleet.backends)
+        if not down:
+            self._down_since = None
+        elif self._down_since is None:
+            self._down_since = self._clock()
 
     async def acquire(
         self,
@@ -171,6 +198,8 @@ class Scheduler:
         ready (``wake``), within the queue's bounds."""
         deadline = self._clock() + self._settings.max_wait_seconds
         while isinstance(index := pick(), NoPlacement):
+            if index is NoPlacement.DOWN and self._long_down():
+                raise self._down()
             if self._clock() >= deadline:
                 raise self._expired()
             self._room()
@@ -202,7 +231,11 @@ class Scheduler:
         try:
             while not future.done() and self._clock() < deadline:
                 due = deadline if recheck_at is None else min(recheck_at, deadline)
+                if self._down_since is not None:
+                    due = min(due, self._down_since + self._down_seconds)
                 await asyncio.wait([future], timeout=max(0.0, due - self._clock()))
+                if not future.done() and self._long_down():
+                    break
                 if not future.done() and recheck_at is not None and self._clock() >= recheck_at:
                     recheck_at = None  # its own bound passed: decided again once
                     self._grant(future, waiter)
@@ -215,6 +248,8 @@ class Scheduler:
         if future.done():
             return future.result()
         future.cancel()
+        if self._long_down():
+            raise self._down()
         if settle is not None and isinstance(now := self._try(settle, waiter.content), Placement):
             return now  # (its bound passed beside a slot it chose not to take)
         raise self._expired()
@@ -310,6 +345,7 @@ class Scheduler:
         until every slot of the ready backends is taken. Past that point the rest wait as
         they are: deciding again would only say so; but a waiter that waited for one of the
         freed slots decides again (``_retarget``)."""
+        self._note_phases()
         if self._ready and self._any_ready():
             for ready in self._ready:
                 if not ready.done():

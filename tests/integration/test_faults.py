@@ -249,6 +249,27 @@ async def test_a_request_whose_only_backend_restarts_is_served_once_it_is_back(
     assert time.monotonic() - started < 10  # (the queue's bound is 30 s)
 
 
+async def test_a_fleet_down_for_some_probe_rounds_answers_503_not_the_queues_bound(
+    fakes: Any, proxy: Any
+) -> None:
+    """The only backend is gone for good: a request waits a few probe rounds for it to come
+    back (a restarting server listens within them), then gets a 503, not one after the
+    queue's bound (600 s by default); a request arriving later gets it at once."""
+    fake = await fakes(n_slots=2)
+    client = await proxy([fake], health={"interval_seconds": 0.1}, timeouts={"probe_seconds": 0.5})
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    await fake.stop()
+    started = time.monotonic()
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 503
+    assert (await resp.json())["error"]["code"] == "no_backend"
+    assert time.monotonic() - started < 30
+    started = time.monotonic()
+    later = await client.post("/v1/chat/completions", json=body)
+    assert (later.status, time.monotonic() - started < 0.5) == (503, True)
+
+
 async def test_loading_backend_holds_requests_until_ready(fakes: Any, proxy: Any) -> None:
     fake = await fakes()
     fake.loading = True

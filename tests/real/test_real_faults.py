@@ -327,3 +327,27 @@ async def test_a_frozen_backend_comes_back_with_its_slot_state(
     cached = (await resp.json())["timings"]["cache_n"]
     assert cached >= 0.9 * answer["usage"]["prompt_tokens"]
     assert await scrape(client, "llama_cache_proxy_backend_restarts_total") == 0
+
+
+async def test_a_request_to_a_fleet_whose_server_is_gone_gets_a_503_soon(
+    llama_servers: Any, proxies: list[ProxyProcess]
+) -> None:
+    """The one llama-server is killed and not restarted: a request waits a few probe rounds
+    for it to listen again (a restarting server answers 503 while it loads), then gets a
+    503, not one after the queue's bound (600 s); a request after that gets one at once.
+    Directly, the client would have had its connection refused."""
+    server: LlamaServer = llama_servers(slots=1)
+    proxy = ProxyProcess([server.url], env=ADMIN).start()
+    proxies.append(proxy)
+    body = chat("Say hi.", max_tokens=2, temperature=0)
+    async with aiohttp.ClientSession() as session:
+        await until_ready(Remote(session, proxy.url))
+        async with session.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+        server.stop()
+        for bound in (60.0, 1.0):
+            started = time.monotonic()
+            async with session.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+                answer = await resp.json()
+            assert (resp.status, answer["error"]["code"]) == (503, "no_backend")
+            assert time.monotonic() - started < bound

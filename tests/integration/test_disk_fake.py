@@ -74,6 +74,8 @@ async def test_auto_scope_saves_the_shared_prefix_once_and_restores_it_after_res
     text = await (await client.get("/metrics")).text()
     cached = metric(text, "llama_cache_proxy_cached_tokens_total")
     assert metric(text, "llama_cache_proxy_prompt_tokens_total") - cached == fake.tokens_processed
+    # and the prediction (an empty slot, before the warm-up filled it) is not counted against it
+    assert metric(text, "llama_cache_proxy_route_predictions_total", outcome="under") == 0
 
     fake = await restart(fakes, fake, client, n_slots=2, save_dir=tmp_path)
     third = await client.post("/v1/chat/completions", json=turn(2, 1))

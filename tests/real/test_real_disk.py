@@ -90,6 +90,8 @@ async def test_scoped_save_no_double_prefill_then_restore_after_restart_is_ident
     computed = metric(page, "llama_cache_proxy_prompt_tokens_total")
     computed -= metric(page, "llama_cache_proxy_cached_tokens_total")
     assert computed == server_metric(server.url, "llamacpp:prompt_tokens_total") - start
+    # and a prediction of a slot the disk tier filled after the decision is not counted against it
+    assert metric(page, "llama_cache_proxy_route_predictions_total", outcome="under") == 0
 
     await settle(client, server)  # a restart: every slot is empty, the file is on disk
     third, headers = await post(client, turn(2))

@@ -41,6 +41,9 @@ class DiskPlan:
     restored: Snapshot | None = None
     restored_tokens: int = 0  # of the restored tokens, those the request should reuse
     warmed: int = 0  # prompt tokens a warm-up computed for the request (scoped save)
+    # the scoped save filled the slot after the routing decision (a warm-up, a copy of another
+    # slot, a snapshot another request saved restored): the decision's prediction is moot
+    filled: bool = False
     tenant: str | None = None  # writes to slots are this tenant's (cache isolation)
     client: str = ANONYMOUS  # whose write cap its saves count against
 

@@ -56,8 +56,12 @@ class DiskSteps:
         slot: int,
         layout: Layout,
         kind: str,
+        held: int = 0,
     ) -> Snapshot | None:
-        """Save the slot as it is now, indexed as the first ``segments`` of ``content``."""
+        """Save the slot as it is now, indexed as the first ``segments`` of ``content``;
+        ``held``: the estimated tokens the slot holds when that is more (a slot holding the
+        prefix and more: what a restore of the file loads, of which a request reuses the
+        prefix)."""
         if segments == 0 or content.tokens_at(segments) < self._tier.settings.disk.min_tokens:
             return None
         chain = content.hashes[segments - 1]
@@ -73,7 +77,7 @@ class DiskSteps:
             return None
         snapshot = None
         try:
-            snapshot = await self._save(dp, content, segments, index, slot, layout, kind)
+            snapshot = await self._save(dp, content, segments, index, slot, layout, kind, held)
         finally:  # the reservation becomes what was written
             written = snapshot.nbytes if snapshot is not None else 0
             quota.settle(key, estimate, written, self._tier.now())
@@ -98,6 +102,7 @@ class DiskSteps:
         slot: int,
         layout: Layout,
         kind: str,
+        held: int = 0,
     ) -> Snapshot | None:
         chain = content.hashes[segments - 1]
         try:
@@ -110,6 +115,8 @@ class DiskSteps:
             return None
         whole = kind != "scoped"  # the slot as it is: prompt and reply
         snapshot = self._snapshot(layout, index, content, segments, answer, whole)
+        if held > snapshot.estimate:
+            snapshot = replace(snapshot, estimate=held)
         expected = self._tier.fleet.backends[index].from_estimate(snapshot.estimate)
         if snapshot.tokens * 2 < expected:
             # the server's slot held far less than the proxy knew (it lost the content
@@ -250,6 +257,7 @@ class DiskSteps:
         if offer is not None and offer.segments > held:  # the slot does not hold it already
             self._metrics.disk_events.labels("shared").inc()
             await self.restore(dp, offer, index, slot_id)
+            dp.filled = True
 
     async def scoped_save(
         self,
@@ -261,7 +269,10 @@ class DiskSteps:
         body: dict[str, Any],
         layout: Layout,
     ) -> None:
-        """Prefill exactly the selected prefix (stepping down to a safe boundary), save it."""
+        """Prefill exactly the selected prefix (stepping down to a safe boundary), save it.
+        When another idle slot of the backend holds the prefix (another session under the
+        same system prompt), that slot is saved instead and restored into this one: no token
+        is computed (``_copy``)."""
         messages = body.get("messages")
         chain = fp.hashes[segments - 1]
         mine = self._tier.directory(index)
@@ -269,6 +280,8 @@ class DiskSteps:
             s.directory == mine for s in dp.lookup_chain(chain)
         ):
             return  # not a chat body, or this prefix is on disk already
+        if await self._copy(dp, fp, segments, index, slot_id, layout):
+            return
         url = self._url(index)
         try:
             full = await self._client.render(url, body, generation=True)
@@ -307,10 +320,50 @@ class DiskSteps:
             log.warning("[disk-cache] scoped save skipped: %s", exc)
             self._unsupported(index, exc)
 
+    async def _copy(
+        self,
+        dp: DiskPlan,
+        fp: Fingerprint,
+        segments: int,
+        index: int,
+        slot_id: int,
+        layout: Layout,
+    ) -> bool:
+        """Save an idle slot of the backend that holds the request's first ``segments`` (the
+        most recently used of them) as their snapshot, and restore it into ``slot_id``:
+        llama-server copies a slot's KV only through a file, which costs its bytes' write
+        and read where a warm-up computes every token. The file holds the source's whole KV;
+        the request reuses the prefix of it and overwrites the rest. False when no slot holds
+        the prefix, or the save failed (the caller warms the slot up instead)."""
+        backend = self._tier.fleet.backends[index]
+        sources = [
+            s
+            for s in backend.idle_slots()
+            if s.id != slot_id
+            and s.content is not None
+            and s.n_tokens > 0
+            and common_segments(s.content.hashes, fp.hashes) >= segments
+            and (dp.tenant is None or may_reuse(s.owner, s.content, s.n_tokens, fp, dp.tenant))
+        ]
+        if not sources:
+            return False
+        source = max(sources, key=lambda s: s.last_used)
+        assert source.content is not None
+        held = backend.kv_estimate(source.content, source.n_tokens)
+        snapshot = await self.save_slot(dp, fp, segments, index, source.id, layout, "scoped", held)
+        if snapshot is None:
+            return False
+        log.info("[disk-cache] prefix copied from slot %d for slot %d", source.id, slot_id)
+        reuse = min(fp.tokens_at(segments), fp.total - 1)
+        await self.restore(dp, Offer(snapshot, reuse, 0.0, segments), index, slot_id)
+        dp.filled = True
+        return True
+
     def _warmed(self, dp: DiskPlan, index: int, timings: dict[str, Any]) -> None:
         """The warm-up's prefill is the request's: the tokens it computed are no cache hit of
         the request's, and its seconds are prefill seconds (``metrics``)."""
         computed, ms = timings.get("prompt_n"), timings.get("prompt_ms")
+        dp.filled = True
         dp.warmed += computed if isinstance(computed, int) and computed > 0 else 0
         if isinstance(ms, int | float) and ms > 0:
             label = self._tier.fleet.backends[index].label

@@ -319,7 +319,7 @@ class Router:
                 log.info("ignoring busy cache_key slot; routed by %s", decision.reason.value)
         predicted = self._in_backend_tokens(plan, decision)
         m.predicted_tokens.labels(label).inc(predicted)
-        if usage is None or _filled_after(plan, decision):
+        if usage is None or _filled_after(plan):
             return
         actual = usage.cached_tokens
         if actual >= 0.9 * predicted and actual <= predicted + max(16, predicted // 10):
@@ -329,11 +329,8 @@ class Router:
         m.route_predictions.labels(outcome).inc()
 
 
-def _filled_after(plan: Plan, decision: Decision) -> bool:
-    """Whether the disk tier filled the slot after the decision: a scoped save's warm-up, or
-    the snapshot it saved restored into the slot. The decision predicted the slot as it was;
-    what the request then reused is no measure of that (not counted in ``route_predictions``)."""
-    disk = plan.disk
-    return disk is not None and (
-        disk.warmed > 0 or (disk.restored is not None and decision.restore is None)
-    )
+def _filled_after(plan: Plan) -> bool:
+    """Whether the disk tier filled the slot after the decision (``DiskPlan.filled``): the
+    decision predicted the slot as it was, and what the request then reused is no measure of
+    that (not counted in ``route_predictions``)."""
+    return plan.disk is not None and plan.disk.filled

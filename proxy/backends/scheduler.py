@@ -131,6 +131,11 @@ class Scheduler:
         since = self._down_since
         return since is not None and self._clock() >= since + self._down_seconds
 
+    def _due(self, due: float) -> float:
+        """``due``, or sooner: when the fleet, all down, has been so for ``down_seconds``."""
+        since = self._down_since
+        return due if since is None else min(due, since + self._down_seconds)
+
     def _note_phases(self) -> None:
         """Keep when the fleet went all down (None while a backend is up or coming up)."""
         down = all(b.phase is BackendPhase.DOWN for b in self.fleet.backends)
@@ -207,7 +212,7 @@ class Scheduler:
             self._ready.append(future)
             self._metrics.queued.inc()
             try:
-                await asyncio.wait([future], timeout=deadline - self._clock())
+                await asyncio.wait([future], timeout=self._due(deadline) - self._clock())
             finally:
                 self._metrics.queued.dec()
                 self._ready.remove(future)
@@ -230,9 +235,7 @@ class Scheduler:
         deadline = self._clock() + self._settings.max_wait_seconds
         try:
             while not future.done() and self._clock() < deadline:
-                due = deadline if recheck_at is None else min(recheck_at, deadline)
-                if self._down_since is not None:
-                    due = min(due, self._down_since + self._down_seconds)
+                due = self._due(deadline if recheck_at is None else min(recheck_at, deadline))
                 await asyncio.wait([future], timeout=max(0.0, due - self._clock()))
                 if not future.done() and self._long_down():
                     break

@@ -256,7 +256,12 @@ async def test_a_fleet_down_for_some_probe_rounds_answers_503_not_the_queues_bou
     back (a restarting server listens within them), then gets a 503, not one after the
     queue's bound (600 s by default); a request arriving later gets it at once."""
     fake = await fakes(n_slots=2)
-    client = await proxy([fake], health={"interval_seconds": 0.1}, timeouts={"probe_seconds": 0.5})
+    client = await proxy(
+        [fake],
+        health={"interval_seconds": 0.1},
+        timeouts={"probe_seconds": 0.5},
+        queue={"max_wait_seconds": 60},
+    )
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     assert (await client.post("/v1/chat/completions", json=body)).status == 200
     await fake.stop()
@@ -264,10 +269,30 @@ async def test_a_fleet_down_for_some_probe_rounds_answers_503_not_the_queues_bou
     resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status == 503
     assert (await resp.json())["error"]["code"] == "no_backend"
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 10  # (the queue's bound: 60 s)
     started = time.monotonic()
     later = await client.post("/v1/chat/completions", json=body)
     assert (later.status, time.monotonic() - started < 0.5) == (503, True)
+
+
+async def test_a_request_that_uses_no_slot_gets_a_503_from_a_fleet_down_for_good(
+    fakes: Any, proxy: Any
+) -> None:
+    """As a request for a slot: ``/tokenize`` waits for a backend a few probe rounds, not the
+    queue's bound, when every backend is down."""
+    fake = await fakes(n_slots=1)
+    client = await proxy(
+        [fake],
+        health={"interval_seconds": 0.1},
+        timeouts={"probe_seconds": 0.5},
+        queue={"max_wait_seconds": 60},
+    )
+    await until_ready(client)
+    await fake.stop()
+    started = time.monotonic()
+    resp = await client.post("/tokenize", json={"content": "hi"})
+    assert resp.status == 503
+    assert time.monotonic() - started < 10  # (the queue's bound: 60 s)
 
 
 async def test_loading_backend_holds_requests_until_ready(fakes: Any, proxy: Any) -> None:

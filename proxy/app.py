@@ -184,6 +184,8 @@ def create_app(
             extra = ("HEAD",) if method == "GET" and "HEAD" not in route.methods else ()
             for each in (method, *extra):
                 app.router.add_route(each, path, handlers.forward)
+    for method in ("GET", "HEAD"):  # any other path: the server's web UI, static files, 404s
+        app.router.add_route(method, "/{path:.*}", handlers.other)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         await client.open()

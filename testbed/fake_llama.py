@@ -232,7 +232,7 @@ class FakeLlamaServer:
 
     # -- lifecycle ------------------------------------------------------------------------
     def app(self) -> web.Application:
-        checks = [self._loading_check, self._key_check]
+        checks = [self._loading_check, self._key_check, self._not_found]
         app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=checks)
         app.on_response_prepare.append(_echo_origin)
         r = app.router
@@ -319,6 +319,16 @@ class FakeLlamaServer:
             error = {"message": "Loading model", "type": "unavailable_error", "code": 503}
             return web.json_response({"error": error}, status=503)
         return await handler(request)
+
+    @web.middleware
+    async def _not_found(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """As llama-server: a path it does not serve, or a method the path does not take, is
+        a 404 ``File Not Found`` in its JSON error shape."""
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed):
+            error = {"message": "File Not Found", "type": "not_found_error", "code": 404}
+            return web.json_response({"error": error}, status=404)
 
     @web.middleware
     async def _key_check(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -220,6 +220,11 @@ class ProxyHandlers:
         await self._shared.give_back(placement)
         self._scheduler.release(placement, clean=True, sent=False)
 
+    async def other(self, request: web.Request) -> web.StreamResponse:
+        """A GET or HEAD of a path that is no endpoint of the proxy's: a ready backend's
+        answer (llama-server's web UI, its static files under ``--path``, or its 404)."""
+        return await self._unpinned(request, None)
+
     async def _unpinned(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
         avoid: frozenset[int] = frozenset()
         for attempt in (1, 2):

@@ -61,6 +61,24 @@ async def test_an_origin_is_allowed_on_the_proxys_own_answers_as_the_server_allo
             assert resp.headers.get("Access-Control-Allow-Origin") == allowed == origin["Origin"]
 
 
+async def test_the_servers_static_files_and_404s_come_through_the_proxy(
+    llama_servers: Any, proxy: Any, tmp_path: Any
+) -> None:
+    """A server started with ``--path`` serves a web app (llama.cpp's web UI is served so):
+    its files, and its 404 for what it does not serve, reach a browser through the proxy as
+    they would directly."""
+    (tmp_path / "index.html").write_text("<html><body>chat</body></html>")
+    (tmp_path / "app.js").write_text("console.log('chat');")
+    server = llama_servers(slots=1, extra=("--path", str(tmp_path)))
+    client = await proxy([server.url])
+    await _until_ready(client)
+    for path in ("/", "/app.js", "/nope.js", "/v1/chat/completions"):
+        resp = await client.get(path)
+        direct = await _direct(server, "GET", path, None, {})
+        assert (resp.status, await resp.read()) == direct, path
+    assert (await client.get("/")).headers["Content-Type"].startswith("text/html")
+
+
 async def test_backend_with_api_key_works_with_the_key_and_stays_up_without(
     llama_servers: Any, proxy: Any
 ) -> None:

@@ -9,7 +9,8 @@ server makes a task of each element and gives each the request's ``id_slot``); t
 template and token-counting endpoints, server tools, the MCP CORS proxy, router mode's model
 management (``/models`` and below) and the GET metadata endpoints use no slot. ``REFUSED``:
 the routes the proxy refuses itself, and why; any other path is a 404. ``HEALTH`` and
-``PUBLIC`` are llama-server's readiness paths (served by the proxy, no API key needed).
+``PUBLIC`` are the paths llama-server checks no API key on: its readiness paths (served by the
+proxy) and ``/`` (its web UI, forwarded).
 
 Each backend may have an API key (``BackendSettings.api_key``): the proxy's own calls carry
 it, and so does every forwarded request in place of the client's credential
@@ -135,7 +136,9 @@ HEALTH = ("/health", "/v1/health")  # answered by the proxy: is any backend read
 # the Origin of the proxy's own /health probes: a backend that echoes it in its CORS headers
 # allows every origin (llama-server's default), which the proxy's own answers then do too
 PROBE_ORIGIN = "http://llama-cache-proxy.invalid"
-PUBLIC = frozenset(HEALTH)  # llama-server checks no API key there (server-http.cpp)
+# llama-server checks no API key there (server-http.cpp): its health paths, and ``/`` (the web
+# UI's page, served by a backend: the proxy's catch-all)
+PUBLIC = frozenset((*HEALTH, "/"))
 _SLOTS_OWNED = (
     "the proxy manages slots itself (pins, saves and restores); a client's slot action "
     "would change a slot's contents under it"

@@ -204,7 +204,7 @@ class FakeLlamaServer:
         self.linger_s = 0.0
         self.model = model
         self.loading = False
-        self.api_key: str | None = None  # --api-key: every path but /health needs it
+        self.api_key: str | None = None  # --api-key: every path but /health and / needs it
         self.ui_mcp_proxy = False  # --ui-mcp-proxy: /cors-proxy relays (else 403)
         self.metrics = False  # --metrics: GET /metrics serves Prometheus text (else 501)
         self.sleep_idle_s: float | None = None  # --sleep-idle-seconds (None: -1, never)
@@ -334,7 +334,7 @@ class FakeLlamaServer:
     async def _key_check(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """As llama-server: Authorization (Bearer optional), else X-Api-Key."""
         given = request.headers.get("Authorization", "") or request.headers.get("X-Api-Key", "")
-        if self.api_key is None or request.path in ("/health", "/v1/health"):
+        if self.api_key is None or request.path in ("/health", "/v1/health", "/"):
             return await handler(request)
         if given.removeprefix("Bearer ") != self.api_key:
             return web.Response(status=401, text=INVALID_KEY, content_type="application/json")

@@ -2,7 +2,7 @@
 
 A request presents its key in ``Authorization`` (a ``Bearer `` prefix is optional) or, when
 that header is absent, in ``X-Api-Key`` (``core.prompt.headers.presented_key``). Every path needs
-one of the keys except the public ones: llama-server's ``/health`` and ``/v1/health`` (with
+one of the keys except the public ones: llama-server's ``/health``, ``/v1/health`` and ``/`` (with
 the proxy's own ``/healthz`` and ``/readyz``, for the same health checks), ``/admin/*``
 (its own ``admin_token``) and a CORS preflight (``OPTIONS``). A missing or wrong key is a
 401 with llama-server's body. Keys are compared in constant time.

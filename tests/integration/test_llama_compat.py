@@ -125,6 +125,9 @@ async def test_proxy_key_is_checked_as_llama_server_checks_it(fakes: Any, proxy:
         assert resp.status == 200
     for path in ("/health", "/v1/health", "/healthz", "/readyz"):
         assert (await client.get(path)).status == 200
+    # the web UI's page needs no key either (the fake serves none: its 404), a file does
+    assert (await client.get("/")).status == 404
+    assert (await client.get("/index.html")).status == 401
 
 
 @pytest.mark.parametrize(

@@ -113,6 +113,9 @@ async def test_proxy_api_key_answers_as_llama_servers(llama_servers: Any, proxy:
         resp = await client.post("/tokenize", json={"content": "a"}, headers=headers)
         direct = await _direct(server, "POST", "/tokenize", {"content": "a"}, headers)
         assert (resp.status, await resp.read()) == direct
+    for path in ("/", "/index.html"):  # the web UI's page needs no key; a file does
+        resp = await client.get(path)
+        assert (resp.status, await resp.read()) == await _direct(server, "GET", path, None, {})
 
 
 @pytest.mark.parametrize(

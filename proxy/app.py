@@ -39,7 +39,7 @@ from proxy.routing.router import Router
 from proxy.routing.tokenizer import TokenCounter
 from proxy.state import InMemoryStateStore, StateStore
 from proxy.state.redis import RedisStateStore
-from proxy.upstream import HEALTH, PUBLIC, REFUSED, ROUTES, LlamaServerClient
+from proxy.upstream import HEALTH, PUBLIC, REFUSED, ROUTES, SERVER_SOFTWARE, LlamaServerClient
 
 HANDLERS = web.AppKey("handlers", ProxyHandlers)
 PROBER = web.AppKey("prober", Prober)
@@ -223,8 +223,13 @@ def create_app(
             stream.stop()
 
     app.on_shutdown.append(answer_waiters)
+    app.on_response_prepare.append(_server_header)
     app.cleanup_ctx.append(upstream_ctx)
     return app
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_SOFTWARE  # (aiohttp's default names its own version)
 
 
 def _middlewares(

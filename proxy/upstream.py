@@ -82,8 +82,9 @@ class Route:
     methods: tuple[str, ...]
     slot_use: SlotUse
     chat: bool = False  # body carries ``messages``
+    prompt: bool = False  # body carries a ``prompt``
     batches: bool = False  # a ``prompt`` array may be a batch: one task per element
-    json: bool = True  # body is a JSON object (checked before it is forwarded)
+    json: bool = True  # body is JSON (checked before it is forwarded; an object if routed)
     via: str | None = None  # sent to this path instead, translated (``core.request.anthropic_*``)
 
     @property
@@ -106,7 +107,7 @@ ROUTES: dict[str, Route] = {
     "/completions": _route("POST", _PIN, batches=True),
     "/v1/responses": _route("POST", _PIN),
     "/responses": _route("POST", _PIN),
-    "/infill": _route("POST", _PIN),
+    "/infill": _route("POST", _PIN, prompt=True),
     "/v1/messages": Route(("POST",), _PIN, chat=True, via="/v1/chat/completions"),
     "/v1/embeddings": _route("POST", _EXCLUSIVE),
     "/embeddings": _route("POST", _EXCLUSIVE),
@@ -139,6 +140,9 @@ PROBE_ORIGIN = "http://llama-cache-proxy.invalid"
 # llama-server checks no API key there (server-http.cpp): its health paths, and ``/`` (the web
 # UI's page, served by a backend: the proxy's catch-all)
 PUBLIC = frozenset((*HEALTH, "/"))
+# llama-server's ``Server`` header, which every answer of the proxy carries too (a client
+# sees one server, and not the stack the proxy runs on)
+SERVER_SOFTWARE = "llama.cpp"
 _SLOTS_OWNED = (
     "the proxy manages slots itself (pins, saves and restores); a client's slot action "
     "would change a slot's contents under it"

@@ -157,8 +157,24 @@ ROUTER_ROUTES = (
 
 async def _echo_origin(request: web.Request, response: web.StreamResponse) -> None:
     """Every answer allows the request's origin, as llama-server's defaults do: it echoes the
-    ``Origin`` header (empty without one)."""
+    ``Origin`` header (empty without one), and names itself ``llama.cpp``."""
     response.headers.setdefault("Access-Control-Allow-Origin", request.headers.get("Origin", ""))
+    response.headers["Server"] = "llama.cpp"
+
+
+EMBEDDINGS = ("/v1/embeddings", "/embeddings", "/embedding")
+
+
+async def _json(request: web.Request) -> Any:
+    """The body as llama-server's JSON parser reads it: a NUL byte ends the input."""
+    raw = await request.read()
+    end = raw.find(b"\0")
+    return json.loads(raw if end < 0 else raw[:end])
+
+
+def _object_or_empty(body: Any) -> dict[str, Any]:
+    """Routes that read a field only if the body has it (any other JSON value has none)."""
+    return body if isinstance(body, dict) else {}
 
 
 class FakeLlamaServer:
@@ -252,9 +268,7 @@ class FakeLlamaServer:
             "/v1/responses",
             "/responses",
             "/v1/messages",
-            "/v1/embeddings",
-            "/embeddings",
-            "/embedding",
+            *EMBEDDINGS,
         ):
             r.add_post(path, self.complete)
         for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
@@ -486,7 +500,7 @@ class FakeLlamaServer:
         )
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        body = _object_or_empty(await _json(request))
         self._wake()
         self.tokenize_calls += 1
         text = body.get("content")  # without it the real server answers no tokens
@@ -495,10 +509,11 @@ class FakeLlamaServer:
         return web.json_response({"tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        body = _object_or_empty(await _json(request))
         self._wake()
         words = {v: k for k, v in self._vocab.items()}
-        return web.json_response({"content": "".join(words.get(i, "") for i in body["tokens"])})
+        tokens = body.get("tokens") or []  # without them the real server answers no text
+        return web.json_response({"content": "".join(words.get(i, "") for i in tokens)})
 
     async def apply_template(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -580,7 +595,7 @@ class FakeLlamaServer:
     async def complete(self, request: web.Request) -> web.StreamResponse:
         if "Content-Encoding" in request.headers:  # as llama-server: no encoded request body
             return web.Response(status=415)
-        body = await request.json()
+        body = await _json(request)
         self.received.append((request.path, body, dict(request.headers)))
         self.queries.append((request.path, request.rel_url.raw_query_string))
         if self.faults:
@@ -594,6 +609,8 @@ class FakeLlamaServer:
             drop_after, stall = arg, kind == "stall"
         else:
             drop_after, stall = None, False
+        if request.path in EMBEDDINGS:  # the real server reads none of a completion's fields
+            body = {k: v for k, v in body.items() if k not in ("n", "n_cmpl", "stream")}
         prompt_field = body.get("prompt")
         if isinstance(prompt_field, dict) and "multimodal_data" in prompt_field:
             message = "Multimodal data provided, but model does not support multimodal requests."

@@ -21,7 +21,7 @@ from proxy.config.settings import Settings
 from proxy.core.prompt.fingerprint import Fingerprint
 from proxy.core.prompt.headers import upstream_request_headers
 from proxy.core.prompt.isolation import may_reuse
-from proxy.core.request.body import ParsedBody, decode_json_object, pin_body
+from proxy.core.request.body import ParsedBody, decode_json, pin_body
 from proxy.core.server.fleet import BackendPhase, Placement
 from proxy.core.server.placement import Need, avoiding, pick_backend, place
 from proxy.disk.tier import DiskTier
@@ -86,8 +86,8 @@ class ProxyHandlers:
         post = request.method == "POST"
         raw = await read_body(request, self._settings) if post else None
         if route.slot_use is SlotUse.NONE:
-            if raw is not None and route.json:
-                await self._offload.run(len(raw), partial(decode_json_object, raw))
+            if raw is not None and route.json:  # (any JSON value: the server reads it)
+                await self._offload.run(len(raw), partial(decode_json, raw))
             return await self._unpinned(request, raw)
         assert raw is not None
         size, routing = len(raw), self._settings.routing

@@ -18,7 +18,7 @@ from proxy.config.settings import Settings
 from proxy.core.request.anthropic_request import chat_body
 from proxy.core.request.body import ParsedBody, parse_body
 from proxy.errors import PayloadTooLarge, RequestTimeout, UnreadableBody, UnsupportedEncoding
-from proxy.upstream import Route
+from proxy.upstream import Route, SlotUse
 
 
 async def read_body(request: web.Request, settings: Settings) -> bytes:
@@ -45,4 +45,7 @@ def parse_for(route: Route, raw: bytes) -> ParsedBody:
     """``raw`` validated for ``route`` (an Anthropic body: as the chat completion it becomes;
     the client's own bytes are what a replica forwards)."""
     sent = chat_body(raw) if route.via else raw
-    return parse_body(sent, chat=route.chat, batches=route.batches)
+    generates = route.slot_use is SlotUse.PIN
+    return parse_body(
+        sent, chat=route.chat, prompt=route.prompt, batches=route.batches, generates=generates
+    )

@@ -130,6 +130,47 @@ async def test_proxy_key_is_checked_as_llama_server_checks_it(fakes: Any, proxy:
     assert (await client.get("/index.html")).status == 401
 
 
+async def test_every_answer_names_its_server_as_llama_server_does(fakes: Any, proxy: Any) -> None:
+    """``Server: llama.cpp`` on forwarded answers and on the proxy's own (its health check, a
+    refused key, a bad body, an unknown path), never the proxy's stack."""
+    client = await proxy([await fakes()], api_key="k")
+    key = {"Authorization": "Bearer k"}
+    answers = [
+        await client.get("/health"),
+        await client.get("/props", headers=key),
+        await client.post("/completion", json={"prompt": "x"}, headers=key),
+        await client.post("/completion", json={"prompt": "x"}),
+        await client.post("/completion", data=b"{", headers=key),
+        await client.post("/nope", json={}, headers=key),
+        await client.get("/metrics", headers=key),
+    ]
+    assert [r.headers.get("Server") for r in answers] == ["llama.cpp"] * len(answers)
+    assert [r.status for r in answers] == [200, 200, 200, 401, 400, 404, 200]
+
+
+# bodies llama-server answers 200 that a stricter reading would refuse (its parser stops at a
+# NUL; a route reads only its own fields; /tokenize and /detokenize read any JSON value)
+TAKEN = [
+    ("/tokenize", b"[]"),
+    ("/tokenize", b"null"),
+    ("/detokenize", b"5"),
+    ("/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"prompt":true}'),
+    ("/v1/responses", b'{"input":"hi","prompt":1}'),
+    ("/v1/embeddings", b'{"input":"hi","stream":"no","n":0,"prompt":5}'),
+    ("/completion", b'{"prompt":"hi","n_predict":2}\x00'),
+]
+
+
+@pytest.mark.parametrize(("path", "raw"), TAKEN)
+async def test_a_body_llama_server_takes_is_taken(
+    fakes: Any, proxy: Any, path: str, raw: bytes
+) -> None:
+    fake = await fakes()
+    client = await proxy([fake])
+    resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+    assert resp.status == 200, await resp.text()
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [

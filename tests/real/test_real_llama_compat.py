@@ -13,6 +13,7 @@ import pytest
 from proxy.app import SCHEDULER
 from testbed.stack import LlamaServer
 from tests.conftest import chat
+from tests.integration.test_llama_compat import TAKEN
 from tests.waiting import until
 
 KEY = {"Authorization": "Bearer k"}
@@ -116,6 +117,28 @@ async def test_proxy_api_key_answers_as_llama_servers(llama_servers: Any, proxy:
     for path in ("/", "/index.html"):  # the web UI's page needs no key; a file does
         resp = await client.get(path)
         assert (resp.status, await resp.read()) == await _direct(server, "GET", path, None, {})
+
+
+async def test_bodies_the_server_takes_and_its_server_header_come_through(
+    llama_servers: Any, proxy: Any
+) -> None:
+    """Each body of ``TAKEN`` (a NUL that ends it, a field its route does not read, any JSON
+    value on ``/tokenize``) answers as directly, and every answer names the same server."""
+    server = llama_servers(slots=2, extra=("--embeddings", "--pooling", "mean"))
+    client = await proxy([server.url])
+    await _until_ready(client)
+    kind = {"Content-Type": "application/json"}
+    same = ("/tokenize", "/detokenize", "/v1/embeddings")  # (the others stamp ids and times)
+    async with aiohttp.ClientSession() as session:
+        for path, raw in TAKEN:
+            async with session.post(server.url + path, data=raw, headers=kind) as direct:
+                expected = (direct.status, await direct.read(), direct.headers.get("Server"))
+            resp = await client.post(path, data=raw, headers=kind)
+            got = (resp.status, await resp.read(), resp.headers.get("Server"))
+            assert got[0] == expected[0] == 200, (path, raw, got[1])
+            assert got[2] == expected[2] == "llama.cpp"
+            if path in same:
+                assert got[1] == expected[1], (path, raw)
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,6 @@ def test_parse_reads_routing_fields_and_keeps_body() -> None:
         (b'{"messages": {}}', "invalid_type"),
         (b'{"messages": [{"role": "u"}], "n": "2"}', "invalid_type"),
         (b'{"messages": [{"role": "u"}], "max_tokens": "x"}', "invalid_type"),
-        (b'{"messages": [{"role": "u"}], "prompt": 3}', "invalid_type"),
         (b'{"messages": [{"role": "u"}], "n_cmpl": 0}', "invalid_value"),
     ],
 )
@@ -60,6 +59,39 @@ def test_paired_surrogates_and_an_escaped_backslash_are_text() -> None:
     raw = rb'{"messages": [{"role": "user", "content": "\ud83d\ude00 \\ud800"}]}'
     parsed = parse_body(raw, chat=True)
     assert parsed.data["messages"][0]["content"] == "\U0001f600 \\ud800"
+
+
+@pytest.mark.parametrize(
+    ("raw", "reads"),
+    [
+        (b'{"messages": [], "prompt": true}', {"chat": True}),  # a chat reads no prompt
+        (b'{"input": "x", "prompt": 1}', {}),  # nor does a response
+        (b'{"input": "x", "stream": "no", "n": 0, "prompt": 5}', {"generates": False}),
+        (b'{"content": "x", "max_tokens": "x", "cache_prompt": 1}', {"generates": False}),
+    ],
+    ids=["chat", "responses", "embeddings", "embeddings-counts"],
+)
+def test_a_field_the_route_does_not_read_passes_whatever_it_holds(
+    raw: bytes, reads: dict[str, bool]
+) -> None:
+    """As it does directly: llama-server reads no ``prompt`` on a chat, and none of a
+    completion's fields on an embedding (its answer is 200)."""
+    parsed = parse_body(raw, **reads)
+    assert (parsed.stream, parsed.completions) == (False, 1)
+    with pytest.raises(InvalidRequest):  # where the server reads it, it is checked
+        parse_body(b'{"prompt": 3}', prompt=True)
+
+
+def test_a_nul_byte_ends_the_body_as_it_ends_llama_servers_input() -> None:
+    """What follows the NUL is ignored, as llama-server's parser ignores it; the two fields
+    the proxy sets go inside the object the server reads."""
+    parsed = parse_body(b'{"prompt": "x"}\0trailing}', prompt=True)
+    assert parsed.data == {"prompt": "x"}
+    assert pin_body(parsed.data, 1, True, parsed.source) == (
+        b'{"prompt": "x","id_slot":1,"cache_prompt":true}'
+    )
+    with pytest.raises(InvalidRequest):  # in a string: the string is cut, as the server's
+        parse_body(b'{"prompt": "x\0y"}', prompt=True)
 
 
 def test_pin_body_sets_only_owned_fields() -> None:
@@ -169,7 +201,7 @@ def test_prefix_cache_is_parsed_and_stripped() -> None:
 )
 def test_bad_prefix_cache_is_a_400_naming_the_field(value: str, param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
-        parse_body(f'{{"prompt": "x", "prefix_cache": {value}}}'.encode(), chat=False)
+        parse_body(f'{{"prompt": "x", "prefix_cache": {value}}}'.encode(), prompt=True)
     assert caught.value.param == param
 
 

@@ -1,13 +1,17 @@
 """Parse and validate a client's JSON body; rewrite the fields the proxy owns.
 
 The proxy is transparent: it checks only the types of the fields it must understand to route
-the request (``stream``, ``cache_prompt``, ``n``/``n_cmpl``, ``id_slot``, ``messages``,
-``prompt``, token limits, ``model``) and leaves every other field, known or not, to llama-
-server. It owns exactly two fields, ``id_slot`` and ``cache_prompt`` (a client's ``false``
-is kept): ``pin_body`` sets them and nothing else, so the forwarded body is the client's
-body plus those two keys — minus ``prefix_cache`` (``{"scope": "auto:8", "window": 8}``),
-the proxy's own per-request disk policy, which is validated here and never forwarded (it may
-only narrow the operator's: ``core.disk.scope.narrowed``).
+the request, and only on a route where llama-server reads them (``stream``, ``cache_prompt``,
+``n``/``n_cmpl``, ``id_slot`` and token limits on a completion; ``messages`` on a chat;
+``prompt`` where it is the prompt), and leaves every other field, known or not, to llama-
+server: a field a route ignores passes whatever it holds, as it does directly. The bytes are
+read as llama-server's JSON parser reads them: a NUL byte ends them (``json_text``).
+
+It owns exactly two fields, ``id_slot`` and ``cache_prompt`` (a client's ``false`` is kept):
+``pin_body`` sets them and nothing else, so the forwarded body is the client's body plus
+those two keys — minus ``prefix_cache`` (``{"scope": "auto:8", "window": 8}``), the proxy's
+own per-request disk policy, which is validated here and never forwarded (it may only narrow
+the operator's: ``core.disk.scope.narrowed``).
 """
 
 from __future__ import annotations
@@ -52,8 +56,24 @@ def type_error(field: str, expected: str) -> InvalidRequest:
     return InvalidRequest(f"'{field}' must be {expected}", param=field, code="invalid_type")
 
 
+def json_text(raw: bytes) -> bytes:
+    """The bytes llama-server's parser reads: up to a NUL byte, which ends its input (what
+    follows is ignored; inside a string the NUL is refused, as the cut string then is)."""
+    end = raw.find(b"\0")
+    return raw if end < 0 else raw[:end]
+
+
 def decode_json_object(raw: bytes) -> dict[str, Any]:
     """Bytes -> JSON object, or ``InvalidRequest`` naming what is wrong."""
+    data = decode_json(raw)
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def decode_json(raw: bytes) -> Any:
+    """Bytes -> any JSON value, or ``InvalidRequest`` naming what is wrong."""
+    raw = json_text(raw)
     if not raw.strip():
         raise InvalidRequest("request body is empty; a JSON object is required", code="empty_body")
     try:
@@ -68,8 +88,6 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(
             f"request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
     if _LONE_ESCAPE.search(raw) and _holds_lone_surrogate(data):
         raise InvalidRequest(
             "request body is not valid JSON: a string holds an unpaired UTF-16 surrogate "
@@ -109,14 +127,15 @@ def _holds_lone_surrogate(data: dict[str, Any]) -> bool:
     return False
 
 
-def _check_types(data: dict[str, Any], *, chat: bool) -> None:
-    for field in _COUNTS:  # (the server refuses a count that is not a number: a 400)
-        value = data.get(field)
-        if value is not None and count(value) is None:
-            raise type_error(field, "an integer")
-    for field in ("stream", "cache_prompt"):  # (a null is absent, as for the server)
-        if data.get(field) is not None and not isinstance(data[field], bool):
-            raise type_error(field, "a boolean")
+def _check_types(data: dict[str, Any], *, chat: bool, prompt: bool, generates: bool) -> None:
+    if generates:
+        for field in _COUNTS:  # (the server refuses a count that is not a number: a 400)
+            value = data.get(field)
+            if value is not None and count(value) is None:
+                raise type_error(field, "an integer")
+        for field in ("stream", "cache_prompt"):  # (a null is absent, as for the server)
+            if data.get(field) is not None and not isinstance(data[field], bool):
+                raise type_error(field, "a boolean")
     if chat:  # (an empty array renders the generation prompt alone, as the server does)
         messages = data.get("messages")
         if not isinstance(messages, list):
@@ -124,8 +143,8 @@ def _check_types(data: dict[str, Any], *, chat: bool) -> None:
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise type_error(f"messages[{index}]", "an object with a string 'role'")
-    prompt = data.get("prompt")
-    if prompt is not None and not isinstance(prompt, str | list | dict):
+    text = data.get("prompt")
+    if prompt and text is not None and not isinstance(text, str | list | dict):
         raise type_error("prompt", "a string, an array or an object with 'prompt_string'")
 
 
@@ -148,25 +167,36 @@ def batch_size(prompt: Any) -> int:
     return max(1, len(prompt))
 
 
-def parse_body(raw: bytes, *, chat: bool, batches: bool = False) -> ParsedBody:
-    """Validate ``raw`` for an endpoint (``chat``: one that takes ``messages``; ``batches``:
-    one whose ``prompt`` may be a batch)."""
+def parse_body(
+    raw: bytes,
+    *,
+    chat: bool = False,
+    prompt: bool = False,
+    batches: bool = False,
+    generates: bool = True,
+) -> ParsedBody:
+    """Validate ``raw`` for an endpoint: ``chat``, one that takes ``messages``; ``prompt``,
+    one that takes a ``prompt``; ``batches``, one whose ``prompt`` may be a batch;
+    ``generates``, one that runs a completion (not an embedding or a rerank: the server
+    reads none of a completion's fields there)."""
     data = decode_json_object(raw)
-    _check_types(data, chat=chat)
-    # the server reads n_cmpl, else its alias n, and takes a null as absent
-    field = next((k for k in ("n_cmpl", "n") if count(data.get(k)) is not None), "n")
-    completions = count(data.get(field))
-    if completions is not None and completions < 1:
-        raise InvalidRequest(f"'{field}' must be at least 1", param=field, code="invalid_value")
+    _check_types(data, chat=chat, prompt=prompt or batches, generates=generates)
+    completions = 1
+    if generates:  # the server reads n_cmpl, else its alias n, and takes a null as absent
+        field = next((k for k in ("n_cmpl", "n") if count(data.get(k)) is not None), "n")
+        given = count(data.get(field))
+        if given is not None and given < 1:
+            raise InvalidRequest(f"'{field}' must be at least 1", param=field, code="invalid_value")
+        completions = given or 1
     stripped = "prefix_cache" in data  # (the proxy's own field: not forwarded)
     return ParsedBody(
         data=data,
-        stream=bool(data.get("stream") or False),
-        completions=completions or 1,
-        client_id_slot=count(data.get("id_slot")),
+        stream=generates and bool(data.get("stream") or False),
+        completions=completions,
+        client_id_slot=count(data.get("id_slot")) if generates else None,
         prefix_cache=_prefix_cache(data.pop("prefix_cache", None)),
         tasks=batch_size(data.get("prompt")) if batches else 1,
-        source=None if stripped else raw,
+        source=None if stripped else json_text(raw),
     )
 
 

@@ -39,7 +39,16 @@ from proxy.routing.router import Router
 from proxy.routing.tokenizer import TokenCounter
 from proxy.state import InMemoryStateStore, StateStore
 from proxy.state.redis import RedisStateStore
-from proxy.upstream import HEALTH, PUBLIC, REFUSED, ROUTES, SERVER_SOFTWARE, LlamaServerClient
+from proxy.upstream import (
+    HEADERS_MAX,
+    HEALTH,
+    PUBLIC,
+    REFUSED,
+    ROUTES,
+    SERVER_SOFTWARE,
+    TARGET_MAX_BYTES,
+    LlamaServerClient,
+)
 
 HANDLERS = web.AppKey("handlers", ProxyHandlers)
 PROBER = web.AppKey("prober", Prober)
@@ -161,6 +170,8 @@ def create_app(
             "logger": ProtocolLog(logging.getLogger("aiohttp.server")),
             "auto_decompress": False,  # an encoded body is refused (415), never inflated
             "lingering_time": LINGER_SECONDS,
+            "max_line_size": TARGET_MAX_BYTES,
+            "max_headers": HEADERS_MAX,
         },
     )
     app[HANDLERS], app[METRICS], app[SCHEDULER], app[PROBER] = handlers, metrics, scheduler, prober

@@ -143,6 +143,12 @@ PUBLIC = frozenset((*HEALTH, "/"))
 # llama-server's ``Server`` header, which every answer of the proxy carries too (a client
 # sees one server, and not the stack the proxy runs on)
 SERVER_SOFTWARE = "llama.cpp"
+# llama-server's HTTP parser limits (cpp-httplib), which the proxy's parser keeps too: a request
+# line of up to 32,766 bytes (a long query string; aiohttp bounds the target, here as for a
+# GET's line), at most 100 header lines (aiohttp's own defaults: 8,190 and 128). A header
+# line's 8,190 bytes are aiohttp's default already.
+TARGET_MAX_BYTES = 32766 - len("GET  HTTP/1.1")
+HEADERS_MAX = 100
 _SLOTS_OWNED = (
     "the proxy manages slots itself (pins, saves and restores); a client's slot action "
     "would change a slot's contents under it"

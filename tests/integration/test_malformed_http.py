@@ -32,3 +32,16 @@ async def test_malformed_http_is_a_400_logged_without_a_traceback(
     assert fake.received == []
     again = await client.post("/v1/chat/completions", json=body)  # the proxy serves on
     assert again.status == 200
+
+
+async def test_the_parser_takes_what_llama_servers_takes(fakes: Any, proxy: Any) -> None:
+    """A request line of up to 32,766 bytes (a long query string) and up to 100 header lines
+    are answered, as llama-server answers them; one header more is a 400, as there."""
+    client = await proxy([await fakes()])
+    target = "/health?x=" + "a" * (32766 - len("GET /health?x= HTTP/1.1"))
+    assert (await client.get(target)).status == 200
+    assert (await client.get(target + "a")).status == 400  # (llama-server: no answer)
+    # (the test client adds Host, Accept, Accept-Encoding and User-Agent)
+    many = {f"X-{i}": "a" for i in range(96)}
+    assert (await client.get("/health", headers=many)).status == 200
+    assert (await client.get("/health", headers={**many, "X-96": "a"})).status == 400

@@ -141,6 +141,49 @@ async def test_bodies_the_server_takes_and_its_server_header_come_through(
                 assert got[1] == expected[1], (path, raw)
 
 
+async def _status_line(host: str, port: int, head: bytes) -> bytes:
+    """The status line a server answers a raw request head with (empty: it closed first)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        return (await reader.readline()).strip()
+    except ConnectionError:
+        return b""
+    finally:
+        writer.close()
+
+
+async def test_the_http_parser_takes_what_the_servers_takes(llama_servers: Any, proxy: Any) -> None:
+    """At llama-server's limits: a request line of 32,766 bytes, a header line of 8,190,
+    100 header lines; one line more, or a header value over 8,190 bytes, is a 400. A longer
+    request line: the server closes without an answer, the proxy answers 400. (aiohttp
+    bounds a header's value, not its line: a line of 8,191 to 8,190 + name bytes passes.)"""
+    server = llama_servers(slots=1)
+    client = await proxy([server.url])
+    await _until_ready(client)
+    line = b"GET /health?x=" + b"a" * (32766 - len(b"GET /health?x= HTTP/1.1")) + b" HTTP/1.1"
+    heads = {
+        "longest line": line + b"\r\nHost: x\r\n\r\n",
+        "longest header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 8185 + b"\r\n\r\n",
+        "a header too long": b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: "
+        + b"a" * 8191
+        + b"\r\n\r\n",
+    }
+    for count in (100, 101):
+        lines = b"".join(b"X-%d: a\r\n" % i for i in range(count - 1))
+        heads[f"{count} headers"] = b"GET /health HTTP/1.1\r\nHost: x\r\n" + lines + b"\r\n"
+    host, port = server.url.removeprefix("http://").split(":")
+    direct, proxied = (host, int(port)), (str(client.server.host), int(client.server.port or 0))
+    got = {name: (await _status_line(*proxied, head))[9:12] for name, head in heads.items()}
+    expected = {name: (await _status_line(*direct, head))[9:12] for name, head in heads.items()}
+    assert got == expected
+    assert list(expected.values()) == [b"200", b"200", b"400", b"200", b"400"]
+    longer = line.replace(b"?x=", b"?x=a") + b"\r\nHost: x\r\n\r\n"
+    assert await _status_line(*direct, longer) == b""
+    assert (await _status_line(*proxied, longer))[9:12] == b"400"
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body"),
     [

@@ -139,9 +139,8 @@ async def _compare(server: LlamaServer, proxy: Any) -> list[str]:
     for name, body, _ in STEPS:
         if body:
             cold[name] = await _direct(server.url, {**body, "cache_prompt": False})
-    # the replay starts on a fresh server, and so does the run it checks: KV computed for the
-    # references would otherwise stay in the slot for tokens later prompts share with them,
-    # computed in another batch than the replay computes them (float sums differ by batch)
+    # the replay starts on a fresh server, and so does the run it checks (else the run's slot
+    # would start with the references' KV, the replay's empty)
     server.stop()
     server.start()
     recorder = Recorder(server)
@@ -160,6 +159,7 @@ async def _compare(server: LlamaServer, proxy: Any) -> list[str]:
             recorder.log.append(None)
             await settle(client, server)
             continue
+        start = len(recorder.log)
         resp = await client.post("/v1/chat/completions", json=body)
         assert resp.status == 200, await resp.text()
         taken = resp.headers["X-Cache-Route"]
@@ -168,7 +168,8 @@ async def _compare(server: LlamaServer, proxy: Any) -> list[str]:
         if route not in taken:
             problems.append(f"{name}: route {taken}, not {route}")
         if text.encode() != cold[name].encode():
-            reused = answer["timings"]["cache_n"]
+            sent = [entry[0] for entry in recorder.log[start:] if entry is not None]
+            reused = f"reused {answer['timings']['cache_n']} after {sent}"
             controls.append((name, taken, text, reused, len(recorder.log) - 1))
     await recorder.runner.cleanup()  # type: ignore[union-attr]
     answers = await recorder.replay() if controls else []
@@ -177,7 +178,7 @@ async def _compare(server: LlamaServer, proxy: Any) -> list[str]:
         again = replayed["choices"][0]["message"]["content"]
         if text.encode() != again.encode():
             problems.append(
-                f"{name} ({taken}, reused {reused}): {text!r}; cold {cold[name]!r}; "
+                f"{name} ({taken}, {reused}): {text!r}; cold {cold[name]!r}; "
                 f"replayed {again!r} (reused {replayed['timings']['cache_n']})"
             )
     return problems
